@@ -1,0 +1,33 @@
+# meshtrain: `make train` and `make test` do all set-up themselves (a .venv beside this file).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= dev
+# The CPU build here; on a GPU machine, TORCH_SPEC= keeps the torch that is already installed.
+TORCH_SPEC ?= torch==2.13.0
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: train test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+# The main job: every local device (2 ranks on a CPU-only box) checks the distributed set-up.
+train: $(STAMP)
+	$(VENV)/bin/meshtrain launch -- python -m meshtrain test-dist
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -1,0 +1,93 @@
+"""The `meshtrain` command: one entry point, a subcommand per job.
+
+Each subcommand lives in its own module, which offers `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from meshtrain import __version__
+
+# name -> (module, one-line help, description shown by `meshtrain NAME --help`, takes the dist options)
+SUBCOMMANDS = {
+    "launch": (
+        "meshtrain.dist.launch",
+        "start a command on every rank with the launcher this machine uses (torchrun, mpiexec, srun)",
+        "Build the launcher command for this machine and run it: mpiexec with the job's hostfile under PBS, "
+        "srun under SLURM, torchrun --standalone elsewhere. Put the command to run after `--`; a leading "
+        "`python` runs the interpreter meshtrain is installed in.",
+        False,
+    ),
+    "test-dist": (
+        "meshtrain.dist.check",
+        "check the distributed set-up: DistInfo, a short DDP run, bit-identical parameters on every rank",
+        "Print the set-up table, train a small MLP with DDP for a few iterations on different data per rank, "
+        "then verify that every rank holds bit-identical parameters. Exits non-zero, naming the differing "
+        "ranks, if not. Run it under a launcher: `meshtrain launch -- python -m meshtrain test-dist`.",
+        True,
+    ),
+    "collectives": (
+        "meshtrain.dist.collectives",
+        "show each collective at work (--demo) or measure their bandwidth (--bench)",
+        "--demo runs every collective on small tensors, prints each rank's before/after and checks it "
+        "against the analytic answer. --bench sweeps message sizes and prints time, algorithm bandwidth "
+        "and bus bandwidth (nccl-tests' definitions) per collective.",
+        True,
+    ),
+}
+
+
+def _add_dist_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("distributed set-up")
+    group.add_argument("--device", default=None,
+                       help="auto (cuda > xpu > mps > cpu), cpu, cuda, cuda:N ... (default: $MESHTRAIN_DEVICE or auto)")
+    group.add_argument("--backend", default=None,
+                       help="auto (nccl/xccl/gloo to match the device), gloo, nccl ... (default: $MESHTRAIN_BACKEND or auto)")
+    group.add_argument("--timeout", type=float, default=None,
+                       help="seconds a collective may wait for its peers before failing (default: $MESHTRAIN_TIMEOUT or 600)")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported (and its options added), so --help stays quick."""
+    parser = argparse.ArgumentParser(
+        prog="meshtrain",
+        description="Parallel training of AI models on PyTorch's distributed engine, from a laptop to a supercomputer.",
+    )
+    parser.add_argument("--version", action="version", version=f"meshtrain {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, summary, description, takes_dist) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=summary, description=description)
+        if name != command:
+            continue
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub)
+        if takes_dist:
+            _add_dist_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meshtrain.dist.device import DeviceError
+    from meshtrain.dist.env import LaunchEnvError
+    from meshtrain.dist.log import configure_logging, get_logger
+    from meshtrain.dist.setup import CollectiveError
+
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    configure_logging()  # until setup() knows this process's rank
+    try:
+        return int(args.run(args) or 0)
+    except (CollectiveError, LaunchEnvError, DeviceError) as e:
+        get_logger().error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

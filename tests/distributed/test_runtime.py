@@ -1,0 +1,122 @@
+"""The runtime for real: test-dist under torchrun and mpirun, `meshtrain launch`, dead and stuck ranks."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tests.conftest import REPO, clean_env, mpirun, output, requires_mpirun, torchrun
+
+DRIVER = str(Path(__file__).with_name("fault_driver.py"))
+ITER_LINE = re.compile(r"iter=(\d+) loss=([\d.]+) dt=([\d.]+) dtf=([\d.]+) dtb=([\d.]+)")
+
+
+def assert_test_dist_passed(out: subprocess.CompletedProcess, world: int, iters: int, launcher: str):
+    text = output(out)
+    assert out.returncode == 0, text[-3000:]
+    assert re.search(rf"│ world_size\s+│ {world}\s", text), "DistInfo table missing"
+    assert re.search(rf"│ launcher\s+│ {launcher}\s", text)
+    iters_seen = [int(m.group(1)) for m in ITER_LINE.finditer(text)]
+    assert iters_seen == list(range(1, iters + 1)), "rank 0 alone prints one line per iteration"
+    assert f"test-dist passed: {world} rank(s) on 1 node(s) hold bit-identical parameters after {iters}" in text
+    losses = [float(m.group(2)) for m in ITER_LINE.finditer(text)]
+    assert losses[-1] < losses[0], "the model should learn the teacher"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_test_dist_under_torchrun(world):
+    out = torchrun(world, "test-dist", "--iters", "6")
+    assert_test_dist_passed(out, world, 6, "torchrun")
+
+
+def test_test_dist_single_process_without_launcher():
+    out = subprocess.run([sys.executable, "-m", "meshtrain", "test-dist", "--iters", "3"], capture_output=True,
+                         text=True, env=clean_env(), cwd=REPO, timeout=60)
+    assert_test_dist_passed(out, 1, 3, "none")
+
+
+def test_launch_runs_torchrun_locally():
+    out = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "-n", "2", "--", "python", "-m", "meshtrain",
+                          "test-dist", "--iters", "3"], capture_output=True, text=True, env=clean_env(), cwd=REPO,
+                         timeout=120)
+    assert out.stdout.splitlines()[0].split()[1:3] == ["--standalone", "--nproc-per-node=2"]
+    assert_test_dist_passed(out, 2, 3, "torchrun")
+
+
+def run_faulty(mode: str, launcher=torchrun, timeout_s: int = 10):
+    start = time.monotonic()
+    if launcher is torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", DRIVER]
+    else:
+        cmd = ["mpirun", "-n", "2", "--oversubscribe", "--allow-run-as-root", sys.executable, DRIVER]
+    out = subprocess.run([*cmd, mode, "1", "--iters", "5", "--timeout", str(timeout_s)], capture_output=True,
+                         text=True, env=clean_env(), cwd=REPO, timeout=120)
+    return out, time.monotonic() - start
+
+
+def test_dead_rank_fails_the_job_at_once_with_a_clear_error():
+    out, elapsed = run_faulty("exit")
+    text = output(out)
+    assert out.returncode != 0
+    assert re.search(r"\[ERROR\]\[rank 0/2\] .+ on rank 0/2 lost its connection to a peer rank, which most likely died",
+                     text), text[-3000:]
+    assert elapsed < 10 + 30, "a dead peer is seen without waiting for the timeout"
+
+
+def test_stuck_rank_fails_the_job_within_the_timeout():
+    out, elapsed = run_faulty("sleep", timeout_s=10)
+    text = output(out)
+    assert out.returncode != 0
+    assert re.search(r"\[ERROR\]\[rank 0/2\] all_reduce of the loss for logging on rank 0/2 timed out after the "
+                     r"10 s process-group timeout: a peer rank is stuck", text), text[-3000:]
+    assert 10 <= elapsed < 10 + 35
+
+
+def test_diverged_parameters_are_detected_and_the_rank_named():
+    out, _ = run_faulty("diverge")
+    assert out.returncode != 0
+    assert "test-dist FAILED: rank(s) 1 hold parameters that differ from rank 0's" in output(out)
+
+
+def test_rendezvous_that_nobody_joins_fails_within_the_timeout():
+    env = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT="29731")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "meshtrain", "test-dist", "--timeout", "5"], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 1
+    assert "rank 0 could not join the other 1 rank(s) at 127.0.0.1:29731 within 5 s" in output(out)
+    assert time.monotonic() - start < 5 + 30
+
+
+@requires_mpirun
+@pytest.mark.mpi
+def test_test_dist_under_mpirun():
+    out = mpirun(2, "test-dist", "--iters", "4")
+    assert_test_dist_passed(out, 2, 4, "openmpi")
+
+
+@requires_mpirun
+@pytest.mark.mpi
+def test_stuck_rank_under_mpirun_fails_the_job():
+    out, elapsed = run_faulty("sleep", launcher=mpirun, timeout_s=10)
+    assert out.returncode != 0
+    assert "timed out after the 10 s process-group timeout" in output(out)
+    assert elapsed < 10 + 35
+
+
+@requires_mpirun
+@pytest.mark.mpi
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None,
+                    reason="mpi4py not installed: pip install 'meshtrain[mpi]' (CI does)")
+def test_mpi_broadcast_rendezvous_when_nothing_is_shared():
+    # Hide every shared job id so the ranks must agree over MPI: rank 0's host and port, broadcast.
+    code = ("import meshtrain.dist.env as e, sys; e._job_key = lambda env, launch: None; "
+            "from meshtrain.cli import main; sys.exit(main(['test-dist', '--iters', '2']))")
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--allow-run-as-root", sys.executable, "-c", code]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
+    assert_test_dist_passed(out, 2, 2, "openmpi")
+    assert "broadcast from rank 0 over MPI" in out.stdout

@@ -1,0 +1,115 @@
+"""`meshtrain launch` command building under synthetic PBS / SLURM / local environments."""
+
+import subprocess
+import sys
+
+import pytest
+from tests.conftest import clean_env
+
+from meshtrain.dist.env import LaunchEnvError
+from meshtrain.dist.launch import Machine, build_command
+
+GPU_NODE = Machine(accelerators=4, cpus=64)
+CPU_BOX = Machine(accelerators=0, cpus=2)
+USER = ["python", "-m", "meshtrain", "test-dist"]
+PY = sys.executable
+
+
+@pytest.fixture
+def pbs(tmp_path):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x1\nx2\n")
+    return {"PBS_JOBID": "1.polaris", "PBS_NODEFILE": str(nodefile)}
+
+
+def test_pbs_pals_mpiexec_uses_hostfile_ppn_and_depth_binding(pbs):
+    argv = build_command(USER, environ=pbs, machine=GPU_NODE, flavor="pals")
+    assert argv == ["mpiexec", "-n", "8", "--ppn", "4", "--hostfile", pbs["PBS_NODEFILE"], "--depth", "16",
+                    "--cpu-bind", "depth", "--envall", PY, "-m", "meshtrain", "test-dist"]
+
+
+def test_pbs_explicit_n_and_ppn(pbs):
+    argv = build_command(USER, nproc=4, ppn=2, environ=pbs, machine=GPU_NODE, flavor="pals")
+    assert argv[:5] == ["mpiexec", "-n", "4", "--ppn", "2"] and argv[argv.index("--depth") + 1] == "32"
+
+
+def test_pbs_openmpi_and_mpich_flavours(pbs):
+    ompi = build_command(USER, environ=pbs, machine=GPU_NODE, flavor="openmpi")
+    assert ompi[:7] == ["mpiexec", "-n", "8", "--map-by", "ppr:4:node:PE=16", "--bind-to", "core"]
+    assert ompi[ompi.index("--hostfile") + 1] == pbs["PBS_NODEFILE"]
+    mpich = build_command(USER, environ=pbs, machine=GPU_NODE, flavor="mpich")
+    assert mpich[:7] == ["mpiexec", "-n", "8", "-ppn", "4", "-f", pbs["PBS_NODEFILE"]]
+
+
+def test_more_ranks_than_the_job_holds_is_an_error(pbs):
+    with pytest.raises(LaunchEnvError, match="-n 16 needs 4 nodes at --ppn 4, but the job has 2"):
+        build_command(USER, nproc=16, environ=pbs, machine=GPU_NODE, flavor="pals")
+
+
+def test_slurm_srun_nodes_tasks_gpus():
+    env = {"SLURM_JOB_ID": "55", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NNODES": "3"}
+    argv = build_command(USER, environ=env, machine=GPU_NODE)
+    assert argv == ["srun", "--nodes=3", "--ntasks=12", "--ntasks-per-node=4", "--cpus-per-task=16",
+                    "--cpu-bind=cores", "--kill-on-bad-exit=1", "--gpus-per-node=4", PY, "-m", "meshtrain",
+                    "test-dist"]
+
+
+def test_slurm_cpu_nodes_take_the_schedulers_tasks_per_node():
+    env = {"SLURM_JOB_ID": "55", "SLURM_JOB_NODELIST": "cn[1-2]", "SLURM_NTASKS_PER_NODE": "8"}
+    argv = build_command(USER, environ=env, machine=Machine(accelerators=0, cpus=64))
+    assert argv[1:6] == ["--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--cpus-per-task=8", "--cpu-bind=cores"]
+    assert not any(a.startswith("--gpus") for a in argv)
+
+
+def test_slurm_fewer_ranks_than_nodes_uses_fewer_nodes():
+    env = {"SLURM_JOB_ID": "55", "SLURM_JOB_NODELIST": "gpu[01-04]"}
+    assert build_command(USER, nproc=4, environ=env, machine=GPU_NODE)[1:3] == ["--nodes=1", "--ntasks=4"]
+
+
+@pytest.mark.parametrize("machine,nproc,expected_n", [(CPU_BOX, None, 2), (GPU_NODE, None, 4), (CPU_BOX, 3, 3)])
+def test_local_torchrun(machine, nproc, expected_n):
+    argv = build_command(USER, nproc=nproc, environ={}, machine=machine)
+    assert argv[0].endswith("torchrun")
+    assert argv[1:] == ["--standalone", f"--nproc-per-node={expected_n}", "-m", "meshtrain", "test-dist"]
+
+
+def test_local_torchrun_script_and_non_python_commands():
+    assert build_command(["python", "train.py", "--x"], environ={}, machine=CPU_BOX)[3:] == ["train.py", "--x"]
+    assert build_command(["./run.sh"], environ={}, machine=CPU_BOX)[3:] == ["--no-python", "./run.sh"]
+
+
+def test_empty_command_and_unknown_launcher_are_errors():
+    with pytest.raises(LaunchEnvError, match="nothing to launch"):
+        build_command([], environ={}, machine=CPU_BOX)
+    with pytest.raises(LaunchEnvError, match="unknown launcher 'aprun'"):
+        build_command(USER, launcher="aprun", environ={"SLURM_JOB_ID": "1"}, machine=CPU_BOX)
+
+
+def _cli(*args, env):
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env)
+
+
+def test_dry_run_cli_under_slurm_prints_the_srun_line():
+    env = clean_env(SLURM_JOB_ID="9", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2")
+    out = _cli("launch", "--dry-run", "--", "python", "-m", "meshtrain", "test-dist", env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:4] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
+    assert out.stdout.split()[-3:] == ["-m", "meshtrain", "test-dist"]
+
+
+def test_dry_run_cli_under_pbs_prints_the_mpiexec_line(tmp_path):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("h1\nh2\nh3\n")
+    env = clean_env(PBS_JOBID="3.pbs", PBS_NODEFILE=str(nodefile))
+    out = _cli("launch", "--dry-run", "--mpi", "pals", "--ppn", "4", "--", "python", "-m", "meshtrain", "x", env=env)
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    assert words[:7] == ["mpiexec", "-n", "12", "--ppn", "4", "--hostfile", str(nodefile)]
+
+
+def test_cli_error_is_one_clear_line(tmp_path):
+    env = clean_env(PBS_JOBID="3.pbs", PBS_NODEFILE=str(tmp_path / "missing"))
+    out = _cli("launch", "--dry-run", "--", "python", "x.py", env=env)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "cannot read the hostfile" in out.stdout
