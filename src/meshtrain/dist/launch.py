@@ -1,0 +1,156 @@
+"""`meshtrain launch`: the launcher command this machine wants, built from the scheduler's environment.
+
+    PBS    mpiexec -n N --ppn P --hostfile $PBS_NODEFILE --depth D --cpu-bind depth --envall CMD   (PALS)
+    SLURM  srun --nodes M --ntasks N --ntasks-per-node P --cpus-per-task D --cpu-bind=cores ... CMD
+    local  torchrun --standalone --nproc-per-node N CMD
+
+The launcher does the launching; meshtrain only writes its command line. The ranks then find
+themselves from the launcher's variables (env.py), so no wrapper process sits between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from meshtrain.dist.env import LaunchEnvError, scheduler_info
+
+PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
+MPI_FLAVORS = ("pals", "openmpi", "mpich")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What `launch` needs to know about the node it runs on (probed, or given in tests)."""
+
+    accelerators: int  # per node
+    cpus: int  # per node
+
+    @classmethod
+    def probe(cls) -> Machine:
+        from meshtrain.dist.device import cpus_available, device_count
+
+        return cls(accelerators=max(device_count("cuda"), device_count("xpu")), cpus=cpus_available())
+
+
+def mpi_flavor(mpiexec: str = "mpiexec") -> str:
+    """Which mpiexec is installed: Open MPI, MPICH/Intel MPI (Hydra) or Cray PALS (the default on PBS)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=10)
+        text = (out.stdout + out.stderr).lower()
+    except (OSError, subprocess.TimeoutExpired):
+        return "pals"
+    if "open mpi" in text or "openrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel" in text:
+        return "mpich"
+    return "pals"
+
+
+def _as_interpreter(command: list[str]) -> list[str]:
+    """A leading `python` means the interpreter meshtrain runs in, whatever PATH says on the nodes."""
+    if command and command[0] in PYTHON_NAMES:
+        return [sys.executable, *command[1:]]
+    return command
+
+
+def _torchrun(nproc: int, command: list[str]) -> list[str]:
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    head = [beside if os.path.exists(beside) else "torchrun", "--standalone", f"--nproc-per-node={nproc}"]
+    if len(command) >= 3 and command[0] in PYTHON_NAMES and command[1] == "-m":
+        return [*head, "-m", *command[2:]]
+    if len(command) >= 2 and command[0] in PYTHON_NAMES and not command[1].startswith("-"):
+        return [*head, *command[1:]]
+    return [*head, "--no-python", *command]
+
+
+def build_command(
+    command: list[str],
+    nproc: int | None = None,
+    ppn: int | None = None,
+    launcher: str = "auto",
+    flavor: str = "auto",
+    environ: Mapping[str, str] | None = None,
+    machine: Machine | None = None,
+) -> list[str]:
+    """The full launcher argv for `command` on this machine (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    machine = machine or Machine.probe()
+    if not command:
+        raise LaunchEnvError("nothing to launch: put the command after `--`, e.g. meshtrain launch -- python -m meshtrain test-dist")
+    scheduler, _, hosts = scheduler_info(env)
+    if launcher == "auto":
+        launcher = {"pbs": "mpiexec", "slurm": "srun"}.get(scheduler, "torchrun")
+    if launcher == "torchrun":
+        return _torchrun(nproc or machine.accelerators or 2, command)
+
+    nodes = len(hosts) or int(env.get("SLURM_NNODES", "0") or 0) or 1
+    scheduler_ppn = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    ppn = ppn or machine.accelerators or (int(scheduler_ppn) if scheduler_ppn.isdigit() else 1)
+    nproc = nproc or nodes * ppn
+    if nproc > nodes * ppn:
+        raise LaunchEnvError(
+            f"-n {nproc} needs {-(-nproc // ppn)} nodes at --ppn {ppn}, but the job has {nodes}: "
+            "lower -n, raise --ppn, or ask the scheduler for more nodes"
+        )
+    nodes = -(-nproc // ppn)
+    depth = max(1, machine.cpus // ppn)
+    command = _as_interpreter(command)
+
+    if launcher == "srun":
+        argv = ["srun", f"--nodes={nodes}", f"--ntasks={nproc}", f"--ntasks-per-node={ppn}",
+                f"--cpus-per-task={depth}", "--cpu-bind=cores", "--kill-on-bad-exit=1"]
+        if machine.accelerators:
+            argv.append(f"--gpus-per-node={min(ppn, machine.accelerators)}")
+        return [*argv, *command]
+
+    if launcher != "mpiexec":
+        raise LaunchEnvError(f"unknown launcher {launcher!r}: choose auto, torchrun, mpiexec or srun")
+    flavor = mpi_flavor() if flavor == "auto" else flavor
+    hostfile = env.get("PBS_NODEFILE")
+    if flavor == "pals":
+        argv = ["mpiexec", "-n", str(nproc), "--ppn", str(ppn)]
+        argv += ["--hostfile", hostfile] if hostfile else []
+        argv += ["--depth", str(depth), "--cpu-bind", "depth", "--envall"]
+    elif flavor == "openmpi":
+        argv = ["mpiexec", "-n", str(nproc), "--map-by", f"ppr:{ppn}:node:PE={depth}", "--bind-to", "core"]
+        argv += ["--hostfile", hostfile] if hostfile else []
+        argv += ["-x", "PATH", "-x", "LD_LIBRARY_PATH", "-x", "PYTHONPATH"]
+    elif flavor == "mpich":
+        argv = ["mpiexec", "-n", str(nproc), "-ppn", str(ppn)]
+        argv += ["-f", hostfile] if hostfile else []
+        argv += ["-bind-to", f"core:{depth}"]
+    else:
+        raise LaunchEnvError(f"unknown MPI flavour {flavor!r}: choose auto, {', '.join(MPI_FLAVORS)}")
+    return [*argv, *command]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--nproc", type=int, default=None,
+                        help="total ranks (default: nodes x ppn; locally the accelerators here, or 2 on a CPU-only box)")
+    parser.add_argument("--ppn", type=int, default=None,
+                        help="ranks per node (default: accelerators per node, else the scheduler's tasks per node, else 1)")
+    parser.add_argument("--launcher", choices=("auto", "torchrun", "mpiexec", "srun"), default="auto",
+                        help="auto: mpiexec under PBS, srun under SLURM, torchrun --standalone elsewhere")
+    parser.add_argument("--mpi", dest="flavor", choices=("auto", *MPI_FLAVORS), default="auto",
+                        help="which mpiexec's flags to write (auto: ask `mpiexec --version`; PALS if it cannot tell)")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command each rank runs")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    argv = build_command(command, nproc=args.nproc, ppn=args.ppn, launcher=args.launcher, flavor=args.flavor)
+    print(shlex.join(argv), flush=True)
+    if args.dry_run:
+        return 0
+    if shutil.which(argv[0]) is None:
+        raise LaunchEnvError(f"{argv[0]} is not on PATH here: load the module that provides it, or pick --launcher")
+    os.execvp(argv[0], argv)  # the launcher takes over this process: its exit code and signals are the job's
+    return 1  # unreachable

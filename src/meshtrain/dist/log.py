@@ -1,0 +1,54 @@
+"""Timestamped, rank-tagged log lines: `[2024-07-17 07:42:15.351][INFO][rank 0/4] message`.
+
+Rank 0 logs INFO; the others log WARNING and above, so a 1,000-rank job prints one story and
+every rank's trouble. MESHTRAIN_LOG_ALL_RANKS=1 lets every rank speak at INFO.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+ROOT = "meshtrain"
+
+
+class _RankFormatter(logging.Formatter):
+    def __init__(self, rank: int, world_size: int):
+        super().__init__()
+        self.tag = f"rank {rank}/{world_size}"
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+        head = f"[{stamp}.{int(record.msecs):03d}][{record.levelname}][{self.tag}]"
+        text = f"{head} {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def configure_logging(rank: int = 0, world_size: int = 1, all_ranks: bool | None = None) -> logging.Logger:
+    """(Re)configure the `meshtrain` logger for this rank; safe to call again after init."""
+    if all_ranks is None:
+        all_ranks = os.environ.get("MESHTRAIN_LOG_ALL_RANKS", "0").lower() in ("1", "true", "yes")
+    logger = logging.getLogger(ROOT)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_RankFormatter(rank, world_size))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
+    logger.propagate = False
+    return logger
+
+
+def get_logger(name: str = "") -> logging.Logger:
+    return logging.getLogger(f"{ROOT}.{name}" if name else ROOT)
+
+
+def print_rich(renderable) -> None:
+    """Print a rich table or text to stdout (tables are rank 0's to print; callers check)."""
+    from rich.console import Console
+
+    Console(width=120).print(renderable)

@@ -1,0 +1,220 @@
+"""Start and stop the process group: DistInfo, init with a timeout, clear failures, clean teardown.
+
+    with distributed() as info:          # or: info = setup(); ...; cleanup()
+        with collective("all_reduce of the loss"):
+            dist.all_reduce(loss)
+
+A collective waiting on a rank that died or stopped calling collectives fails after `timeout`
+(gloo and NCCL both honour it) and `collective()` turns the backend's terse message into one that
+names the operation and says what probably happened; the CLI then exits non-zero.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import shlex
+import socket
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.dist import env as launch_env
+from meshtrain.dist.device import pick_backend, pick_device, threads_per_rank
+from meshtrain.dist.log import configure_logging, get_logger, print_rich
+
+DEFAULT_TIMEOUT_S = 600.0
+log = get_logger("dist")
+
+
+class CollectiveError(RuntimeError):
+    """A collective (or the rendezvous) could not complete: a peer died, hung, or never arrived."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    num_nodes: int
+    launcher: str
+    scheduler: str
+    job_id: str | None
+    hostname: str
+    hosts: tuple[str, ...]
+    master_addr: str
+    master_port: int
+    rendezvous: str
+    device: str
+    backend: str
+    timeout_s: float
+    torch_version: str
+    threads_per_rank: int
+    command: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def table(self):
+        from rich.table import Table
+
+        table = Table(title="meshtrain distributed set-up", show_header=False, title_justify="left")
+        table.add_column(style="bold cyan")
+        table.add_column()
+        for key, value in asdict(self).items():
+            if key == "hosts":
+                value = ", ".join(value) if len(value) <= 8 else f"{', '.join(value[:8])}, … ({len(value)} hosts)"
+            table.add_row(key, str(value))
+        return table
+
+
+def default_timeout() -> float:
+    raw = os.environ.get("MESHTRAIN_TIMEOUT", "")
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"MESHTRAIN_TIMEOUT={raw!r} is not a number of seconds") from None
+
+
+def _mpi_rendezvous(launch: launch_env.LaunchEnv) -> tuple[str, int, str] | None:
+    """Rank 0's host and a free port, broadcast over MPI; None without mpi4py or an MPI launcher."""
+    if launch.launcher not in ("openmpi", "mpich", "pmix", "pals"):
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    mine = (socket.gethostname(), launch_env.free_port()) if comm.Get_rank() == 0 else None
+    addr, port = comm.bcast(mine, root=0)
+    return addr, port, "broadcast from rank 0 over MPI (mpi4py)"
+
+
+def setup(device: str | None = None, backend: str | None = None, timeout: float | None = None) -> DistInfo:
+    """Find this rank, pick its device, join the process group, and log the set-up table on rank 0."""
+    launch = launch_env.detect()
+    configure_logging(launch.rank, launch.world_size)
+    timeout = default_timeout() if timeout is None else float(timeout)
+
+    rdzv = launch_env.rendezvous(launch) or _mpi_rendezvous(launch)
+    if rdzv is None:
+        raise launch_env.LaunchEnvError(
+            f"rank {launch.rank} of {launch.world_size} ({launch.launcher}) cannot tell where to meet the other "
+            "ranks: export MASTER_ADDR (a host every rank can reach) and MASTER_PORT, or install mpi4py "
+            "(pip install 'meshtrain[mpi]') so rank 0 can broadcast them"
+        )
+    master_addr, master_port, rdzv_source = rdzv
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+
+    torch_device = pick_device(launch.local_rank, device)
+    if torch_device.type in ("cuda", "xpu"):
+        getattr(torch, torch_device.type).set_device(torch_device)  # before init: one device per rank
+    backend = pick_backend(torch_device, backend)
+    threads = threads_per_rank(launch.local_world_size)
+    torch.set_num_threads(threads)
+
+    kwargs = {"device_id": torch_device} if torch_device.type == "cuda" else {}
+    try:
+        dist.init_process_group(
+            backend=backend, rank=launch.rank, world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout), **kwargs,
+        )
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"rank {launch.rank} could not join the other {launch.world_size - 1} rank(s) at "
+            f"{master_addr}:{master_port} within {timeout:g} s ({rdzv_source}): {_first_line(e)}. "
+            "Check that every rank was started, that MASTER_ADDR is reachable from every node and the port is "
+            "free; under SLURM start ranks with srun (or `meshtrain launch`), not directly from the batch script."
+        ) from e
+
+    hostname = socket.gethostname()
+    with collective("all_gather_object of host names at start-up", timeout):
+        names: list[str | None] = [None] * launch.world_size
+        dist.all_gather_object(names, hostname)
+    hosts = tuple(dict.fromkeys(names))
+    info = DistInfo(
+        rank=launch.rank, local_rank=launch.local_rank, world_size=launch.world_size,
+        local_world_size=launch.local_world_size, num_nodes=len(hosts), launcher=launch.launcher,
+        scheduler=launch.scheduler, job_id=launch.job_id, hostname=hostname, hosts=hosts,
+        master_addr=master_addr, master_port=master_port, rendezvous=rdzv_source, device=str(torch_device),
+        backend=backend, timeout_s=timeout, torch_version=torch.__version__, threads_per_rank=threads,
+        command=_command_line(),
+    )
+    if info.is_main:
+        print_rich(info.table())
+    return info
+
+
+def _command_line() -> str:
+    program = sys.argv[0]
+    program = "python -m meshtrain" if program.endswith(os.path.join("meshtrain", "__main__.py")) else program
+    return " ".join([program, shlex.join(sys.argv[1:])]).strip()
+
+
+def cleanup(clean: bool = True) -> None:
+    """Leave the process group. After an error, skip the barrier: a peer may be the reason for it."""
+    if not dist.is_initialized():
+        return
+    # DDP/FSDP wrappers sit in reference cycles and hold the group; left to the interpreter's final
+    # collection, the group dies during shutdown and its threads abort the process (seen under mpirun).
+    gc.collect()
+    if clean:
+        with collective("barrier before destroy_process_group"):
+            dist.barrier()
+    dist.destroy_process_group()
+
+
+@contextmanager
+def distributed(device: str | None = None, backend: str | None = None, timeout: float | None = None):
+    """setup() ... cleanup(); on an exception the group is torn down without waiting for the others."""
+    info = setup(device=device, backend=backend, timeout=timeout)
+    try:
+        yield info
+    except BaseException:
+        cleanup(clean=False)
+        raise
+    cleanup(clean=True)
+
+
+_DIED = ("connection reset", "connection closed", "broken pipe", "connection refused", "end of file", "eof")
+
+
+@contextmanager
+def collective(operation: str, timeout: float | None = None):
+    """Name `operation` in the error if a collective inside this block fails or times out."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        message = str(e).lower()
+        timed_out = "timed out" in message or "timeout" in message
+        if not (timed_out or any(word in message for word in _DIED) or isinstance(e, dist.DistError)):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        world = dist.get_world_size() if dist.is_initialized() else "?"
+        if timed_out:
+            wait = f" {timeout:g} s" if timeout else ""
+            cause = (
+                f"timed out after the{wait} process-group timeout: a peer rank is stuck, or did not call the same "
+                "collective (every rank must call the same collectives in the same order). If the step is just "
+                "slow, raise the timeout (--timeout or MESHTRAIN_TIMEOUT)."
+            )
+        else:
+            cause = "lost its connection to a peer rank, which most likely died: the first error is in that rank's log."
+        raise CollectiveError(f"{operation} on rank {rank}/{world} {cause} Backend said: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
