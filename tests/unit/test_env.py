@@ -1,6 +1,8 @@
 """Rank/size/host detection from synthetic launcher and scheduler environments (no processes)."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from meshtrain.dist.env import (
     LaunchEnvError,
@@ -138,3 +140,23 @@ class TestRendezvous:
     def test_multi_node_without_hosts_or_job_cannot_agree(self):
         env = {"PMI_RANK": "0", "PMI_SIZE": "8", "MPI_LOCALNRANKS": "4"}
         assert rendezvous(detect(env), env) is None
+
+
+def _compress(prefix: str, numbers: list[int], width: int) -> str:
+    """The way SLURM writes a host list: runs of consecutive numbers as lo-hi inside brackets."""
+    runs, start = [], numbers[0]
+    for prev, cur in zip(numbers, numbers[1:] + [None], strict=True):
+        if cur is None or cur != prev + 1:
+            runs.append(f"{start:0{width}d}" if start == prev else f"{start:0{width}d}-{prev:0{width}d}")
+            start = cur
+    return f"{prefix}[{','.join(runs)}]"
+
+
+@given(prefix=st.from_regex(r"[a-z]{1,5}", fullmatch=True),
+       numbers=st.lists(st.integers(0, 999), min_size=1, max_size=40, unique=True), width=st.integers(1, 4),
+       suffix_host=st.from_regex(r"login[0-9]", fullmatch=True))
+def test_expand_nodelist_inverts_slurms_compression(prefix, numbers, width, suffix_host):
+    numbers = sorted(numbers)
+    width = max(width, len(str(numbers[-1])))  # SLURM pads every number in a range to one width
+    compressed = f"{_compress(prefix, numbers, width)},{suffix_host}"
+    assert expand_nodelist(compressed) == [f"{prefix}{n:0{width}d}" for n in numbers] + [suffix_host]
