@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-# The main job: every local device (2 ranks on a CPU-only box) checks the distributed set-up.
+# The main job: Shakespeare (shipped, no network) on every local device (2 DDP ranks on a CPU-only
+# box), nanoGPT's CPU recipe; prints samples and where the run, its checkpoint and metrics are.
+TRAIN_ARGS ?= preset=cpu
 train: $(STAMP)
-	$(VENV)/bin/meshtrain launch -- python -m meshtrain test-dist
+	$(VENV)/bin/meshtrain prepare shakespeare_char
+	$(VENV)/bin/meshtrain launch -- python -m meshtrain train gpt $(TRAIN_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest

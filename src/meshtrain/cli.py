@@ -29,6 +29,28 @@ SUBCOMMANDS = {
         "ranks, if not. Run it under a launcher: `meshtrain launch -- python -m meshtrain test-dist`.",
         True,
     ),
+    "prepare": (
+        "meshtrain.data.prepare_cmd",
+        "tokenize a corpus into train.bin / val.bin (shakespeare_char, shakespeare, or your own text)",
+        "Write data/<name>/train.bin, val.bin (uint16 tokens, 90/10 split) and meta.json. shakespeare_char and "
+        "shakespeare (GPT-2 BPE) use the corpus shipped with meshtrain and need no network; `text PATH` "
+        "tokenizes your own file.",
+        False,
+    ),
+    "train": (
+        "meshtrain.train.command",
+        "train a model: meshtrain train gpt [preset=NAME] [data=NAME] [group.key=value ...]",
+        "Train under any launcher (run it with `meshtrain launch -- python -m meshtrain train gpt ...`). "
+        "Configuration: typed defaults, then a YAML preset, then dotted overrides; an unknown key or bad "
+        "value stops at once with the key named.",
+        True,
+    ),
+    "sample": (
+        "meshtrain.train.sample_command",
+        "generate text from a run's checkpoint",
+        "Load DIR/ckpt.pt with its config and tokenizer and print samples from a prompt.",
+        False,
+    ),
     "collectives": (
         "meshtrain.dist.collectives",
         "show each collective at work (--demo) or measure their bandwidth (--bench)",
@@ -66,23 +88,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         module.add_arguments(sub)
         if takes_dist:
             _add_dist_arguments(sub)
-        sub.set_defaults(run=module.run)
+        sub.set_defaults(handler=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshtrain.dist.device import DeviceError
-    from meshtrain.dist.env import LaunchEnvError
     from meshtrain.dist.log import configure_logging, get_logger
-    from meshtrain.dist.setup import CollectiveError
+    from meshtrain.errors import MeshtrainError
 
     argv = sys.argv[1:] if argv is None else argv
     command = next((word for word in argv if not word.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     configure_logging()  # until setup() knows this process's rank
     try:
-        return int(args.run(args) or 0)
-    except (CollectiveError, LaunchEnvError, DeviceError) as e:
+        return int(args.handler(args) or 0)
+    except MeshtrainError as e:
         get_logger().error("%s", e)
         return 1
     except KeyboardInterrupt:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 
 import torch
+from meshtrain.errors import MeshtrainError
 
 # Accelerators in the order they are preferred, with the collective backend that serves each.
 _BACKENDS = {"cuda": "nccl", "xpu": "xccl", "mps": "gloo", "cpu": "gloo"}
 _KNOWN_BACKENDS = {"nccl", "xccl", "ccl", "gloo", "mpi", "ucc"}
 
 
-class DeviceError(RuntimeError):
+class DeviceError(MeshtrainError, RuntimeError):
     """A requested device or backend does not exist here or does not fit together."""
 
 

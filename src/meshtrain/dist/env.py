@@ -18,11 +18,12 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from meshtrain.errors import MeshtrainError
 
 DEFAULT_PORT = 29500
 
 
-class LaunchEnvError(RuntimeError):
+class LaunchEnvError(MeshtrainError, RuntimeError):
     """The environment describes a distributed job that cannot be made sense of."""
 
 

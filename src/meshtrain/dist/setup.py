@@ -26,12 +26,13 @@ import torch.distributed as dist
 from meshtrain.dist import env as launch_env
 from meshtrain.dist.device import pick_backend, pick_device, threads_per_rank
 from meshtrain.dist.log import configure_logging, get_logger, print_rich
+from meshtrain.errors import MeshtrainError
 
 DEFAULT_TIMEOUT_S = 600.0
 log = get_logger("dist")
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(MeshtrainError, RuntimeError):
     """A collective (or the rendezvous) could not complete: a peer died, hung, or never arrived."""
 
 

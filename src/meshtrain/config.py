@@ -1,0 +1,192 @@
+"""Typed run configuration: dataclass defaults <- a YAML preset <- dotted command-line overrides.
+
+    meshtrain train gpt preset=shakespeare_char data=shakespeare train.dtype=bf16 model.n_layer=6
+
+`preset=NAME` merges `configs/gpt/NAME.yaml` (shipped with the package) or a YAML path;
+`data=NAME` is short for `data.name=NAME`; everything else is `group.key=value`. OmegaConf checks
+keys and types against the dataclasses; `validate` checks that values fit together. Every
+problem is one ConfigError that names the key and what to do.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from meshtrain.errors import MeshtrainError
+
+PRESET_DIR = Path(__file__).parent / "configs"
+DTYPES = ("fp32", "bf16", "fp16")
+BACKENDS = ("ddp",)
+
+
+class ConfigError(MeshtrainError, ValueError):
+    """A configuration key, type or value that cannot be used; the message says which and how to fix it."""
+
+
+@dataclass
+class ModelSection:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    batch_size: int = 12  # sequences per micro-step per data-parallel rank
+    dropout: float = 0.0
+    bias: bool = False
+    activation: str = "gelu"
+
+
+@dataclass
+class DataSection:
+    name: str = "shakespeare_char"  # shakespeare_char | shakespeare | the name given to `prepare text`
+    root: str = "data"  # where `meshtrain prepare` wrote <name>/train.bin, val.bin, meta.json
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    warmup_iters: int = 100
+    lr_decay_iters: int | None = None  # default: train.max_iters
+    decay_lr: bool = True
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class TrainSection:
+    backend: str = "ddp"
+    dtype: str = "bf16"  # fp32 | bf16 (autocast) | fp16 (autocast + GradScaler, GPU only)
+    compile: bool = False
+    max_iters: int = 2000
+    grad_accum: int = 1  # micro-steps per iteration; only the last one synchronises gradients
+    eval_interval: int = 250
+    eval_iters: int = 20
+    log_interval: int = 10
+    max_minutes: float | None = None  # stop (with a checkpoint) once this wall-clock budget is spent
+    seed: int = 1337
+    init_from: str = "scratch"  # scratch | resume | a GPT-2 name or local Hugging Face directory
+    out_dir: str = "outputs/runs"
+    run_dir: str | None = None  # the run to resume (default: the latest run of this workload/backend)
+    save_checkpoints: bool = True
+    prompt: str = "What is an LLM?"
+    sample_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int | None = 200
+    peak_flops: float | None = None  # FLOP/s per device for MFU; default: the device table or a measurement
+    tensorboard: bool = False
+    wandb: str = "off"  # off | offline | online
+
+
+@dataclass
+class GPTRunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+
+def presets(workload: str = "gpt") -> list[str]:
+    return sorted(p.stem for p in (PRESET_DIR / workload).glob("*.yaml"))
+
+
+def _preset_path(workload: str, name: str) -> Path:
+    path = Path(name) if name.endswith((".yaml", ".yml")) else PRESET_DIR / workload / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"preset={name}: no such preset; choose one of {', '.join(presets(workload))} "
+                          "or give a path to a .yaml file")
+    return path
+
+
+def _explain(e: OmegaConfBaseException, schema: DictConfig, origin: str) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    message = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+    if "not in struct" in str(e) or type(e).__name__ == "ConfigKeyError":
+        group, _, name = key.rpartition(".")
+        known = list(OmegaConf.select(schema, group).keys()) if group and OmegaConf.select(schema, group) else \
+            list(schema.keys())
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {group + '.' if group else ''}{close[0]}? " if close else ""
+        where = f"the {group} group" if group else "the config"
+        return ConfigError(f"{origin}: unknown key {key!r}: {hint}{where} has {', '.join(known)}")
+    return ConfigError(f"{origin}: {message}" if key in origin else f"{origin}: {key}: {message}")
+
+
+def load_config(overrides: list[str] = (), workload: str = "gpt") -> GPTRunConfig:
+    """Defaults, then `preset=...`, then the dotted overrides in order; validated."""
+    schema = OmegaConf.structured(GPTRunConfig)
+    cfg = schema.copy()
+    dotted = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"{item!r}: overrides are key=value, e.g. train.max_iters=100 or preset=cpu")
+        if key == "preset":
+            try:
+                cfg = OmegaConf.merge(cfg, OmegaConf.load(_preset_path(workload, value)))
+            except OmegaConfBaseException as e:
+                raise _explain(e, schema, f"preset {value}") from None
+        elif key in ("data",):
+            dotted.append(f"data.name={value}")
+        else:
+            dotted.append(item)
+    for item in dotted:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise _explain(e, schema, item) from None
+    run = OmegaConf.to_object(cfg)
+    validate(run)
+    return run
+
+
+def validate(cfg: GPTRunConfig) -> None:
+    m, t, o = cfg.model, cfg.train, cfg.optimizer
+    positive = {"model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.n_embd": m.n_embd,
+                "model.block_size": m.block_size, "model.batch_size": m.batch_size, "train.max_iters": t.max_iters,
+                "train.grad_accum": t.grad_accum, "train.eval_interval": t.eval_interval,
+                "train.eval_iters": t.eval_iters, "train.log_interval": t.log_interval}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value}: must be at least 1")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "
+                          "each head gets n_embd / n_head channels")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype={t.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if t.backend not in BACKENDS:
+        raise ConfigError(f"train.backend={t.backend!r}: this version trains with {', '.join(BACKENDS)}")
+    if t.wandb not in ("off", "offline", "online"):
+        raise ConfigError(f"train.wandb={t.wandb!r}: choose off, offline or online")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.lr={o.lr}, optimizer.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0")
+    if o.warmup_iters < 0 or o.grad_clip < 0:
+        raise ConfigError("optimizer.warmup_iters and optimizer.grad_clip must not be negative")
+
+
+def to_yaml(cfg: GPTRunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: GPTRunConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def from_dict(values: dict[str, Any]) -> GPTRunConfig:
+    """A saved config (config.yaml or a checkpoint's dict) back into the typed form, checked again."""
+    schema = OmegaConf.structured(GPTRunConfig)
+    try:
+        run = OmegaConf.to_object(OmegaConf.merge(schema, values))
+    except OmegaConfBaseException as e:
+        raise _explain(e, schema, "saved config") from None
+    validate(run)
+    return run

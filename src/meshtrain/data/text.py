@@ -1,0 +1,412 @@
+"""Text data for the GPT trainer: the shipped corpus, two tokenizers, `prepare`, and random token windows.
+
+A prepared dataset is a folder DATA_ROOT/NAME holding
+    train.bin, val.bin  token ids as raw little-endian uint16 (np.memmap-able): the first 90% of the
+                        text, by character position, and the last 10%
+    meta.json           tokenizer kind, vocab size (+ stoi/itos for char), token counts, source md5
+
+Names: `shakespeare_char` (characters of the shipped corpus), `shakespeare` (GPT-2 BPE of the same),
+and `text` (a file of the user's, in DATA_ROOT/<file stem> unless named otherwise).
+Everything works offline: the corpus and the GPT-2 rank file ship inside the package.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+import os
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshtrain.dist.log import get_logger
+from meshtrain.errors import MeshtrainError
+
+log = get_logger("data")
+
+DATA_ROOT_ENV = "MESHTRAIN_DATA_ROOT"
+DEFAULT_DATA_ROOT = "data"  # relative to the current directory
+BUILTIN_TOKENIZER = {"shakespeare_char": "char", "shakespeare": "gpt2"}
+TOKENIZERS = ("char", "gpt2")
+SPLITS = ("train", "val")
+TOKEN_DTYPE = np.dtype("<u2")  # explicit little-endian, so a .bin reads the same on any machine
+FORMAT_VERSION = 1
+
+SHAKESPEARE_ASSET = "tinyshakespeare.txt.gz"
+SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
+GPT2_RANKS_ASSET = "gpt2.tiktoken.gz"
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_EOT = "<|endoftext|>"
+# GPT-2's pre-tokenizer split as OpenAI released it; tiktoken's bundled copy is an equivalent rewrite
+# with possessive quantifiers (same pieces, measured 20% faster here: not worth a newer-tiktoken pin).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class DataError(MeshtrainError, RuntimeError):
+    """A dataset that is missing, corrupt or unusable; the message says what to run or change."""
+
+
+def default_data_root() -> Path:
+    """$MESHTRAIN_DATA_ROOT, else ./data."""
+    return Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+
+
+def prepare_command(data_dir: Path) -> str:
+    """The `meshtrain prepare ...` line that (re)creates the dataset in `data_dir`."""
+    data_dir = Path(data_dir)
+    name = data_dir.name
+    if name in BUILTIN_TOKENIZER:
+        command = f"meshtrain prepare {name}"
+    else:
+        command = f"meshtrain prepare text PATH --name {name}"
+    if data_dir.parent.resolve() != default_data_root().resolve():
+        command += f" --data-root {data_dir.parent}"
+    return command
+
+
+def _asset_bytes(name: str) -> bytes:
+    return gzip.decompress(resources.files("meshtrain.data").joinpath("assets", name).read_bytes())
+
+
+def shakespeare_text() -> str:
+    """The shipped tiny-Shakespeare corpus (1,115,394 characters)."""
+    return _asset_bytes(SHAKESPEARE_ASSET).decode("utf-8")
+
+
+# --------------------------------------------------------------------------------------------- tokenizers
+
+
+class CharTokenizer:
+    """One token per character; ids follow the sorted order of the characters (as nanoGPT's)."""
+
+    kind = "char"
+
+    def __init__(self, itos: list[str]):
+        self.itos = list(itos)
+        self.stoi = {ch: i for i, ch in enumerate(self.itos)}
+        if len(self.stoi) != len(self.itos):
+            raise ValueError("a character vocabulary must not repeat characters")
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[ch] for ch in text]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in this {self.vocab_size}-character vocabulary") from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.itos[int(i)] for i in ids)
+
+    def meta(self) -> dict:
+        return {"tokenizer": self.kind, "vocab_size": self.vocab_size, "stoi": self.stoi, "itos": self.itos}
+
+
+@lru_cache(maxsize=1)
+def _gpt2_encoding():
+    import tiktoken
+
+    raw = _asset_bytes(GPT2_RANKS_ASSET)
+    if hashlib.sha256(raw).hexdigest() != GPT2_RANKS_SHA256:
+        raise DataError(f"the shipped {GPT2_RANKS_ASSET} is damaged (sha256 mismatch); reinstall meshtrain")
+    ranks = {}
+    for line in raw.splitlines():  # each line: base64(token bytes) rank
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    # Built from the shipped ranks: tiktoken.get_encoding("gpt2") would download them.
+    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={GPT2_EOT: 50256}, explicit_n_vocab=50257)
+
+
+class GPT2Tokenizer:
+    """GPT-2's byte-pair encoding (50,257 tokens) via tiktoken, offline."""
+
+    kind = "gpt2"
+    eot_token = 50256  # <|endoftext|>
+
+    def __init__(self):
+        self.encoding = _gpt2_encoding()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        # Ordinary encoding: "<|endoftext|>" inside a text is plain text, never the special token.
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids) -> str:
+        return self.encoding.decode([int(i) for i in ids])
+
+    def meta(self) -> dict:
+        return {"tokenizer": self.kind, "vocab_size": self.vocab_size}
+
+
+def tokenizer_from_meta(meta: dict) -> CharTokenizer | GPT2Tokenizer:
+    """The tokenizer a prepared dataset was written with."""
+    kind = meta.get("tokenizer")
+    if kind == "char":
+        return CharTokenizer(meta["itos"])
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    raise DataError(f"unknown tokenizer {kind!r} in meta.json (expected one of {', '.join(TOKENIZERS)})")
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+
+
+def prepare(name: str, data_root: Path, source: Path | None = None, tokenizer: str | None = None,
+            val_fraction: float = 0.1, *, out_name: str | None = None, force: bool = False) -> dict:
+    """Tokenize a corpus into data_root/<name>/{train.bin,val.bin,meta.json}; return the meta.
+
+    Skips the work when the outputs are complete and were made from the same source bytes with the same
+    tokenizer and split (unless `force`). Writes go to temp files renamed into place, so an interrupted
+    prepare leaves the previous dataset or none, never a half-written one.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}")
+    data_root = Path(data_root)
+    if name in BUILTIN_TOKENIZER:
+        kind = BUILTIN_TOKENIZER[name]
+        if source is not None:
+            raise DataError(f"{name} uses the shipped corpus; for a file of your own run `meshtrain prepare text PATH`")
+        if tokenizer not in (None, kind):
+            raise DataError(f"{name} is tokenized with {kind}; for another tokenizer run "
+                            f"`meshtrain prepare text PATH --tokenizer {tokenizer}`")
+        raw, source_label, out_dir = _asset_bytes(SHAKESPEARE_ASSET), f"meshtrain:{SHAKESPEARE_ASSET}", data_root / name
+    elif name == "text":
+        kind = tokenizer or "char"
+        if kind not in TOKENIZERS:
+            raise DataError(f"unknown tokenizer {kind!r}: choose one of {', '.join(TOKENIZERS)}")
+        if source is None:
+            raise DataError("`text` needs the text file to prepare: meshtrain prepare text PATH")
+        source = Path(source)
+        if not source.is_file():
+            raise DataError(f"{source} not found: `meshtrain prepare text PATH` needs an existing text file")
+        raw, source_label, out_dir = source.read_bytes(), str(source.resolve()), data_root / (out_name or source.stem)
+    else:
+        raise DataError(f"unknown dataset {name!r}: choose shakespeare_char, shakespeare or text")
+
+    source_md5 = hashlib.md5(raw).hexdigest()
+    if not force:
+        meta = _up_to_date_meta(out_dir, source_md5, kind, val_fraction)
+        if meta is not None:
+            log.info("%s is up to date (source md5 %s, train %s tokens, val %s tokens): nothing to do",
+                     out_dir, source_md5, f"{meta['train_tokens']:,}", f"{meta['val_tokens']:,}")
+            return meta
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{source_label} is not UTF-8 text ({e})") from None
+    log.info("length of dataset in characters: %s", f"{len(text):,}")
+    tok = CharTokenizer.from_text(text) if kind == "char" else GPT2Tokenizer()
+    if kind == "char":
+        log.info("all the unique characters: %r", "".join(tok.itos))
+    log.info("vocab size: %s", f"{tok.vocab_size:,}")
+    if tok.vocab_size > 1 << 16:
+        raise DataError(f"{source_label} needs {tok.vocab_size:,} token ids, more than uint16 .bin files hold "
+                        f"(65,536); use --tokenizer gpt2")
+
+    # Split the text, not the tokens: the val text is then the same whatever the tokenizer (as nanoGPT).
+    n_train_chars = int(len(text) * (1.0 - val_fraction))
+    splits = {"train": text[:n_train_chars], "val": text[n_train_chars:]}
+    ids = {split: np.asarray(tok.encode(part), dtype=TOKEN_DTYPE) for split, part in splits.items()}
+    for split in SPLITS:
+        log.info("%s has %s tokens", split, f"{len(ids[split]):,}")
+        if len(ids[split]) < 2:
+            raise DataError(f"{source_label} is too short: its {split} split has {len(ids[split])} tokens, "
+                            "and a training window needs at least 2")
+
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "name": out_dir.name,
+        **tok.meta(),
+        "dtype": "uint16",
+        "train_tokens": len(ids["train"]),
+        "val_tokens": len(ids["val"]),
+        "val_fraction": val_fraction,
+        "source": source_label,
+        "source_md5": source_md5,
+        "source_chars": len(text),
+    }
+    _write_dataset(out_dir, ids, meta)
+    log.info("wrote %s and %s", ", ".join(str(out_dir / f"{s}.bin") for s in SPLITS), out_dir / "meta.json")
+    return meta
+
+
+def _up_to_date_meta(out_dir: Path, source_md5: str, kind: str, val_fraction: float) -> dict | None:
+    try:
+        meta = load_meta(out_dir)
+        for split in SPLITS:
+            check_split(out_dir, split, meta=meta)
+    except DataError:
+        return None
+    same = (meta.get("format_version"), meta.get("source_md5"), meta.get("tokenizer"), meta.get("val_fraction"))
+    return meta if same == (FORMAT_VERSION, source_md5, kind, val_fraction) else None
+
+
+def _write_tokens(file, tokens: np.ndarray) -> None:
+    tokens.tofile(file)
+
+
+def _stage(out_dir: Path, final_name: str, write) -> Path:
+    """Write a file's new content next to it under a temp name; return that name."""
+    temp = out_dir / f".{final_name}.{os.getpid()}.tmp"
+    try:
+        with open(temp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return temp
+
+
+def _write_dataset(out_dir: Path, ids: dict[str, np.ndarray], meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staged: dict[Path, Path] = {}  # final path -> temp path, meta.json last
+    try:
+        for split in SPLITS:
+            staged[out_dir / f"{split}.bin"] = _stage(out_dir, f"{split}.bin", lambda f, s=split: _write_tokens(f, ids[s]))
+        meta_bytes = (json.dumps(meta, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+        staged[out_dir / "meta.json"] = _stage(out_dir, "meta.json", lambda f: f.write(meta_bytes))
+        # meta.json leaves first and returns last: a crash between the renames leaves no meta.json
+        # ("not prepared"), never an old meta.json describing new .bin files.
+        (out_dir / "meta.json").unlink(missing_ok=True)
+        for final, temp in staged.items():
+            os.replace(temp, final)
+    finally:
+        for temp in staged.values():
+            temp.unlink(missing_ok=True)  # only the ones a failure left behind still exist
+
+
+# ---------------------------------------------------------------------------------------- read + check
+
+
+def load_meta(data_dir: Path) -> dict:
+    """meta.json of a prepared dataset; DataError (with the command to run) if it is missing or bad."""
+    data_dir = Path(data_dir)
+    path = data_dir / "meta.json"
+    if not data_dir.is_dir():
+        raise DataError(f"{data_dir} not found: this dataset has not been prepared. Run `{prepare_command(data_dir)}`")
+    if not path.is_file():
+        raise DataError(f"{path} not found: the dataset is not (completely) prepared. Run `{prepare_command(data_dir)}`")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        missing = [key for key in ("tokenizer", "vocab_size", "train_tokens", "val_tokens") if key not in meta]
+    except (OSError, ValueError, TypeError) as e:
+        raise DataError(f"{path} is unreadable ({e}). Re-run `{prepare_command(data_dir)}`") from None
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}. Re-run `{prepare_command(data_dir)}`")
+    return meta
+
+
+def check_split(data_dir: Path, split: str, block_size: int | None = None, meta: dict | None = None) -> int:
+    """Number of tokens in data_dir/<split>.bin after checking it against meta.json (and block_size)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    data_dir = Path(data_dir)
+    meta = load_meta(data_dir) if meta is None else meta
+    path = data_dir / f"{split}.bin"
+    if not path.is_file():
+        raise DataError(f"{path} not found. Run `{prepare_command(data_dir)}`")
+    size = path.stat().st_size
+    if size % TOKEN_DTYPE.itemsize:
+        raise DataError(f"{path} is truncated or corrupt: {size:,} bytes is not a whole number of 2-byte "
+                        f"(uint16) tokens. Re-run `{prepare_command(data_dir)}`")
+    n_tokens, expected = size // TOKEN_DTYPE.itemsize, meta[f"{split}_tokens"]
+    if n_tokens != expected:
+        raise DataError(f"{path} holds {n_tokens:,} tokens but {data_dir / 'meta.json'} expects {expected:,}: "
+                        f"truncated or stale. Re-run `{prepare_command(data_dir)}`")
+    if block_size is not None and n_tokens < block_size + 1:
+        raise DataError(f"block_size={block_size} needs windows of {block_size + 1:,} tokens (inputs and the "
+                        f"shifted targets), but the {split} split ({path}) has only {n_tokens:,} tokens: "
+                        "use a smaller block_size or a longer text")
+    return n_tokens
+
+
+def window_seed(seed: int, split: str, dp_rank: int) -> int:
+    """A stable 63-bit seed per (seed, split, dp rank): Python's hash() of a str changes per process."""
+    digest = hashlib.sha256(f"meshtrain-windows:{seed}:{split}:{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class TokenBatches:
+    """Random windows of one split: next_batch() -> (x, y) int64 [batch_size, block_size], y = x shifted by 1.
+
+    Each data-parallel rank draws its own offsets from a generator seeded by (seed, split, dp_rank), so
+    ranks see different windows and a run repeats from its seed. Ranks that hold one replica in other
+    dimensions (tp, cp, pp) pass the same dp_rank and so get the same batch. state_dict() holds the
+    generator: restoring it makes a resumed run draw exactly the batches it would have drawn.
+    """
+
+    def __init__(self, data_dir: Path, split: str, block_size: int, batch_size: int, seed: int = 0,
+                 dp_rank: int = 0, dp_size: int = 1, device: str | torch.device = "cpu"):
+        if block_size < 1 or batch_size < 1:
+            raise ValueError(f"block_size and batch_size must be >= 1, got {block_size} and {batch_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must lie in [0, dp_size={dp_size}), got {dp_rank}")
+        self.data_dir, self.split = Path(data_dir), split
+        self.block_size, self.batch_size = block_size, batch_size
+        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.device = torch.device(device)
+        self.meta = load_meta(self.data_dir)
+        self.num_tokens = check_split(self.data_dir, split, block_size=block_size, meta=self.meta)
+        self.path = self.data_dir / f"{split}.bin"
+        self.generator = torch.Generator().manual_seed(window_seed(seed, split, dp_rank))
+        self.batches_drawn = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    def next_offsets(self) -> torch.Tensor:
+        """Draw the start offsets of the next batch's windows (advances the generator)."""
+        self.batches_drawn += 1
+        high = self.num_tokens - self.block_size  # the last window starts at num_tokens - block_size - 1
+        return torch.randint(high, (self.batch_size,), generator=self.generator)
+
+    def batch_at(self, offsets) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (x, y) windows starting at `offsets`, on the device."""
+        # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped in
+        # this process, so resident memory climbs towards the file size; re-mapping costs microseconds.
+        tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        span = self.block_size + 1
+        windows = torch.from_numpy(np.stack([tokens[o:o + span] for o in np.asarray(offsets).tolist()]).astype(np.int64))
+        del tokens
+        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch_at(self.next_offsets())
+
+    def state_dict(self) -> dict:
+        """This rank's position in its stream; save one per dp rank (the states differ between ranks)."""
+        return {"split": self.split, "dp_rank": self.dp_rank, "seed": self.seed,
+                "batches_drawn": self.batches_drawn, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("split", "dp_rank"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"this state belongs to {key}={state[key]!r}, not {getattr(self, key)!r}: "
+                                 "each dp rank must restore its own stream")
+        generator_state = state["generator"]
+        if not isinstance(generator_state, torch.Tensor):
+            generator_state = torch.tensor(list(bytes(generator_state)), dtype=torch.uint8)
+        self.generator.set_state(generator_state.to("cpu", torch.uint8))
+        self.batches_drawn = int(state["batches_drawn"])

@@ -1,0 +1,1 @@
+"""Where models meet the mesh: wrappers that apply data (and later tensor/pipeline/context) parallelism."""

@@ -1,0 +1,1 @@
+"""Training: the loop, optimizer and schedules, checkpoints, metrics (timers, throughput, MFU) and their sinks."""

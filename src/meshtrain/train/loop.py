@@ -1,0 +1,297 @@
+"""The training loop: one loop for every layout (the layout lives in parallel/, never here).
+
+Per iteration: `grad_accum` micro-steps (only the last synchronises gradients), clip, step, log.
+Every `eval_interval`: mean train/val loss over `eval_iters` batches on every rank, a sample on
+rank 0, an atomic checkpoint. A checkpoint holds everything a bit-exact resume needs: model,
+optimizer, scaler, iteration, and every rank's RNG and data-sampler states.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtrain import config as config_mod
+from meshtrain.config import GPTRunConfig
+from meshtrain.data.text import TokenBatches, load_meta, tokenizer_from_meta
+from meshtrain.dist.device import synchronize
+from meshtrain.dist.log import get_logger, print_rich
+from meshtrain.dist.setup import DistInfo, collective
+from meshtrain.errors import MeshtrainError
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel.data_parallel import apply_data_parallel, gradient_sync
+from meshtrain.train import checkpoint, metrics
+from meshtrain.train.optim import build_optimizer, learning_rate
+from meshtrain.train.sinks import build_sinks
+
+log = get_logger("train")
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingDiverged(MeshtrainError, RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is left as it was."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    iterations: int
+    train_loss: float = math.nan
+    val_loss: float = math.nan
+    samples: list[str] = field(default_factory=list)
+
+
+class _Batches:
+    """The three samplers of one rank: training windows, and separate ones for evaluation so that
+    evaluating never shifts what training sees next."""
+
+    def __init__(self, data_dir: Path, cfg: GPTRunConfig, info: DistInfo):
+        common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=info.rank,
+                      dp_size=info.world_size, device=info.torch_device)
+        seed = cfg.train.seed
+        self.train = TokenBatches(data_dir, "train", seed=seed, **common)
+        self.eval = {"train": TokenBatches(data_dir, "train", seed=seed + 1, **common),
+                     "val": TokenBatches(data_dir, "val", seed=seed + 2, **common)}
+
+    def state_dict(self) -> dict:
+        return {"train": self.train.state_dict(), **{f"eval_{k}": v.state_dict() for k, v in self.eval.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.train.load_state_dict(state["train"])
+        for split, batches in self.eval.items():
+            batches.load_state_dict(state[f"eval_{split}"])
+
+
+def _rank_state(batches: _Batches, device: torch.device) -> dict:
+    state = {"torch_rng": torch.get_rng_state(), "data": batches.state_dict()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _restore_rank_state(state: dict, batches: _Batches, device: torch.device) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
+    batches.load_state_dict(state["data"])
+
+
+def _all_mean(value: torch.Tensor, what: str, info: DistInfo) -> float:
+    value = value.detach().float().clone()
+    if info.world_size > 1:
+        with collective(what, info.timeout_s):
+            dist.all_reduce(value)
+    return value.item() / info.world_size
+
+
+def _broadcast_object(obj, info: DistInfo, what: str):
+    if info.world_size == 1:
+        return obj
+    box = [obj]
+    with collective(what, info.timeout_s):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _build_model(cfg: GPTRunConfig, vocab_size: int) -> GPT:
+    m = cfg.model
+    if cfg.train.init_from not in ("scratch", "resume"):
+        model = GPT.from_pretrained(cfg.train.init_from, override_args={"dropout": m.dropout})
+        if m.block_size < model.config.block_size:
+            model.crop_block_size(m.block_size)
+        return model
+    return GPT(GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head,
+                         n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, activation=m.activation))
+
+
+def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
+    t, o = cfg.train, cfg.optimizer
+    device = info.torch_device
+    if t.dtype == "fp16" and device.type != "cuda":
+        raise config_mod.ConfigError(f"train.dtype=fp16 needs a GPU (GradScaler); this rank runs on {device}: "
+                                     "use train.dtype=bf16 (or fp32)")
+
+    resumed = None
+    if t.init_from == "resume":
+        run_dir = Path(t.run_dir) if t.run_dir else checkpoint.latest_run(t.out_dir, "gpt", t.backend)
+        resumed = checkpoint.load(run_dir)
+        cfg = replace(cfg, model=config_mod.from_dict(resumed["config"]).model)  # the saved architecture
+    else:
+        run_dir = checkpoint.new_run_dir(t.out_dir, "gpt", t.backend) if info.is_main else None
+        run_dir = Path(_broadcast_object(str(run_dir) if run_dir else None, info, "broadcast of the run directory"))
+
+    data_dir = Path(cfg.data.root) / cfg.data.name
+    meta = load_meta(data_dir)
+    tokenizer = tokenizer_from_meta(meta)
+    torch.manual_seed(t.seed)  # the same initial weights on every rank
+    model = _build_model(cfg, meta["vocab_size"]).to(device)
+    optimizer = build_optimizer(model.configure_optimizer_groups(o.weight_decay), o.lr, (o.beta1, o.beta2), device)
+    scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
+    batches = _Batches(data_dir, cfg, info)
+    torch.manual_seed(t.seed + info.rank)  # dropout masks differ per rank, as their data does
+    start_iter = 0
+    if resumed:
+        model.load_state_dict(resumed["model"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        scaler.load_state_dict(resumed["scaler"])
+        start_iter = resumed["iteration"]
+        ranks = resumed["ranks"]
+        if len(ranks) == info.world_size:
+            _restore_rank_state(ranks[info.rank], batches, device)
+        else:
+            log.warning("checkpoint was written by %d ranks, this run has %d: data and RNG streams restart from "
+                        "the seed (the run continues, but not bit-exactly)", len(ranks), info.world_size)
+
+    train_model = torch.compile(model) if t.compile else model
+    train_model = apply_data_parallel(train_model, t.backend, device, info.world_size)
+    autocast = (torch.autocast(device_type=device.type, dtype=AUTOCAST[t.dtype]) if AUTOCAST[t.dtype]
+                else nullcontext())
+    decay_iters = o.lr_decay_iters or t.max_iters
+    sample_generator = torch.Generator(device=device)
+
+    flops_per_token = model.flops_per_token()
+    peak, peak_source = metrics.peak_flops(device, AUTOCAST[t.dtype] or torch.float32, t.peak_flops)
+    tokens_per_iter_per_rank = cfg.model.batch_size * t.grad_accum * cfg.model.block_size
+    sinks = build_sinks(run_dir, info.is_main, tensorboard=t.tensorboard,
+                        wandb=False if t.wandb == "off" else t.wandb, config=config_mod.to_dict(cfg),
+                        resume_step=start_iter if resumed else None)
+    if info.is_main:
+        (run_dir / "config.yaml").write_text(config_mod.to_yaml(cfg))
+        log.info("resolved config:\n%s", config_mod.to_yaml(cfg).rstrip())
+        log.info("run directory: %s%s", run_dir, f" (resuming at iteration {start_iter})" if resumed else "")
+        log.info("model: %.2fM parameters, %.3g FLOPs per token (6N + 12·L·H·Q·T); peak %.4g TFLOP/s per device (%s)",
+                 model.num_params() / 1e6, flops_per_token, peak / 1e12, peak_source)
+        log.info("%d rank(s) × batch %d × accumulation %d × block %d = %d tokens per iteration", info.world_size,
+                 cfg.model.batch_size, t.grad_accum, cfg.model.block_size, tokens_per_iter_per_rank * info.world_size)
+        print_rich(metrics.legend_table())
+
+    def evaluate() -> dict[str, float]:
+        model.eval()
+        out = {}
+        with torch.no_grad():
+            for split, split_batches in batches.eval.items():
+                total = torch.zeros((), device=device)
+                for _ in range(t.eval_iters):
+                    x, y = split_batches.next_batch()
+                    with autocast:
+                        _, loss = model(x, y)
+                    total += loss.float()
+                out[f"{split}_loss"] = _all_mean(total / t.eval_iters, f"all_reduce of the {split} loss", info)
+        model.train()
+        return out
+
+    def sample(it: int) -> str:
+        sample_generator.manual_seed(t.seed + it)
+        prompt = torch.tensor([tokenizer.encode(t.prompt)], dtype=torch.long, device=device)
+        model.eval()
+        with autocast:
+            tokens = model.generate(prompt, t.sample_tokens, temperature=t.temperature, top_k=t.top_k,
+                                    generator=sample_generator)
+        model.train()
+        return tokenizer.decode(tokens[0].tolist())
+
+    def save(it: int, losses: dict[str, float]) -> None:
+        ranks = [None] * info.world_size
+        mine = _rank_state(batches, device)
+        if info.world_size > 1:
+            with collective("all_gather_object of RNG and sampler states for the checkpoint", info.timeout_s):
+                dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        if info.is_main:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                     "iteration": it, "config": config_mod.to_dict(cfg), "meta": meta, "ranks": ranks, **losses}
+            path = checkpoint.save(run_dir, state)
+            checkpoint.record_run(t.out_dir, "gpt", t.backend, run_dir)
+            log.info("checkpoint: %s (iteration %d)", path, it)
+
+    result = TrainResult(run_dir=run_dir, iterations=start_iter)
+    started = time.perf_counter()
+    it = start_iter
+    while True:
+        stop = it >= t.max_iters or _out_of_time(started, t.max_minutes, info)
+        if it % t.eval_interval == 0 or stop:
+            if not (resumed and it == start_iter):  # that evaluation was done before the checkpoint was written
+                losses = evaluate()
+                result.train_loss, result.val_loss = losses["train_loss"], losses["val_loss"]
+                if not all(map(math.isfinite, losses.values())):
+                    raise TrainingDiverged(f"evaluation at iteration {it} gave {losses}: the model diverged. "
+                                           f"The last good checkpoint in {run_dir} is left as it was; lower "
+                                           "optimizer.lr or raise optimizer.warmup_iters and resume from it")
+                sinks.log(it, losses)
+                if info.is_main:
+                    text = sample(it)
+                    result.samples.append(text)
+                    sinks.log_text(it, "sample", text)
+                if t.save_checkpoints and it > start_iter:
+                    save(it, losses)
+        if stop:
+            break
+
+        lr = learning_rate(it, o.lr, o.min_lr, o.warmup_iters, decay_iters, o.decay_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        forward_s = backward_s = 0.0
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(t.grad_accum):
+            x, y = batches.train.next_batch()
+            last = micro == t.grad_accum - 1
+            with gradient_sync(train_model, last):
+                f0 = time.perf_counter()
+                with autocast:
+                    _, loss = train_model(x, y)
+                    loss = loss / t.grad_accum  # the sum of micro-steps is the mean over the whole batch
+                synchronize(device)
+                f1 = time.perf_counter()
+                with collective("DDP gradient all_reduce in backward()", info.timeout_s):
+                    scaler.scale(loss).backward()
+                synchronize(device)
+                forward_s, backward_s = forward_s + f1 - f0, backward_s + time.perf_counter() - f1
+            loss_sum += loss.detach()
+        if o.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        else:
+            grad_norm = None
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        dt = time.perf_counter() - t0
+        it += 1
+        result.iterations = it
+
+        if it % t.log_interval == 0:
+            loss_value = _all_mean(loss_sum, "all_reduce of the training loss for logging", info)
+            if not math.isfinite(loss_value):
+                raise TrainingDiverged(f"training loss is {loss_value} at iteration {it}: the model diverged. The "
+                                       f"last good checkpoint in {run_dir} is left as it was; lower optimizer.lr "
+                                       "or raise optimizer.warmup_iters and resume from it")
+            rates = metrics.throughput(cfg.model.batch_size, t.grad_accum, info.world_size, info.world_size,
+                                       cfg.model.block_size, dt)
+            row = {"loss": loss_value, "dt": dt, "dtf": forward_s, "dtb": backward_s, **rates,
+                   "mfu": metrics.mfu(flops_per_token, rates["tps_per_gpu"], peak), "lr": lr,
+                   "mem_gb": metrics.peak_memory_bytes(device) / 2**30}
+            if grad_norm is not None:
+                row["grad_norm"] = float(grad_norm)
+            sinks.log(it, row)
+    sinks.close()
+    return result
+
+
+def _out_of_time(started: float, max_minutes: float | None, info: DistInfo) -> bool:
+    """Every rank must stop at the same iteration, so the slowest clock decides for all."""
+    if max_minutes is None:
+        return False
+    over = torch.tensor([float(time.perf_counter() - started > max_minutes * 60)], device=info.torch_device)
+    if info.world_size > 1:
+        with collective("all_reduce of the time-budget flag", info.timeout_s):
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    return bool(over.item())

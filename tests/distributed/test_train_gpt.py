@@ -1,0 +1,145 @@
+"""The GPT trainer end to end on gloo: DDP runs, exact resume, divergence, bad input, sampling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.conftest import REPO, clean_env, output, torchrun
+
+TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=4",
+        "model.dropout=0.1", "train.eval_iters=4", "train.dtype=fp32", "optimizer.warmup_iters=5"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    out = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root", str(root)],
+                         capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
+    assert out.returncode == 0, output(out)
+    return root
+
+
+def train(world: int, data_root: Path, out_dir: Path, *overrides: str):
+    args = ["train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}", *overrides]
+    if world == 1:
+        return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True,
+                              env=clean_env(), cwd=REPO, timeout=300)
+    return torchrun(world, *args, timeout=300)
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_dir_of(out_dir: Path, backend: str = "ddp") -> Path:
+    return Path((out_dir / "gpt" / backend / "latest").read_text().strip())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, data_root, tmp_path):
+    out = train(world, data_root, tmp_path, "train.max_iters=60", "train.eval_interval=30", "train.log_interval=10")
+    text = output(out)
+    assert out.returncode == 0, text[-4000:]
+    run_dir = run_dir_of(tmp_path)
+    assert {"config.yaml", "ckpt.pt", "metrics.jsonl"} <= {p.name for p in run_dir.iterdir()}
+    rows = metrics_of(run_dir)
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 30, 60]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, "val loss must fall"
+    logs = [r for r in rows if "sps" in r]
+    assert [r["step"] for r in logs] == [10, 20, 30, 40, 50, 60]
+    for r in logs:  # sps counts samples of every rank: batch x accumulation x ranks per second
+        assert r["sps"] == pytest.approx(4 * 1 * world / r["dt"], rel=1e-3)
+        assert r["tps"] == pytest.approx(r["sps"] * 32, rel=1e-3)
+        assert 0 < r["mfu"] <= 100
+    assert "What is an LLM?" in text, "a sample from the prompt is printed at each eval"
+    assert f"{tmp_path}" in (tmp_path / "checkpoints.log").read_text()
+
+
+def test_resume_continues_bit_exactly(data_root, tmp_path):
+    common = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30"]
+    full_out = tmp_path / "full"
+    first = train(2, data_root, full_out, "train.max_iters=30", *common)
+    assert first.returncode == 0, output(first)[-3000:]
+    full_rows = metrics_of(run_dir_of(full_out))
+    full = {r["step"]: r for r in full_rows if "loss" in r}
+
+    split_out = tmp_path / "split"
+    part = train(2, data_root, split_out, "train.max_iters=20", *common)
+    assert part.returncode == 0, output(part)[-3000:]
+    resumed = train(2, data_root, split_out, "train.max_iters=30", "train.init_from=resume", *common)
+    assert resumed.returncode == 0, output(resumed)[-3000:]
+    rows = metrics_of(run_dir_of(split_out))
+    after = {r["step"]: r for r in rows if r["step"] > 20 and "loss" in r}
+    assert sorted(after) == list(range(21, 31))
+    for step, row in after.items():
+        assert row["loss"] == full[step]["loss"], f"loss at step {step} differs after resume"
+    final_val = [r["val_loss"] for r in full_rows if "val_loss" in r and r["step"] == 30]
+    assert [r["val_loss"] for r in rows if "val_loss" in r and r["step"] == 30] == final_val
+
+
+def test_missing_data_names_the_path_and_the_command(tmp_path):
+    out = train(1, tmp_path / "nowhere", tmp_path, "train.max_iters=1")
+    text = output(out)
+    assert out.returncode == 1
+    assert str(tmp_path / "nowhere" / "shakespeare_char") in text and "meshtrain prepare shakespeare_char" in text
+    assert "Traceback" not in text
+
+
+def test_unknown_key_fails_before_training(tmp_path):
+    out = train(1, tmp_path, tmp_path, "train.max_iter=1")
+    assert out.returncode == 1
+    assert "unknown key 'train.max_iter': did you mean train.max_iters?" in output(out)
+    assert not (tmp_path / "gpt").exists(), "nothing is started or written"
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_root, tmp_path):
+    # From iteration 8 on the loss is NaN (as after a blow-up); the checkpoint of iteration 5 must survive.
+    code = (
+        "import sys, torch; from meshtrain.models import gpt; forward = gpt.GPT.forward; calls = [0]\n"
+        "def poisoned(self, idx, targets=None):\n"
+        "    logits, loss = forward(self, idx, targets)\n"
+        "    if self.training: calls[0] += 1\n"
+        "    return logits, (loss * float('nan') if self.training and calls[0] > 7 else loss)\n"
+        "gpt.GPT.forward = poisoned\n"
+        "from meshtrain.cli import main; sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = ["train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path}", "train.max_iters=20",
+            "train.eval_interval=5", "train.log_interval=1"]
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=clean_env(),
+                         cwd=REPO, timeout=300)
+    text = output(out)
+    assert out.returncode == 1, text[-3000:]
+    assert "training loss is nan at iteration 8" in text and "Traceback" not in text
+    import torch
+
+    state = torch.load(run_dir_of(tmp_path) / "ckpt.pt", weights_only=True)
+    assert state["iteration"] == 5
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_sample_command_reads_a_run(data_root, tmp_path):
+    out = train(1, data_root, tmp_path, "train.max_iters=10", "train.eval_interval=10")
+    assert out.returncode == 0, output(out)[-3000:]
+    run_dir = run_dir_of(tmp_path)
+    cmd = [sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir), "--prompt", "ROMEO:",
+           "--max-new-tokens", "40", "--seed", "3"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
+    again = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
+    assert first.returncode == 0, output(first)
+    assert first.stdout.startswith("ROMEO:") and len(first.stdout.rstrip("\n")) == len("ROMEO:") + 40
+    assert first.stdout == again.stdout, "the same seed gives the same sample"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_with_accumulation_equals_one_process_on_the_whole_batch(world):
+    script = str(Path(__file__).with_name("ddp_accumulation_check.py"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", script]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=180)
+    text = output(out)
+    assert out.returncode == 0, text[-3000:]
+    assert text.count("-> EQUAL") == world
