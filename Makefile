@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -143,3 +143,59 @@ def test_ddp_with_accumulation_equals_one_process_on_the_whole_batch(world):
     text = output(out)
     assert out.returncode == 0, text[-3000:]
     assert text.count("-> EQUAL") == world
+
+
+def test_tensorboard_and_wandb_offline_record_what_jsonl_records(data_root, tmp_path):
+    pytest.importorskip("tensorboard", reason="needs the [tensorboard] extra")
+    pytest.importorskip("wandb", reason="needs the [wandb] extra")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tests.wandb_offline import wandb_history
+
+    env = clean_env(WANDB_SILENT="true", WANDB_CONSOLE="off", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+                    WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"), WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    args = ["train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path}", "train.max_iters=20",
+            "train.eval_interval=10", "train.log_interval=10", "train.tensorboard=true", "train.wandb=offline"]
+    out = subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=300)
+    assert out.returncode == 0, output(out)[-3000:]
+    run_dir = run_dir_of(tmp_path)
+    losses = {r["step"]: r["loss"] for r in metrics_of(run_dir) if "loss" in r}
+    assert sorted(losses) == [10, 20]
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tb = {e.step: e.value for e in events.Scalars("loss")}
+    assert tb.keys() == losses.keys() and all(tb[s] == pytest.approx(losses[s], rel=1e-6) for s in losses)
+
+    (wandb_run,) = {p.parent for p in run_dir.rglob("run-*.wandb")}
+    history, config = wandb_history(wandb_run)
+    logged = {step: row["loss"] for step, row in history.items() if "loss" in row}
+    assert logged == pytest.approx(losses)
+    assert config["model"]["n_layer"] == 2
+
+
+def test_time_budget_stops_every_rank_with_a_checkpoint(data_root, tmp_path):
+    out = train(2, data_root, tmp_path, "train.max_iters=100000", "train.max_minutes=0.05", "train.eval_interval=1000")
+    assert out.returncode == 0, output(out)[-3000:]
+    import torch
+
+    state = torch.load(run_dir_of(tmp_path) / "ckpt.pt", weights_only=True)
+    assert 0 < state["iteration"] < 100000, "stopped by the clock, with a checkpoint of where it stopped"
+
+
+def test_init_from_a_local_hugging_face_gpt2(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
+    hf_dir = tmp_path / "tiny-gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64,
+                                                         vocab_size=50257)).save_pretrained(hf_dir)
+    root = tmp_path / "data"
+    prep = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare", "--data-root", str(root)],
+                          capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
+    assert prep.returncode == 0, output(prep)
+    out = train(1, root, tmp_path / "out", "data=shakespeare", f"train.init_from={hf_dir}", "train.max_iters=4",
+                "train.eval_interval=4", "train.log_interval=2", "model.block_size=32")
+    text = output(out)
+    assert out.returncode == 0, text[-3000:]
+    rows = metrics_of(run_dir_of(tmp_path / "out"))
+    evals = [r for r in rows if "val_loss" in r]
+    assert evals[0]["val_loss"] == pytest.approx(10.8, abs=0.3), "a random GPT-2 starts near ln(50257)"

@@ -2,11 +2,11 @@
 
 import json
 import logging
-import struct
 import sys
 
 import pytest
 import torch
+from tests.wandb_offline import wandb_history as _wandb_history
 
 from meshtrain.train.sinks import (
     ConsoleSink,
@@ -161,40 +161,6 @@ def wandb_offline(monkeypatch, tmp_path):
                         "WANDB_DATA_DIR": tmp_path / "data", "WANDB_API_KEY": ""}.items():
         monkeypatch.setenv(name, str(value))
     return tmp_path / "run"
-
-
-def _wandb_records(path):
-    """The records of an offline run's .wandb file: LevelDB log blocks after a 7-byte W&B header."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, pos, pending = path.read_bytes(), 7, b""
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # block trailer too short for a header: padding
-            pos += 32768 - pos % 32768
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST fragment
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
-
-def _wandb_history(run_dir):
-    history, config = {}, {}
-    (run_file,) = run_dir.glob("run-*.wandb")
-    for record in _wandb_records(run_file):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
-            history[items["_step"]] = items
-        elif kind in ("run", "config"):
-            source = record.run.config if kind == "run" else record.config
-            config |= {i.key: json.loads(i.value_json) for i in source.update}
-    return history, config
 
 
 def test_wandb_offline_run_writes_what_was_logged(wandb_offline):

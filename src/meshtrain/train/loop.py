@@ -28,7 +28,7 @@ from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.data_parallel import apply_data_parallel, gradient_sync
 from meshtrain.train import checkpoint, metrics
 from meshtrain.train.optim import build_optimizer, learning_rate
-from meshtrain.train.sinks import build_sinks
+from meshtrain.train.sinks import build_sinks, progress_bar, track
 
 log = get_logger("train")
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,7 +123,10 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         resumed = checkpoint.load(run_dir)
         cfg = replace(cfg, model=config_mod.from_dict(resumed["config"]).model)  # the saved architecture
     else:
-        run_dir = checkpoint.new_run_dir(t.out_dir, "gpt", t.backend) if info.is_main else None
+        run_dir = None
+        if info.is_main:
+            run_dir = checkpoint.new_run_dir(t.out_dir, "gpt", t.backend)
+            checkpoint.record_run(t.out_dir, "gpt", t.backend, run_dir)
         run_dir = Path(_broadcast_object(str(run_dir) if run_dir else None, info, "broadcast of the run directory"))
 
     data_dir = Path(cfg.data.root) / cfg.data.name
@@ -177,7 +180,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         with torch.no_grad():
             for split, split_batches in batches.eval.items():
                 total = torch.zeros((), device=device)
-                for _ in range(t.eval_iters):
+                for _ in track(range(t.eval_iters), f"eval {split}", is_main=info.is_main):
                     x, y = split_batches.next_batch()
                     with autocast:
                         _, loss = model(x, y)
@@ -208,80 +211,81 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                      "iteration": it, "config": config_mod.to_dict(cfg), "meta": meta, "ranks": ranks, **losses}
             path = checkpoint.save(run_dir, state)
-            checkpoint.record_run(t.out_dir, "gpt", t.backend, run_dir)
             log.info("checkpoint: %s (iteration %d)", path, it)
 
     result = TrainResult(run_dir=run_dir, iterations=start_iter)
     started = time.perf_counter()
     it = start_iter
-    while True:
-        stop = it >= t.max_iters or _out_of_time(started, t.max_minutes, info)
-        if it % t.eval_interval == 0 or stop:
-            if not (resumed and it == start_iter):  # that evaluation was done before the checkpoint was written
-                losses = evaluate()
-                result.train_loss, result.val_loss = losses["train_loss"], losses["val_loss"]
-                if not all(map(math.isfinite, losses.values())):
-                    raise TrainingDiverged(f"evaluation at iteration {it} gave {losses}: the model diverged. "
-                                           f"The last good checkpoint in {run_dir} is left as it was; lower "
-                                           "optimizer.lr or raise optimizer.warmup_iters and resume from it")
-                sinks.log(it, losses)
-                if info.is_main:
-                    text = sample(it)
-                    result.samples.append(text)
-                    sinks.log_text(it, "sample", text)
-                if t.save_checkpoints and it > start_iter:
-                    save(it, losses)
-        if stop:
-            break
+    with progress_bar(t.max_iters - start_iter, "train", is_main=info.is_main) as bar:
+        while True:
+            stop = it >= t.max_iters or _out_of_time(started, t.max_minutes, info)
+            if it % t.eval_interval == 0 or stop:
+                if not (resumed and it == start_iter):  # that evaluation was done before the checkpoint was written
+                    losses = evaluate()
+                    result.train_loss, result.val_loss = losses["train_loss"], losses["val_loss"]
+                    if not all(map(math.isfinite, losses.values())):
+                        raise TrainingDiverged(f"evaluation at iteration {it} gave {losses}: the model diverged. "
+                                               f"The last good checkpoint in {run_dir} is left as it was; lower "
+                                               "optimizer.lr or raise optimizer.warmup_iters and resume from it")
+                    sinks.log(it, losses)
+                    if info.is_main:
+                        text = sample(it)
+                        result.samples.append(text)
+                        sinks.log_text(it, "sample", text)
+                    if t.save_checkpoints and it > start_iter:
+                        save(it, losses)
+            if stop:
+                break
 
-        lr = learning_rate(it, o.lr, o.min_lr, o.warmup_iters, decay_iters, o.decay_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-        forward_s = backward_s = 0.0
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(t.grad_accum):
-            x, y = batches.train.next_batch()
-            last = micro == t.grad_accum - 1
-            with gradient_sync(train_model, last):
-                f0 = time.perf_counter()
-                with autocast:
-                    _, loss = train_model(x, y)
-                    loss = loss / t.grad_accum  # the sum of micro-steps is the mean over the whole batch
-                synchronize(device)
-                f1 = time.perf_counter()
-                with collective("DDP gradient all_reduce in backward()", info.timeout_s):
-                    scaler.scale(loss).backward()
-                synchronize(device)
-                forward_s, backward_s = forward_s + f1 - f0, backward_s + time.perf_counter() - f1
-            loss_sum += loss.detach()
-        if o.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        else:
-            grad_norm = None
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        dt = time.perf_counter() - t0
-        it += 1
-        result.iterations = it
+            lr = learning_rate(it, o.lr, o.min_lr, o.warmup_iters, decay_iters, o.decay_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            t0 = time.perf_counter()
+            forward_s = backward_s = 0.0
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(t.grad_accum):
+                x, y = batches.train.next_batch()
+                last = micro == t.grad_accum - 1
+                with gradient_sync(train_model, last):
+                    f0 = time.perf_counter()
+                    with autocast:
+                        _, loss = train_model(x, y)
+                        loss = loss / t.grad_accum  # the sum of micro-steps is the mean over the whole batch
+                    synchronize(device)
+                    f1 = time.perf_counter()
+                    with collective("DDP gradient all_reduce in backward()", info.timeout_s):
+                        scaler.scale(loss).backward()
+                    synchronize(device)
+                    forward_s, backward_s = forward_s + f1 - f0, backward_s + time.perf_counter() - f1
+                loss_sum += loss.detach()
+            if o.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            else:
+                grad_norm = None
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            it += 1
+            result.iterations = it
+            bar.update()
 
-        if it % t.log_interval == 0:
-            loss_value = _all_mean(loss_sum, "all_reduce of the training loss for logging", info)
-            if not math.isfinite(loss_value):
-                raise TrainingDiverged(f"training loss is {loss_value} at iteration {it}: the model diverged. The "
-                                       f"last good checkpoint in {run_dir} is left as it was; lower optimizer.lr "
-                                       "or raise optimizer.warmup_iters and resume from it")
-            rates = metrics.throughput(cfg.model.batch_size, t.grad_accum, info.world_size, info.world_size,
-                                       cfg.model.block_size, dt)
-            row = {"loss": loss_value, "dt": dt, "dtf": forward_s, "dtb": backward_s, **rates,
-                   "mfu": metrics.mfu(flops_per_token, rates["tps_per_gpu"], peak), "lr": lr,
-                   "mem_gb": metrics.peak_memory_bytes(device) / 2**30}
-            if grad_norm is not None:
-                row["grad_norm"] = float(grad_norm)
-            sinks.log(it, row)
+            if it % t.log_interval == 0:
+                loss_value = _all_mean(loss_sum, "all_reduce of the training loss for logging", info)
+                if not math.isfinite(loss_value):
+                    raise TrainingDiverged(f"training loss is {loss_value} at iteration {it}: the model diverged. The "
+                                           f"last good checkpoint in {run_dir} is left as it was; lower optimizer.lr "
+                                           "or raise optimizer.warmup_iters and resume from it")
+                rates = metrics.throughput(cfg.model.batch_size, t.grad_accum, info.world_size, info.world_size,
+                                           cfg.model.block_size, dt)
+                row = {"loss": loss_value, "dt": dt, "dtf": forward_s, "dtb": backward_s, **rates,
+                       "mfu": metrics.mfu(flops_per_token, rates["tps_per_gpu"], peak), "lr": lr,
+                       "mem_gb": metrics.peak_memory_bytes(device) / 2**30}
+                if grad_norm is not None:
+                    row["grad_norm"] = float(grad_norm)
+                sinks.log(it, row)
     sinks.close()
     return result
 

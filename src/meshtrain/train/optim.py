@@ -8,8 +8,8 @@ import torch
 
 
 def build_optimizer(param_groups: list[dict], lr: float, betas: tuple[float, float], device: torch.device):
-    """AdamW over prepared groups; the fused CUDA kernel where it exists (one launch for all params)."""
-    fused = device.type == "cuda"
+    """AdamW over prepared groups; the fused kernel (one pass over all parameters) on CUDA and CPU."""
+    fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=fused)
 
 

@@ -1,0 +1,91 @@
+"""nanoGPT's CPU recipe (4L/4H/128, block 64, batch 12, 2000 iterations) under meshtrain, measured.
+
+    python benchmarks/gpt_cpu_recipe.py                      # preset=cpu: 1 process and 2-rank DDP
+    python benchmarks/gpt_cpu_recipe.py --runs 1 --extra train.dtype=fp32
+
+Prints, per run: median ms/iter, tokens/s, MFU, val loss at the end, wall time, and the time at which
+val loss first reached --target (evaluated every --eval-interval iterations, so that time is coarse).
+The reference row is nanoGPT itself on this kind of 2-core box, as measured for issue 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REFERENCE = {"name": "nanoGPT (reference)", "ms_iter": 36.6, "tps": 21_000, "val": 1.8857, "wall": 80.7}
+
+
+def run_once(ranks: int, overrides: list[str], data_root: Path, out_dir: Path, eval_interval: int) -> dict:
+    args = ["train", "gpt", f"data.root={data_root}", f"train.out_dir={out_dir}", "train.save_checkpoints=false",
+            f"train.eval_interval={eval_interval}", "train.eval_iters=20", "train.log_interval=1", *overrides]
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "meshtrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "meshtrain", *args]
+    env = {**os.environ, "MESHTRAIN_PROGRESS": "0", "MESHTRAIN_DEVICE": os.environ.get("MESHTRAIN_DEVICE", "cpu")}
+    started = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.time() - started
+    if proc.returncode != 0:
+        sys.exit(f"run failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    run_dir = Path((out_dir / "gpt" / "ddp" / "latest").read_text().strip())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "dt" in r]
+    steady = steps[len(steps) // 10:]  # the first tenth warms caches and allocators
+    evals = [r for r in rows if "val_loss" in r]
+    return {"ms_iter": 1e3 * statistics.median(r["dt"] for r in steady),
+            "tps": statistics.median(r["tps"] for r in steady),
+            "mfu": statistics.median(r["mfu"] for r in steady), "val": evals[-1]["val_loss"],
+            "steps": evals[-1]["step"], "wall": wall, "evals": [(r["step"], r["time"] - started, r["val_loss"])
+                                                                  for r in evals]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="1,2", help="rank counts to run (default 1,2)")
+    parser.add_argument("--preset", default="cpu")
+    parser.add_argument("--extra", nargs="*", default=[], help="more KEY=VALUE overrides for every run")
+    parser.add_argument("--target", type=float, default=1.88, help="val loss whose first time is reported")
+    parser.add_argument("--eval-interval", type=int, default=100)
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data_root = Path(tmp) / "data"
+        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root",
+                        str(data_root)], check=True, capture_output=True)
+        results = []
+        for ranks in (int(r) for r in args.runs.split(",")):
+            overrides = [f"preset={args.preset}", *args.extra]
+            result = run_once(ranks, overrides, data_root, Path(tmp) / f"out{ranks}", args.eval_interval)
+            results.append((f"{ranks} rank{'s' if ranks > 1 else ''} ({' '.join(overrides)})", result))
+
+    table = Table(title=f"GPT CPU recipe on {os.cpu_count()} cores", title_justify="left")
+    for column in ("run", "ms/iter", "tokens/s", "vs nanoGPT", "MFU %", "iters", "val loss", "wall s",
+                   f"s to val≤{args.target}", "wall vs nanoGPT"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    ref = REFERENCE
+    table.add_row(ref["name"], f"{ref['ms_iter']:.1f}", f"{ref['tps']:,.0f}", "1.00", "", "2000", f"{ref['val']:.4f}",
+                  f"{ref['wall']:.1f}", "—", "1.00")
+    for name, r in results:
+        reached = next((t for _, t, v in r["evals"] if v <= args.target), None)
+        table.add_row(name, f"{r['ms_iter']:.1f}", f"{r['tps']:,.0f}", f"{r['tps'] / ref['tps']:.2f}",
+                      f"{r['mfu']:.1f}", str(r["steps"]), f"{r['val']:.4f}", f"{r['wall']:.1f}",
+                      "not reached" if reached is None else f"{reached:.1f}",
+                      "—" if reached is None else f"{reached / ref['wall']:.2f}")
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()
