@@ -199,3 +199,14 @@ def test_init_from_a_local_hugging_face_gpt2(tmp_path):
     rows = metrics_of(run_dir_of(tmp_path / "out"))
     evals = [r for r in rows if "val_loss" in r]
     assert evals[0]["val_loss"] == pytest.approx(10.8, abs=0.3), "a random GPT-2 starts near ln(50257)"
+
+
+def test_compile_trains_like_eager(data_root, tmp_path):
+    common = ["train.max_iters=4", "train.eval_interval=4", "train.log_interval=1", "model.dropout=0.0"]
+    runs = {}
+    for name, flag in (("eager", "false"), ("compiled", "true")):
+        out = train(1, data_root, tmp_path / name, *common, f"train.compile={flag}")
+        assert out.returncode == 0, output(out)[-3000:]
+        runs[name] = [r["loss"] for r in metrics_of(run_dir_of(tmp_path / name)) if "loss" in r]
+    assert len(runs["eager"]) == 4
+    assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
