@@ -90,6 +90,13 @@ def test_missing_data_names_the_path_and_the_command(tmp_path):
     assert "Traceback" not in text
 
 
+def test_prompt_outside_the_vocabulary_fails_before_training(data_root, tmp_path):
+    out = train(1, data_root, tmp_path, "train.max_iters=5", "train.prompt=Ωmega")
+    assert out.returncode == 1
+    assert "train.prompt='Ωmega' cannot be encoded for shakespeare_char: character 'Ω' is not in this " \
+           "65-character vocabulary" in output(out)
+
+
 def test_unknown_key_fails_before_training(tmp_path):
     out = train(1, tmp_path, tmp_path, "train.max_iter=1")
     assert out.returncode == 1

@@ -132,6 +132,10 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
     data_dir = Path(cfg.data.root) / cfg.data.name
     meta = load_meta(data_dir)
     tokenizer = tokenizer_from_meta(meta)
+    try:  # the prompt is first used at the first evaluation: find a bad one now
+        prompt_ids = tokenizer.encode(t.prompt)
+    except ValueError as e:
+        raise config_mod.ConfigError(f"train.prompt={t.prompt!r} cannot be encoded for {cfg.data.name}: {e}") from None
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = _build_model(cfg, meta["vocab_size"]).to(device)
     optimizer = build_optimizer(model.configure_optimizer_groups(o.weight_decay), o.lr, (o.beta1, o.beta2), device)
@@ -191,7 +195,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
 
     def sample(it: int) -> str:
         sample_generator.manual_seed(t.seed + it)
-        prompt = torch.tensor([tokenizer.encode(t.prompt)], dtype=torch.long, device=device)
+        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         model.eval()
         with autocast:
             tokens = model.generate(prompt, t.sample_tokens, temperature=t.temperature, top_k=t.top_k,
