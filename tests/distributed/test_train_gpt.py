@@ -60,24 +60,44 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, data_root, tmp_path
     assert f"{tmp_path}" in (tmp_path / "checkpoints.log").read_text()
 
 
-def test_resume_continues_bit_exactly(data_root, tmp_path):
-    common = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30"]
+def test_resume_after_a_kill_continues_bit_exactly(data_root, tmp_path):
+    import os
+    import signal
+    import time
+
+    from meshtrain.train.sinks import read_jsonl
+
+    common = ["train.max_iters=30", "train.eval_interval=10", "train.log_interval=1"]
     full_out = tmp_path / "full"
-    first = train(2, data_root, full_out, "train.max_iters=30", *common)
+    first = train(2, data_root, full_out, *common)
     assert first.returncode == 0, output(first)[-3000:]
     full_rows = metrics_of(run_dir_of(full_out))
-    full = {r["step"]: r for r in full_rows if "loss" in r}
+    full = {r["step"]: r["loss"] for r in full_rows if "loss" in r}
 
-    split_out = tmp_path / "split"
-    part = train(2, data_root, split_out, "train.max_iters=20", *common)
-    assert part.returncode == 0, output(part)[-3000:]
-    resumed = train(2, data_root, split_out, "train.max_iters=30", "train.init_from=resume", *common)
+    # The same run, killed (SIGKILL, every rank) once its first checkpoint is on disk.
+    killed_out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "meshtrain",
+           "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={killed_out}", *common]
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(), cwd=REPO,
+                           start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ((killed_out / "gpt/ddp/latest").exists() and (run_dir_of(killed_out) / "ckpt.pt").exists()):
+        assert job.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    import torch
+
+    killed_at = torch.load(run_dir_of(killed_out) / "ckpt.pt", weights_only=True)["iteration"]
+    assert killed_at in (10, 20), killed_at
+
+    resumed = train(2, data_root, killed_out, "train.init_from=resume", *common)
     assert resumed.returncode == 0, output(resumed)[-3000:]
-    rows = metrics_of(run_dir_of(split_out))
-    after = {r["step"]: r for r in rows if r["step"] > 20 and "loss" in r}
-    assert sorted(after) == list(range(21, 31))
-    for step, row in after.items():
-        assert row["loss"] == full[step]["loss"], f"loss at step {step} differs after resume"
+    rows = read_jsonl(run_dir_of(killed_out) / "metrics.jsonl")  # the resumed history replaces the killed tail
+    after = {r["step"]: r["loss"] for r in rows if r["step"] > killed_at and "loss" in r}
+    assert sorted(after) == list(range(killed_at + 1, 31))
+    for step, loss in after.items():
+        assert loss == full[step], f"loss at step {step} differs after resume"
     final_val = [r["val_loss"] for r in full_rows if "val_loss" in r and r["step"] == 30]
     assert [r["val_loss"] for r in rows if "val_loss" in r and r["step"] == 30] == final_val
 

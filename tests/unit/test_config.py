@@ -6,7 +6,7 @@ from meshtrain.config import ConfigError, from_dict, load_config, presets, to_di
 
 
 def test_presets_ship_with_the_package():
-    assert {"cpu", "shakespeare_char", "gpt2"} <= set(presets("gpt"))
+    assert {"cpu", "cpu_fast", "shakespeare_char", "gpt2"} <= set(presets("gpt"))
 
 
 def test_seed_command_line_resolves():
