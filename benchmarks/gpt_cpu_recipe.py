@@ -5,7 +5,9 @@
 
 Prints, per run: median ms/iter, tokens/s, MFU, val loss at the end, wall time, and the time at which
 val loss first reached --target (evaluated every --eval-interval iterations, so that time is coarse).
-The reference row is nanoGPT itself on this kind of 2-core box, as measured for issue 3.
+Two baselines: nanoGPT itself on this kind of 2-core box, as measured for issue 3 (fixed figures), and
+plain_gpt_loop.py, a framework-free fp32 loop of the same model run now, side by side, so its ratio
+holds even when this machine's speed drifts between days (or within a run).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=[], help="more KEY=VALUE overrides for every run")
     parser.add_argument("--target", type=float, default=1.88, help="val loss whose first time is reported")
     parser.add_argument("--eval-interval", type=int, default=100)
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false",
+                        help="skip the side-by-side plain fp32 loop")
     parser.add_argument("--log-interval", type=int, default=10,
                         help="iterations between metric lines (default 10, the presets'; nanoGPT's figure logged every 1)")
     args = parser.parse_args()
@@ -70,6 +74,10 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root",
                         str(data_root)], check=True, capture_output=True)
         results = []
+        if args.baseline:
+            plain = subprocess.run([sys.executable, str(Path(__file__).with_name("plain_gpt_loop.py")),
+                                    str(data_root / "shakespeare_char")], capture_output=True, text=True, check=True)
+            baseline = json.loads(plain.stdout.strip().splitlines()[-1])
         for ranks in (int(r) for r in args.runs.split(",")):
             overrides = [f"preset={args.preset}", *args.extra]
             result = run_once(ranks, overrides, data_root, Path(tmp) / f"out{ranks}", args.eval_interval,
@@ -77,16 +85,21 @@ def main() -> None:
             results.append((f"{ranks} rank{'s' if ranks > 1 else ''} ({' '.join(overrides)})", result))
 
     table = Table(title=f"GPT CPU recipe on {os.cpu_count()} cores", title_justify="left")
-    for column in ("run", "ms/iter", "tokens/s", "vs nanoGPT", "MFU %", "iters", "val loss", "wall s",
+    for column in ("run", "ms/iter", "tokens/s", "vs nanoGPT", "vs plain loop", "MFU %", "iters", "val loss", "wall s",
                    f"s to val≤{args.target}", "wall vs nanoGPT"):
         table.add_column(column, justify="right" if column != "run" else "left")
     ref = REFERENCE
-    table.add_row(ref["name"], f"{ref['ms_iter']:.1f}", f"{ref['tps']:,.0f}", "1.00", "", "2000", f"{ref['val']:.4f}",
-                  f"{ref['wall']:.1f}", "—", "1.00")
+    table.add_row(ref["name"], f"{ref['ms_iter']:.1f}", f"{ref['tps']:,.0f}", "1.00", "", "", "2000",
+                  f"{ref['val']:.4f}", f"{ref['wall']:.1f}", "—", "1.00")
+    base_tps = baseline["tps"] if args.baseline else None
+    if args.baseline:
+        table.add_row("plain fp32 loop, 1 process (run now)", f"{baseline['ms_iter']:.1f}", f"{baseline['tps']:,.0f}",
+                      f"{baseline['tps'] / ref['tps']:.2f}", "1.00", "", str(baseline["steps"]),
+                      f"{baseline['val']:.4f}", f"{baseline['wall']:.1f}", "—", "—")
     for name, r in results:
         reached = next((t for _, t, v in r["evals"] if v <= args.target), None)
         table.add_row(name, f"{r['ms_iter']:.1f}", f"{r['tps']:,.0f}", f"{r['tps'] / ref['tps']:.2f}",
-                      f"{r['mfu']:.1f}", str(r["steps"]), f"{r['val']:.4f}", f"{r['wall']:.1f}",
+                      f"{r['tps'] / base_tps:.2f}" if base_tps else "", f"{r['mfu']:.1f}", str(r["steps"]), f"{r['val']:.4f}", f"{r['wall']:.1f}",
                       "not reached" if reached is None else f"{reached:.1f}",
                       "—" if reached is None else f"{reached / ref['wall']:.2f}")
     Console(width=200).print(table)
