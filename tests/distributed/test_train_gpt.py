@@ -162,16 +162,6 @@ def test_sample_command_reads_a_run(data_root, tmp_path):
     assert first.stdout == again.stdout, "the same seed gives the same sample"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ddp_with_accumulation_equals_one_process_on_the_whole_batch(world):
-    script = str(Path(__file__).with_name("ddp_accumulation_check.py"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", script]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=180)
-    text = output(out)
-    assert out.returncode == 0, text[-3000:]
-    assert text.count("-> EQUAL") == world
-
-
 def test_tensorboard_and_wandb_offline_record_what_jsonl_records(data_root, tmp_path):
     pytest.importorskip("tensorboard", reason="needs the [tensorboard] extra")
     pytest.importorskip("wandb", reason="needs the [wandb] extra")

@@ -1,32 +1,106 @@
-"""Data parallelism for the training loop: DDP today; ZeRO/FSDP/HSDP join here.
+"""The data-parallel family, from replicated to fully sharded:
 
-The loop asks two things of this module: wrap the model, and tell it whether a micro-step should
-synchronise gradients (only the last of an accumulation does; the others skip the all-reduce).
+    ddp     DistributedDataParallel: every rank holds everything; gradients all-reduced
+    zero1   DDP + ZeroRedundancyOptimizer: optimizer state sharded across ranks
+    zero2   FSDP2, parameters kept gathered between forward and backward (no reshard after forward)
+    fsdp    FSDP2, parameters re-sharded after forward (= zero3): the least memory, the most traffic
+    hsdp    FSDP2 on a 2-D mesh: shard within dp_shard, replicate across dp_replicate
+
+The loop asks three things of this module: wrap the model, build its optimizer, and say whether a
+micro-step synchronises gradients (only the last of an accumulation does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp")
+SHARDED = ("zero2", "fsdp", "zero3", "hsdp")
 
-def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, world_size: int) -> nn.Module:
-    """The model as the loop should call it; unchanged on one process (no all-reduce to pay for)."""
-    if backend != "ddp":
-        raise ValueError(f"unknown data-parallel backend {backend!r}")
+
+def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, world_size: int, *,
+                        blocks: Iterable[nn.Module] = (), mesh=None, param_dtype: torch.dtype | None = None,
+                        cpu_offload: bool = False) -> nn.Module:
+    """The model as the loop should call it; unchanged on one process (no collective to pay for).
+
+    `blocks` are the repeated layers FSDP shards one by one, so only one block's parameters are
+    gathered at a time; `mesh` is the data-parallel DeviceMesh (2-D, replicate × shard, for hsdp).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown data-parallel backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if world_size == 1:
         return model
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if backend in ("ddp", "zero1"):
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if mesh is None:
+        if backend == "hsdp":
+            raise ValueError("hsdp needs a 2-D mesh (dp_replicate × dp_shard)")
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    options = dict(
+        mesh=mesh,
+        reshard_after_forward=backend != "zero2",
+        # Compute in param_dtype, but reduce gradients in fp32: summing many ranks' bf16 gradients loses bits.
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None),
+        # Pinned host memory needs an accelerator; on a CPU-only box pinning fails.
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
+    )
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def build_optimizer(param_groups: list[dict], device: torch.device, backend: str = "ddp", world_size: int = 1,
+                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **hyper) -> torch.optim.Optimizer:
+    """`optimizer_class` over prepared groups (AdamW: the fused kernel on CUDA and CPU); under zero1 each
+    rank keeps and updates only its share of the optimizer state (ZeroRedundancyOptimizer)."""
+    if optimizer_class is torch.optim.AdamW:
+        hyper.setdefault("fused", device.type in ("cuda", "cpu"))
+    if backend == "zero1" and world_size > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        first, *rest = param_groups
+        optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=optimizer_class,
+                                            **{**hyper, **{k: v for k, v in first.items() if k != "params"}})
+        for group in rest:  # it takes further groups one at a time
+            optimizer.add_param_group(dict(group))
+        return optimizer
+    return optimizer_class(param_groups, **hyper)
 
 
 def gradient_sync(model: nn.Module, sync: bool):
-    """Context for one micro-step's backward: no all-reduce unless `sync` (DDP's no_sync)."""
-    if sync or not isinstance(model, DistributedDataParallel):
-        return nullcontext()
-    return model.no_sync()
+    """Context for one micro-step's backward: no gradient reduction unless `sync`."""
+    if isinstance(model, DistributedDataParallel):
+        return nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(sync)
+    return nullcontext()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor holds only its shard here
+
+
+def bytes_held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds (shards, not the whole)."""
+    params = list(model.parameters())
+    held = {"params": sum(_local(p).numel() * p.element_size() for p in params),
+            "grads": sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "optimizer": 0}
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+    for state in (inner.state.values() if inner is not None else ()):
+        held["optimizer"] += sum(_local(v).numel() * v.element_size() for v in state.values()
+                                 if torch.is_tensor(v) and v.dim() > 0)
+    return held
 
 
 def unwrap(model: nn.Module) -> nn.Module:

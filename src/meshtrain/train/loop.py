@@ -25,9 +25,9 @@ from meshtrain.dist.log import get_logger, print_rich
 from meshtrain.dist.setup import DistInfo, collective
 from meshtrain.errors import MeshtrainError
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.data_parallel import apply_data_parallel, gradient_sync
+from meshtrain.parallel.data_parallel import apply_data_parallel, build_optimizer, gradient_sync
 from meshtrain.train import checkpoint, metrics
-from meshtrain.train.optim import build_optimizer, learning_rate
+from meshtrain.train.optim import learning_rate
 from meshtrain.train.sinks import build_sinks, progress_bar, track
 
 log = get_logger("train")
@@ -138,7 +138,8 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         raise config_mod.ConfigError(f"train.prompt={t.prompt!r} cannot be encoded for {cfg.data.name}: {e}") from None
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = _build_model(cfg, meta["vocab_size"]).to(device)
-    optimizer = build_optimizer(model.configure_optimizer_groups(o.weight_decay), o.lr, (o.beta1, o.beta2), device)
+    optimizer = build_optimizer(model.configure_optimizer_groups(o.weight_decay), device, t.backend, info.world_size,
+                                lr=o.lr, betas=(o.beta1, o.beta2))
     scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
     batches = _Batches(data_dir, cfg, info)
     torch.manual_seed(t.seed + info.rank)  # dropout masks differ per rank, as their data does

@@ -1,16 +1,8 @@
-"""AdamW with decay / no-decay groups, and the learning-rate schedule (linear warm-up, cosine decay)."""
+"""The learning-rate schedule: linear warm-up, then cosine decay (the optimizer is built in parallel/)."""
 
 from __future__ import annotations
 
 import math
-
-import torch
-
-
-def build_optimizer(param_groups: list[dict], lr: float, betas: tuple[float, float], device: torch.device):
-    """AdamW over prepared groups; the fused kernel (one pass over all parameters) on CUDA and CPU."""
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=fused)
 
 
 def learning_rate(it: int, lr: float, min_lr: float, warmup_iters: int, decay_iters: int, decay: bool = True) -> float:

@@ -1,0 +1,235 @@
+"""ParallelDims: the one object that says how the ranks form a mesh and answers every "which ranks?" question.
+
+    dims = ParallelDims(world_size=8, tp=2, pp=2)        # dp_shard=-1 fills the rest: 2
+    dims.group_of(rank, "tp")                            # pure arithmetic, no processes
+    mesh = dims.build_mesh("cuda")                       # one DeviceMesh, named dims
+    dp_mesh = submesh(mesh, "dp")                        # dp_replicate x dp_shard, or None
+
+The order string follows NERSC: the FIRST dim named has adjacent ranks. With "tp-cp-dp-pp", the ranks
+of a TP group are consecutive, so a node holds whole TP groups. In the DeviceMesh, dims run from the
+outermost (last named, largest stride) to the innermost (first named, stride 1). "dp" in the order is
+dp_replicate x dp_shard, dp_shard inner: HSDP shards within the closer ranks and replicates across.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtrain.errors import MeshtrainError
+
+DEFAULT_ORDER = "tp-cp-dp-pp"
+ORDER_DIMS = ("tp", "cp", "dp", "pp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Flattened dims, each over its parts. "dp": the ranks that see different batches (data loading,
+# gradient reduction); "dp_shard_cp": what FSDP shards over when cp > 1 (cp ranks hold the same
+# weights); "dp_cp": the ranks a loss is averaged over when cp splits the sequence.
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+class MeshError(MeshtrainError, ValueError):
+    """The parallel sizes do not fit the job or the model; the message names the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever is left of the world
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    order: str = DEFAULT_ORDER
+    world_size: int = 1
+
+    @classmethod
+    def resolve(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1,
+                pp: int = 1, order: str = DEFAULT_ORDER) -> ParallelDims:
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, order=order,
+                   world_size=world_size)
+
+    def __post_init__(self):
+        parse_order(self.order)
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise MeshError(f"world_size={self.world_size} must be a positive number of ranks")
+        for name in DIMS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 and not (name == "dp_shard" and value == -1):
+                raise MeshError(f"parallel.{name}={value} must be a positive integer"
+                                + (" or -1 (whatever is left of the world)" if name == "dp_shard" else ""))
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise MeshError(
+                    f"parallel.dp_shard=-1 should fill what is left of the {self.world_size} ranks, but "
+                    f"dp_replicate={self.dp_replicate} × cp={self.cp} × tp={self.tp} × pp={self.pp} = {others} "
+                    f"does not divide {self.world_size}: choose sizes whose product divides {self.world_size}")
+            object.__setattr__(self, "dp_shard", self.world_size // others)  # frozen: set once, here
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise MeshError(
+                f"parallel.dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard} × cp={self.cp} × "
+                f"tp={self.tp} × pp={self.pp} = {product}, but the job has {self.world_size} ranks: make the "
+                f"product {self.world_size} (dp_shard=-1 fills what is left)")
+
+    # ---- sizes and flags -------------------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def size(self, dim: str) -> int:
+        """The size of a mesh dim or of a flattened one ("dp", "dp_shard_cp", "dp_cp")."""
+        return math.prod(getattr(self, d) for d in _parts(dim))
+
+    @property
+    def layout(self) -> tuple[str, ...]:
+        """All five dims, outermost (largest stride) first: the reverse of the order string."""
+        names: list[str] = []
+        for dim in reversed(parse_order(self.order)):
+            names += ["dp_replicate", "dp_shard"] if dim == "dp" else [dim]
+        return tuple(names)
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The dims the DeviceMesh has: those of size > 1 in layout order, or dp_shard alone on one rank."""
+        return tuple(d for d in self.layout if getattr(self, d) > 1) or ("dp_shard",)
+
+    # ---- pure rank arithmetic ---------------------------------------------------------------------------
+    def _strides(self) -> dict[str, int]:
+        strides, stride = {}, 1
+        for dim in reversed(self.layout):  # innermost first: stride 1
+            strides[dim] = stride
+            stride *= getattr(self, dim)
+        return strides
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each of pp, dp_replicate, dp_shard, cp, tp."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside the job's {self.world_size} ranks")
+        strides = self._strides()
+        return {dim: rank // strides[dim] % getattr(self, dim) for dim in DIMS}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        strides = self._strides()
+        return sum(coords[dim] * strides[dim] for dim in DIMS)
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The global ranks that share every coordinate of `rank` except those of `dim` (sorted)."""
+        parts = _parts(dim)
+        base = self.coords(rank)
+        ranks = [0]
+        strides = self._strides()
+        for part in parts:
+            base[part] = 0
+            ranks = [r + i * strides[part] for r in ranks for i in range(getattr(self, part))]
+        offset = self.rank_of(base)
+        return sorted(offset + r for r in ranks)
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-loading rank: tp/cp/pp ranks of one replica share it, so they read the same batch."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def is_first_stage(self, rank: int) -> bool:
+        return self.coords(rank)["pp"] == 0
+
+    def is_last_stage(self, rank: int) -> bool:
+        return self.coords(rank)["pp"] == self.pp - 1
+
+    # ---- fits the hardware and the model? ---------------------------------------------------------------
+    def check_fits(self, local_world_size: int, n_head: int | None = None, seq_len: int | None = None,
+                   microbatches: int | None = None) -> None:
+        check_fits(self, local_world_size, n_head=n_head, seq_len=seq_len, microbatches=microbatches)
+
+    # ---- the real mesh ------------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str):
+        """One DeviceMesh over all ranks (collective: every rank must call it), plus its flattened dims."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = self.mesh_dims
+        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in names), mesh_dim_names=names)
+        # Flattening creates process groups, which every rank must create together, so do it now, once;
+        # submesh() later finds them in the root mesh's cache instead of creating groups on one rank.
+        for name in FLATTENED:
+            submesh(mesh, name)
+        return mesh
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    dims = tuple(order.split("-")) if isinstance(order, str) else ()
+    if sorted(dims) != sorted(ORDER_DIMS):
+        missing = [d for d in ORDER_DIMS if d not in dims]
+        extra = [d for d in dims if d not in ORDER_DIMS or dims.count(d) > 1]
+        raise MeshError(
+            f"parallel.order={order!r} must name each of tp, cp, dp, pp exactly once, joined by '-'"
+            + (f"; missing {', '.join(missing)}" if missing else "")
+            + (f"; unknown or repeated {', '.join(dict.fromkeys(extra))}" if extra else "")
+            + f" (e.g. {DEFAULT_ORDER!r}: the first named has adjacent ranks)")
+    return dims
+
+
+def _parts(dim: str) -> tuple[str, ...]:
+    parts = FLATTENED.get(dim, (dim,))
+    if any(p not in DIMS for p in parts):
+        raise MeshError(f"unknown mesh dim {dim!r}: use one of {', '.join(DIMS + tuple(FLATTENED))}")
+    return parts
+
+
+def check_fits(dims: ParallelDims, local_world_size: int, n_head: int | None = None, seq_len: int | None = None,
+               microbatches: int | None = None) -> None:
+    """Raise MeshError if the layout cannot work on this node size or for this model."""
+    if dims.tp > local_world_size:
+        raise MeshError(
+            f"parallel.tp={dims.tp} is larger than the {local_world_size} ranks of a node: tensor parallelism "
+            f"all-reduces every layer and belongs inside a node (use tp <= {local_world_size})")
+    if n_head is not None and n_head % dims.tp:
+        raise MeshError(f"model.n_head={n_head} is not divisible by parallel.tp={dims.tp}: each tensor-parallel "
+                        f"rank needs whole attention heads; pick a tp that divides {n_head}")
+    if seq_len is not None and dims.cp > 1 and seq_len % (2 * dims.cp):
+        raise MeshError(f"seq_len={seq_len} is not divisible by 2 × parallel.cp={dims.cp} = {2 * dims.cp}: ring "
+                        f"attention balances the causal load by cutting each sequence into 2·cp chunks")
+    if microbatches is not None and microbatches < dims.pp:
+        raise MeshError(f"microbatches={microbatches} is fewer than parallel.pp={dims.pp} stages: some stages would "
+                        f"always sit idle; use at least {dims.pp} microbatches (more shrinks the bubble)")
+
+
+def submesh(mesh, name: str):
+    """The named dim of `mesh` (flattened from its parts for "dp", "dp_shard_cp", "dp_cp"), or None if size 1.
+
+    Parts of size 1 are not in the mesh, so "dp" with dp_replicate=1 is simply mesh["dp_shard"]. Parts are
+    sliced in the mesh's own order: DeviceMesh only slices dims in ascending layout order.
+    """
+    present = [d for d in mesh.mesh_dim_names if d in _parts(name)]
+    if not present or math.prod(mesh[d].size() for d in present) == 1:
+        return None
+    if len(present) == 1:
+        return mesh[present[0]]
+    # torch >= 2.5; private, but torchtitan relies on it. Same name + same ranks returns the cached mesh.
+    return mesh[tuple(present)]._flatten(name)

@@ -1,0 +1,77 @@
+"""Under torchrun: a data-parallel backend must train exactly like one process on the whole batch.
+
+    python -m torch.distributed.run --nproc-per-node N data_parallel_check.py BACKEND [--cpu-offload]
+
+Every rank builds the same global batch and a single-process reference; the parallel model sees only
+this rank's share, in ACCUM micro-steps of which only the last synchronises (the loop's
+apply_data_parallel + build_optimizer + gradient_sync). Loss, gradients and parameters are compared
+after each of STEPS steps; sharded ones (FSDP's DTensors) are gathered first.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.dist import distributed
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel.data_parallel import apply_data_parallel, build_optimizer, bytes_held, gradient_sync
+
+ACCUM, MICRO, STEPS = 2, 3, 3
+backend, cpu_offload = sys.argv[1], "--cpu-offload" in sys.argv
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+with distributed() as info:
+    config = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    torch.manual_seed(0)
+    model = GPT(config)
+    mesh = None
+    if backend == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, info.world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    parallel = apply_data_parallel(model, backend, info.torch_device, info.world_size,
+                                   blocks=model.transformer.h.values(), mesh=mesh, cpu_offload=cpu_offload)
+    # SGD is linear in the gradients; Adam's first steps divide by |g| and would magnify rounding noise in
+    # near-zero gradients into differences that say nothing about the parallel layout.
+    sgd = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = build_optimizer(reference.configure_optimizer_groups(0.1), torch.device("cpu"), **sgd)
+    opt = build_optimizer(model.configure_optimizer_groups(0.1), info.torch_device, backend, info.world_size, **sgd)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(STEPS):
+        batch = torch.randint(0, 65, (info.world_size * ACCUM * MICRO, 17), generator=torch.Generator().manual_seed(step))
+        x, y = batch[:, :-1], batch[:, 1:]
+        _, ref_loss = reference(x, y)
+        ref_loss.backward()
+        rows = list(range(info.rank * ACCUM * MICRO, (info.rank + 1) * ACCUM * MICRO))
+        loss_sum = torch.zeros(())
+        for micro in range(ACCUM):
+            mine = rows[micro * MICRO:(micro + 1) * MICRO]
+            with gradient_sync(parallel, micro == ACCUM - 1):
+                _, micro_loss = parallel(x[mine], y[mine])
+                (micro_loss / ACCUM).backward()
+            loss_sum += micro_loss.detach() / ACCUM
+        dist.all_reduce(loss_sum)
+        worst["loss"] = max(worst["loss"], abs(loss_sum.item() / info.world_size - ref_loss.item()))
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            scale = q.grad.abs().max().clamp_min(1e-12)
+            worst["grad"] = max(worst["grad"], ((full(p.grad).cpu() - q.grad).abs().max() / scale).item())
+        ref_opt.step()
+        opt.step()
+        mine, whole = bytes_held(model, opt), bytes_held(reference, ref_opt)  # with gradients and optimizer state
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst["param"] = max(worst["param"], (full(p.detach()).cpu() - q.detach()).abs().max().item())
+    print(f"{backend} rank {info.rank} holds " + " ".join(f"{k}={mine[k]}/{whole[k]}" for k in mine), flush=True)
+    ok = worst["loss"] < 1e-5 and worst["grad"] < 1e-5 and worst["param"] < 1e-5
+    print(f"{backend} rank {info.rank}: loss diff {worst['loss']:.3g}, relative grad diff {worst['grad']:.3g}, "
+          f"param diff {worst['param']:.3g} after {STEPS} steps -> {'EQUAL' if ok else 'DIFFERENT'}", flush=True)
+    exit_code = 0 if ok else 1
+sys.exit(exit_code)
