@@ -22,7 +22,7 @@ from meshtrain.errors import MeshtrainError
 
 PRESET_DIR = Path(__file__).parent / "configs"
 DTYPES = ("fp32", "bf16", "fp16")
-BACKENDS = ("ddp",)
+BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp")  # parallel/data_parallel.py
 
 
 class ConfigError(MeshtrainError, ValueError):
@@ -86,11 +86,23 @@ class TrainSection:
 
 
 @dataclass
+class ParallelSection:
+    dp_replicate: int = 1  # hsdp: replicas, each sharded over dp_shard ranks
+    dp_shard: int = -1  # -1: the ranks left over
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    order: str = "tp-cp-dp-pp"  # the first dim's ranks are adjacent (on one node)
+    cpu_offload: bool = False  # fsdp/zero2/zero3/hsdp: parameters and optimizer state live in host memory
+
+
+@dataclass
 class GPTRunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
 
 def presets(workload: str = "gpt") -> list[str]:
@@ -164,7 +176,15 @@ def validate(cfg: GPTRunConfig) -> None:
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r}: choose one of {', '.join(DTYPES)}")
     if t.backend not in BACKENDS:
-        raise ConfigError(f"train.backend={t.backend!r}: this version trains with {', '.join(BACKENDS)}")
+        raise ConfigError(f"train.backend={t.backend!r}: choose one of {', '.join(BACKENDS)}")
+    p = cfg.parallel
+    for dim in ("tp", "cp", "pp"):
+        if getattr(p, dim) != 1:
+            raise ConfigError(f"parallel.{dim}={getattr(p, dim)}: the trainer runs data parallelism only in this "
+                              f"version; set parallel.{dim}=1")
+    if (p.dp_replicate > 1) != (t.backend == "hsdp"):
+        raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} with train.backend={t.backend}: replicas of "
+                          "shards are hsdp's; use train.backend=hsdp with parallel.dp_replicate > 1, or dp_replicate=1")
     if t.wandb not in ("off", "offline", "online"):
         raise ConfigError(f"train.wandb={t.wandb!r}: choose off, offline or online")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:

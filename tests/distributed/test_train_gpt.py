@@ -227,3 +227,28 @@ def test_compile_trains_like_eager(data_root, tmp_path):
         runs[name] = [r["loss"] for r in metrics_of(run_dir_of(tmp_path / name)) if "loss" in r]
     assert len(runs["eager"]) == 4
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
+
+
+@pytest.mark.parametrize("backend,world,extra", [
+    ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []), ("hsdp", 4, ["parallel.dp_replicate=2"]),
+    ("fsdp", 2, ["parallel.cpu_offload=true"]),
+], ids=["zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload"])
+def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_root, tmp_path):
+    common = [f"train.backend={backend}", *extra, "train.eval_interval=10", "train.log_interval=1",
+              "optimizer.lr_decay_iters=30", "train.dtype=fp32"]
+    full_run = train(world, data_root, tmp_path / "full", "train.max_iters=30", *common)
+    text = output(full_run)
+    assert full_run.returncode == 0, text[-3000:]
+    assert f"of optimizer state ({backend})" in text
+    rows = metrics_of(run_dir_of(tmp_path / "full", backend))
+    evals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert evals[-1] < evals[0] - 0.3, "val loss must fall"
+    full = {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    part = train(world, data_root, tmp_path / "split", "train.max_iters=20", *common)
+    assert part.returncode == 0, output(part)[-3000:]
+    resumed = train(world, data_root, tmp_path / "split", "train.max_iters=30", "train.init_from=resume", *common)
+    assert resumed.returncode == 0, output(resumed)[-3000:]
+    after = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "split", backend))
+             if r["step"] > 20 and "loss" in r}
+    assert after == {step: full[step] for step in range(21, 31)}, "the resumed run repeats the uninterrupted one"

@@ -86,6 +86,46 @@ def gradient_sync(model: nn.Module, sync: bool):
     return nullcontext()
 
 
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole model and optimizer state on rank 0, on the CPU, gathered from every rank's shard.
+
+    Every rank must call it (it gathers); other ranks get what they hold, to be ignored. The format
+    is the same for every backend but zero1, so a checkpoint resumes under another of them.
+    """
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: shards gathered to rank 0
+        optimizer.consolidate_state_dict(to=0)
+        optim_state = optimizer.state_dict() if torch.distributed.get_rank() == 0 else {}
+        return unwrap(model).state_dict(), optim_state
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = unwrap(model)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                          optim_state: dict) -> None:
+    """Load what full_state_dicts saved (every rank passes the whole); each rank keeps its share."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        unwrap(model).load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    model = unwrap(model)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor holds only its shard here
 

@@ -25,7 +25,16 @@ from meshtrain.dist.log import get_logger, print_rich
 from meshtrain.dist.setup import DistInfo, collective
 from meshtrain.errors import MeshtrainError
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.data_parallel import apply_data_parallel, build_optimizer, gradient_sync
+from meshtrain.parallel.data_parallel import (
+    SHARDED,
+    apply_data_parallel,
+    build_optimizer,
+    bytes_held,
+    full_state_dicts,
+    gradient_sync,
+    load_full_state_dicts,
+)
+from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.train import checkpoint, metrics
 from meshtrain.train.optim import learning_rate
 from meshtrain.train.sinks import build_sinks, progress_bar, track
@@ -51,9 +60,9 @@ class _Batches:
     """The three samplers of one rank: training windows, and separate ones for evaluation so that
     evaluating never shifts what training sees next."""
 
-    def __init__(self, data_dir: Path, cfg: GPTRunConfig, info: DistInfo):
-        common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=info.rank,
-                      dp_size=info.world_size, device=info.torch_device)
+    def __init__(self, data_dir: Path, cfg: GPTRunConfig, dp_rank: int, dp_size: int, device: torch.device):
+        common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=dp_rank,
+                      dp_size=dp_size, device=device)
         seed = cfg.train.seed
         self.train = TokenBatches(data_dir, "train", seed=seed, **common)
         self.eval = {"train": TokenBatches(data_dir, "train", seed=seed + 1, **common),
@@ -138,15 +147,28 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         raise config_mod.ConfigError(f"train.prompt={t.prompt!r} cannot be encoded for {cfg.data.name}: {e}") from None
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = _build_model(cfg, meta["vocab_size"]).to(device)
+    flops_per_token = model.flops_per_token()
+    dims = ParallelDims.resolve(info.world_size, dp_replicate=cfg.parallel.dp_replicate,
+                                dp_shard=cfg.parallel.dp_shard, order=cfg.parallel.order)
+    batches = _Batches(data_dir, cfg, dims.dp_rank(info.rank), dims.dp_size, device)
+    torch.manual_seed(t.seed + info.rank)  # dropout masks differ per rank, as their data does
+
+    autocast = (torch.autocast(device_type=device.type, dtype=AUTOCAST[t.dtype]) if AUTOCAST[t.dtype]
+                else nullcontext())
+    sharded = t.backend in SHARDED and info.world_size > 1
+    mesh = dims.build_mesh(device.type) if sharded else None
+    train_model = apply_data_parallel(
+        model if sharded or not t.compile else torch.compile(model), t.backend, device, info.world_size,
+        blocks=model.transformer.h.values(), mesh=mesh, param_dtype=AUTOCAST[t.dtype] if sharded else None,
+        cpu_offload=cfg.parallel.cpu_offload)
+    if sharded and t.compile:  # FSDP first, then compile the sharded model
+        train_model = torch.compile(train_model)
     optimizer = build_optimizer(model.configure_optimizer_groups(o.weight_decay), device, t.backend, info.world_size,
                                 lr=o.lr, betas=(o.beta1, o.beta2))
     scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
-    batches = _Batches(data_dir, cfg, info)
-    torch.manual_seed(t.seed + info.rank)  # dropout masks differ per rank, as their data does
     start_iter = 0
     if resumed:
-        model.load_state_dict(resumed["model"])
-        optimizer.load_state_dict(resumed["optimizer"])
+        load_full_state_dicts(model, optimizer, resumed["model"], resumed["optimizer"])
         scaler.load_state_dict(resumed["scaler"])
         start_iter = resumed["iteration"]
         ranks = resumed["ranks"]
@@ -155,15 +177,14 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         else:
             log.warning("checkpoint was written by %d ranks, this run has %d: data and RNG streams restart from "
                         "the seed (the run continues, but not bit-exactly)", len(ranks), info.world_size)
+    if info.is_main:
+        held = bytes_held(model, optimizer)
+        log.info("rank 0 holds %s of parameters and %s of optimizer state (%s)", _mib(held["params"]),
+                 _mib(held["optimizer"]), t.backend)
 
-    train_model = torch.compile(model) if t.compile else model
-    train_model = apply_data_parallel(train_model, t.backend, device, info.world_size)
-    autocast = (torch.autocast(device_type=device.type, dtype=AUTOCAST[t.dtype]) if AUTOCAST[t.dtype]
-                else nullcontext())
     decay_iters = o.lr_decay_iters or t.max_iters
     sample_generator = torch.Generator(device=device)
 
-    flops_per_token = model.flops_per_token()
     peak, peak_source = metrics.peak_flops(device, AUTOCAST[t.dtype] or torch.float32, t.peak_flops)
     tokens_per_iter_per_rank = cfg.model.batch_size * t.grad_accum * cfg.model.block_size
     sinks = build_sinks(run_dir, info.is_main, tensorboard=t.tensorboard,
@@ -212,8 +233,10 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                 dist.all_gather_object(ranks, mine)
         else:
             ranks = [mine]
+        with collective("gathering the model and optimizer state for the checkpoint", info.timeout_s):
+            model_state, optim_state = full_state_dicts(model, optimizer)
         if info.is_main:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            state = {"model": model_state, "optimizer": optim_state, "scaler": scaler.state_dict(),
                      "iteration": it, "config": config_mod.to_dict(cfg), "meta": meta, "ranks": ranks, **losses}
             path = checkpoint.save(run_dir, state)
             log.info("checkpoint: %s (iteration %d)", path, it)
@@ -233,10 +256,9 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                                                f"The last good checkpoint in {run_dir} is left as it was; lower "
                                                "optimizer.lr or raise optimizer.warmup_iters and resume from it")
                     sinks.log(it, losses)
-                    if info.is_main:
-                        text = sample(it)
-                        result.samples.append(text)
-                        sinks.log_text(it, "sample", text)
+                    text = sample(it)  # on every rank: a sharded model gathers its layers for each token
+                    result.samples.append(text)
+                    sinks.log_text(it, "sample", text)
                     if t.save_checkpoints and it > start_iter:
                         save(it, losses)
             if stop:
@@ -289,10 +311,14 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                        "mfu": metrics.mfu(flops_per_token, rates["tps_per_gpu"], peak), "lr": lr,
                        "mem_gb": metrics.peak_memory_bytes(device) / 2**30}
                 if grad_norm is not None:
-                    row["grad_norm"] = float(grad_norm)
+                    row["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 sinks.log(it, row)
     sinks.close()
     return result
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def _out_of_time(started: float, max_minutes: float | None, info: DistInfo) -> bool:
