@@ -65,6 +65,8 @@ class TrainSection:
     backend: str = "ddp"
     dtype: str = "bf16"  # fp32 | bf16 (autocast) | fp16 (autocast + GradScaler, GPU only)
     compile: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective (every ac_every-th block)
+    ac_every: int = 2
     max_iters: int = 2000
     grad_accum: int = 1  # micro-steps per iteration; only the last one synchronises gradients
     eval_interval: int = 250
@@ -185,6 +187,9 @@ def validate(cfg: GPTRunConfig) -> None:
     if (p.dp_replicate > 1) != (t.backend == "hsdp"):
         raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} with train.backend={t.backend}: replicas of "
                           "shards are hsdp's; use train.backend=hsdp with parallel.dp_replicate > 1, or dp_replicate=1")
+    if t.activation_checkpointing not in ("none", "full", "selective") or t.ac_every < 1:
+        raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r}, train.ac_every={t.ac_every}: "
+                          "choose none, full or selective, and ac_every >= 1")
     if t.wandb not in ("off", "offline", "online"):
         raise ConfigError(f"train.wandb={t.wandb!r}: choose off, offline or online")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:

@@ -1,6 +1,6 @@
 """Under torchrun: a data-parallel backend must train exactly like one process on the whole batch.
 
-    python -m torch.distributed.run --nproc-per-node N data_parallel_check.py BACKEND [--cpu-offload]
+    python -m torch.distributed.run --nproc-per-node N data_parallel_check.py BACKEND [--cpu-offload] [--ac=full]
 
 Every rank builds the same global batch and a single-process reference; the parallel model sees only
 this rank's share, in ACCUM micro-steps of which only the last synchronises (the loop's
@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from meshtrain.dist import distributed
 from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.data_parallel import apply_data_parallel, build_optimizer, bytes_held, gradient_sync
 
 ACCUM, MICRO, STEPS = 2, 3, 3
 backend, cpu_offload = sys.argv[1], "--cpu-offload" in sys.argv
+activation_checkpointing = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--ac=")), "none")
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -31,6 +33,7 @@ with distributed() as info:
     reference = GPT(config)
     torch.manual_seed(0)
     model = GPT(config)
+    apply_activation_checkpointing(model.transformer.h, activation_checkpointing)
     mesh = None
     if backend == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh

@@ -21,6 +21,7 @@ CASES = [
     ("zero3", 4, [], {"params": 4, "grads": 4, "optimizer": 4}),
     ("fsdp", 2, ["--cpu-offload"], {"params": 2, "grads": 2, "optimizer": 2}),
     ("hsdp", 4, [], {"params": 2, "grads": 2, "optimizer": 2}),  # 2 replicas x 2 shards
+    ("fsdp", 2, ["--ac=full"], {"params": 2, "grads": 2, "optimizer": 2}),  # activation checkpointing composes
 ]
 
 

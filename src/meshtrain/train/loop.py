@@ -25,6 +25,7 @@ from meshtrain.dist.log import get_logger, print_rich
 from meshtrain.dist.setup import DistInfo, collective
 from meshtrain.errors import MeshtrainError
 from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.data_parallel import (
     SHARDED,
     apply_data_parallel,
@@ -155,6 +156,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
 
     autocast = (torch.autocast(device_type=device.type, dtype=AUTOCAST[t.dtype]) if AUTOCAST[t.dtype]
                 else nullcontext())
+    apply_activation_checkpointing(model.transformer.h, t.activation_checkpointing, t.ac_every)  # before FSDP
     sharded = t.backend in SHARDED and info.world_size > 1
     mesh = dims.build_mesh(device.type) if sharded else None
     train_model = apply_data_parallel(
