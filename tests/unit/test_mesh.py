@@ -70,8 +70,8 @@ def test_tp_first_gives_consecutive_tp_groups():
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1], "a tp pair reads one batch"
     assert [r for r in range(8) if dims.is_first_stage(r)] == [0, 1, 2, 3]
     assert [r for r in range(8) if dims.is_last_stage(r)] == [4, 5, 6, 7]
-    assert dims.tp_enabled and dims.pp_enabled and dims.dp_enabled and dims.dp_shard_enabled
-    assert not (dims.cp_enabled or dims.dp_replicate_enabled)
+    assert all(dims.enabled(d) for d in ("tp", "pp", "dp", "dp_shard"))
+    assert not any(dims.enabled(d) for d in ("cp", "dp_replicate"))
 
 
 def test_dp_first_gives_consecutive_dp_groups():

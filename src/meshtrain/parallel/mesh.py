@@ -80,33 +80,13 @@ class ParallelDims:
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp_size > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
     def size(self, dim: str) -> int:
         """The size of a mesh dim or of a flattened one ("dp", "dp_shard_cp", "dp_cp")."""
         return math.prod(getattr(self, d) for d in _parts(dim))
+
+    def enabled(self, dim: str) -> bool:
+        """Whether `dim` (or a flattened one) spans more than one rank."""
+        return self.size(dim) > 1
 
     @property
     def layout(self) -> tuple[str, ...]:
