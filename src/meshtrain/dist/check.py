@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.dist.device import synchronize
 from meshtrain.dist.log import get_logger
-from meshtrain.dist.setup import DistInfo, collective, distributed
+from meshtrain.dist.setup import DistInfo, collective, distributed, reduce_scalar
 
 log = get_logger("test-dist")
 
@@ -92,10 +92,7 @@ def train_and_compare(args: argparse.Namespace, info: DistInfo) -> int:
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         t3 = time.perf_counter()
-        mean_loss = loss.detach().clone()
-        with collective("all_reduce of the loss for logging", info.timeout_s):
-            dist.all_reduce(mean_loss)
-        losses.append(mean_loss.item() / world)
+        losses.append(reduce_scalar(loss, "mean", "all_reduce of the loss for logging", info.timeout_s))
         log.info("iter=%d loss=%.6f dt=%.6f dtf=%.6f dtb=%.6f", it, losses[-1], t3 - t0, t1 - t0, t2 - t1)
 
     bad = parameter_mismatch(model, info.timeout_s)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from meshtrain.dist.device import synchronize
 from meshtrain.dist.log import get_logger, print_rich
-from meshtrain.dist.setup import CollectiveError, DistInfo, collective, distributed
+from meshtrain.dist.setup import CollectiveError, DistInfo, collective, distributed, reduce_scalar
 
 log = get_logger("collectives")
 
@@ -353,12 +353,6 @@ def _demo_table(cases: list[str], everyone: list, info: DistInfo):
     return table
 
 
-def _over_ranks(value: float, op: dist.ReduceOp, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.item()
-
-
 def _memory_cap(info: DistInfo) -> int:
     """DEFAULT_MAX_BYTES, lowered to a power of two at most 1/16 of the memory this rank may use."""
     device = info.torch_device
@@ -411,12 +405,12 @@ def _time_op(op: str, count: int, nbytes: int, info: DistInfo, args: argparse.Na
     what = f"{op} of {human_bytes(nbytes)}"
     with collective(f"{what} (warm-up)", info.timeout_s):
         # The first call also sizes the loop; every rank must agree on it, hence the slowest rank's time.
-        first = _over_ranks(timed(1), dist.ReduceOp.MAX, device)
+        first = reduce_scalar(timed(1), "max", f"{what} (warm-up)", info.timeout_s, device)
         warmup, iters = adapt_iterations(first, args.warmup, args.iters, args.time_per_size)
         timed(warmup - 1)
         dist.barrier()
     with collective(f"{what} ×{iters} (timed)", info.timeout_s):
-        elapsed = _over_ranks(timed(iters), dist.ReduceOp.MAX, device)
+        elapsed = reduce_scalar(timed(iters), "max", f"{what} ×{iters} (timed)", info.timeout_s, device)
     return elapsed / iters, iters
 
 
@@ -427,8 +421,8 @@ def _bench(info: DistInfo, args: argparse.Namespace, native: dict[str, bool]) ->
     element_size = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
     max_bytes = args.max_bytes
     if max_bytes is None:
-        with collective("all_reduce of the memory cap", info.timeout_s):
-            max_bytes = int(_over_ranks(_memory_cap(info), dist.ReduceOp.MIN, info.torch_device))
+        max_bytes = int(reduce_scalar(_memory_cap(info), "min", "all_reduce of the memory cap", info.timeout_s,
+                                      info.torch_device))
         if max_bytes < DEFAULT_MAX_BYTES:
             log.info("--max-bytes lowered to %s so the buffers fit in memory", human_bytes(max_bytes))
     if not 1 <= args.min_bytes <= max_bytes:

@@ -139,10 +139,7 @@ def setup(device: str | None = None, backend: str | None = None, timeout: float 
         ) from e
 
     hostname = socket.gethostname()
-    with collective("all_gather_object of host names at start-up", timeout):
-        names: list[str | None] = [None] * launch.world_size
-        dist.all_gather_object(names, hostname)
-    hosts = tuple(dict.fromkeys(names))
+    hosts = tuple(dict.fromkeys(gather_objects(hostname, "all_gather_object of host names at start-up", timeout)))
     info = DistInfo(
         rank=launch.rank, local_rank=launch.local_rank, world_size=launch.world_size,
         local_world_size=launch.local_world_size, num_nodes=len(hosts), launcher=launch.launcher,
@@ -185,6 +182,40 @@ def distributed(device: str | None = None, backend: str | None = None, timeout: 
         cleanup(clean=False)
         raise
     cleanup(clean=True)
+
+
+def reduce_scalar(value: float | torch.Tensor, op: str, what: str, timeout: float | None = None,
+                  device: torch.device | str = "cpu") -> float:
+    """`value` combined over every rank: op is "sum", "mean", "max" or "min"; one process gives it back."""
+    t = value.detach().double().clone() if torch.is_tensor(value) else torch.tensor(float(value), dtype=torch.float64,
+                                                                                      device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t.item()
+    reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                 "min": dist.ReduceOp.MIN}[op]
+    with collective(what, timeout):
+        dist.all_reduce(t, op=reduce_op)
+    return t.item() / (dist.get_world_size() if op == "mean" else 1)
+
+
+def broadcast_object(obj, what: str, timeout: float | None = None):
+    """Rank 0's `obj` on every rank (picklable objects)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    with collective(what, timeout):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj, what: str, timeout: float | None = None) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    with collective(what, timeout):
+        dist.all_gather_object(out, obj)
+    return out
 
 
 _DIED = ("connection reset", "connection closed", "broken pipe", "connection refused", "end of file", "eof")

@@ -15,14 +15,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from meshtrain import config as config_mod
 from meshtrain.config import GPTRunConfig
 from meshtrain.data.text import TokenBatches, load_meta, tokenizer_from_meta
-from meshtrain.dist.device import synchronize
 from meshtrain.dist.log import get_logger, print_rich
-from meshtrain.dist.setup import DistInfo, collective
+from meshtrain.dist.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.errors import MeshtrainError
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
@@ -92,23 +90,6 @@ def _restore_rank_state(state: dict, batches: _Batches, device: torch.device) ->
     batches.load_state_dict(state["data"])
 
 
-def _all_mean(value: torch.Tensor, what: str, info: DistInfo) -> float:
-    value = value.detach().float().clone()
-    if info.world_size > 1:
-        with collective(what, info.timeout_s):
-            dist.all_reduce(value)
-    return value.item() / info.world_size
-
-
-def _broadcast_object(obj, info: DistInfo, what: str):
-    if info.world_size == 1:
-        return obj
-    box = [obj]
-    with collective(what, info.timeout_s):
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _build_model(cfg: GPTRunConfig, vocab_size: int) -> GPT:
     m = cfg.model
     if cfg.train.init_from not in ("scratch", "resume"):
@@ -137,7 +118,8 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         if info.is_main:
             run_dir = checkpoint.new_run_dir(t.out_dir, "gpt", t.backend)
             checkpoint.record_run(t.out_dir, "gpt", t.backend, run_dir)
-        run_dir = Path(_broadcast_object(str(run_dir) if run_dir else None, info, "broadcast of the run directory"))
+        run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, "broadcast of the run directory",
+                                        info.timeout_s))
 
     data_dir = Path(cfg.data.root) / cfg.data.name
     meta = load_meta(data_dir)
@@ -186,6 +168,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
 
     decay_iters = o.lr_decay_iters or t.max_iters
     sample_generator = torch.Generator(device=device)
+    timer = metrics.StepTimer(device)
 
     peak, peak_source = metrics.peak_flops(device, AUTOCAST[t.dtype] or torch.float32, t.peak_flops)
     tokens_per_iter_per_rank = cfg.model.batch_size * t.grad_accum * cfg.model.block_size
@@ -213,7 +196,8 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                     with autocast:
                         _, loss = model(x, y)
                     total += loss.float()
-                out[f"{split}_loss"] = _all_mean(total / t.eval_iters, f"all_reduce of the {split} loss", info)
+                out[f"{split}_loss"] = reduce_scalar(total / t.eval_iters, "mean", f"all_reduce of the {split} loss",
+                                                     info.timeout_s)
         model.train()
         return out
 
@@ -228,13 +212,8 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         return tokenizer.decode(tokens[0].tolist())
 
     def save(it: int, losses: dict[str, float]) -> None:
-        ranks = [None] * info.world_size
-        mine = _rank_state(batches, device)
-        if info.world_size > 1:
-            with collective("all_gather_object of RNG and sampler states for the checkpoint", info.timeout_s):
-                dist.all_gather_object(ranks, mine)
-        else:
-            ranks = [mine]
+        ranks = gather_objects(_rank_state(batches, device), "all_gather_object of RNG and sampler states for the "
+                               "checkpoint", info.timeout_s)
         with collective("gathering the model and optimizer state for the checkpoint", info.timeout_s):
             model_state, optim_state = full_state_dicts(model, optimizer)
         if info.is_main:
@@ -269,47 +248,39 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
             lr = learning_rate(it, o.lr, o.min_lr, o.warmup_iters, decay_iters, o.decay_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            t0 = time.perf_counter()
-            forward_s = backward_s = 0.0
             loss_sum = torch.zeros((), device=device)
-            for micro in range(t.grad_accum):
-                x, y = batches.train.next_batch()
-                last = micro == t.grad_accum - 1
-                with gradient_sync(train_model, last):
-                    f0 = time.perf_counter()
-                    with autocast:
-                        _, loss = train_model(x, y)
-                        loss = loss / t.grad_accum  # the sum of micro-steps is the mean over the whole batch
-                    synchronize(device)
-                    f1 = time.perf_counter()
-                    with collective("DDP gradient all_reduce in backward()", info.timeout_s):
-                        scaler.scale(loss).backward()
-                    synchronize(device)
-                    forward_s, backward_s = forward_s + f1 - f0, backward_s + time.perf_counter() - f1
-                loss_sum += loss.detach()
-            if o.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-            else:
-                grad_norm = None
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            synchronize(device)
-            dt = time.perf_counter() - t0
+            with timer("dt"):
+                for micro in range(t.grad_accum):
+                    x, y = batches.train.next_batch()
+                    with gradient_sync(train_model, micro == t.grad_accum - 1):
+                        with timer("dtf"), autocast:
+                            _, loss = train_model(x, y)
+                            loss = loss / t.grad_accum  # the sum of micro-steps is the mean over the whole batch
+                        with timer("dtb"), collective("gradient reduction in backward()", info.timeout_s):
+                            scaler.scale(loss).backward()
+                    loss_sum += loss.detach()
+                if o.grad_clip > 0:
+                    scaler.unscale_(optimizer)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+                else:
+                    grad_norm = None
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+            times = timer.pop()
             it += 1
             result.iterations = it
             bar.update()
 
             if it % t.log_interval == 0:
-                loss_value = _all_mean(loss_sum, "all_reduce of the training loss for logging", info)
+                loss_value = reduce_scalar(loss_sum, "mean", "all_reduce of the training loss for logging", info.timeout_s)
                 if not math.isfinite(loss_value):
                     raise TrainingDiverged(f"training loss is {loss_value} at iteration {it}: the model diverged. The "
                                            f"last good checkpoint in {run_dir} is left as it was; lower optimizer.lr "
                                            "or raise optimizer.warmup_iters and resume from it")
-                rates = metrics.throughput(cfg.model.batch_size, t.grad_accum, info.world_size, info.world_size,
-                                           cfg.model.block_size, dt)
-                row = {"loss": loss_value, "dt": dt, "dtf": forward_s, "dtb": backward_s, **rates,
+                rates = metrics.throughput(cfg.model.batch_size, t.grad_accum, dims.dp_size, info.world_size,
+                                           cfg.model.block_size, times["dt"])
+                row = {"loss": loss_value, **times, **rates,
                        "mfu": metrics.mfu(flops_per_token, rates["tps_per_gpu"], peak), "lr": lr,
                        "mem_gb": metrics.peak_memory_bytes(device) / 2**30}
                 if grad_norm is not None:
@@ -327,8 +298,5 @@ def _out_of_time(started: float, max_minutes: float | None, info: DistInfo) -> b
     """Every rank must stop at the same iteration, so the slowest clock decides for all."""
     if max_minutes is None:
         return False
-    over = torch.tensor([float(time.perf_counter() - started > max_minutes * 60)], device=info.torch_device)
-    if info.world_size > 1:
-        with collective("all_reduce of the time-budget flag", info.timeout_s):
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)
-    return bool(over.item())
+    over = float(time.perf_counter() - started > max_minutes * 60)
+    return reduce_scalar(over, "max", "all_reduce of the time-budget flag", info.timeout_s, info.torch_device) > 0
