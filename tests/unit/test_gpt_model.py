@@ -18,9 +18,9 @@ def tiny(**kw) -> GPT:
 
 def analytic_params(V, T, L, C, bias, non_embedding=False):
     """wte (tied to lm_head, counted once) + wpe + L blocks + ln_f."""
-    per_block = 12 * C * C + 2 * C  # c_attn 3C², attn.c_proj C², c_fc 4C², mlp.c_proj 4C²; 2 LN weights
+    per_block = 12 * C * C + 2 * C  # q/k/v_proj 3C², attn.c_proj C², c_fc 4C², mlp.c_proj 4C²; 2 LN weights
     if bias:
-        per_block += 11 * C  # c_attn 3C + attn.c_proj C + c_fc 4C + mlp.c_proj C + 2 LN biases
+        per_block += 11 * C  # q/k/v_proj 3C + attn.c_proj C + c_fc 4C + mlp.c_proj C + 2 LN biases
     total = V * C + T * C + L * per_block + C + (C if bias else 0)
     return total - T * C if non_embedding else total
 
@@ -53,7 +53,7 @@ def test_weight_tying_and_names():
     assert model.lm_head.weight is model.transformer.wte.weight
     names = set(model.state_dict())
     for n in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.1.ln_1.weight",
-              "transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_proj.bias",
+              "transformer.h.1.attn.q_proj.weight", "transformer.h.1.attn.v_proj.bias", "transformer.h.1.attn.c_proj.bias",
               "transformer.h.1.ln_2.bias", "transformer.h.1.mlp.c_fc.weight",
               "transformer.h.1.mlp.c_proj.weight", "transformer.ln_f.weight", "lm_head.weight"):
         assert n in names
@@ -85,7 +85,7 @@ def test_init_statistics():
     for w in (blk.mlp.c_proj.weight, blk.attn.c_proj.weight):  # 262k and 65k samples
         assert w.std().item() == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.03)
         assert abs(w.mean().item()) < 1e-3
-    for w in (blk.mlp.c_fc.weight, blk.attn.c_attn.weight, model.transformer.wte.weight):
+    for w in (blk.mlp.c_fc.weight, blk.attn.q_proj.weight, blk.attn.k_proj.weight, model.transformer.wte.weight):
         assert w.std().item() == pytest.approx(0.02, rel=0.03)
     assert torch.all(blk.mlp.c_fc.bias == 0) and torch.all(blk.attn.c_proj.bias == 0)
     assert torch.all(blk.ln_1.weight == 1) and torch.all(blk.ln_1.bias == 0)
@@ -117,7 +117,7 @@ def test_causality(activation):
 
 
 def test_attention_follows_local_head_count():
-    # A tensor-parallel shard holds n_head/tp heads: c_attn outputs 3*C/tp, c_proj takes C/tp.
+    # A tensor-parallel shard holds n_head/tp heads: q/k/v_proj output C/tp each, c_proj takes C/tp.
     # Slicing one head's q, k, v rows and c_proj columns must give that head's contribution.
     model = tiny(bias=False).eval()
     attn = model.transformer.h["0"].attn
@@ -128,12 +128,13 @@ def test_attention_follows_local_head_count():
     for h in range(2):
         shard = type(attn).__new__(type(attn))
         torch.nn.Module.__init__(shard)
-        rows = torch.cat([torch.arange(i * C + h * D, i * C + (h + 1) * D) for i in range(3)])
-        shard.c_attn = torch.nn.Linear(C, 3 * D, bias=False)
-        shard.c_attn.weight.data = attn.c_attn.weight.data[rows]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = torch.nn.Linear(C, D, bias=False)
+            proj.weight.data = getattr(attn, name).weight.data[h * D:(h + 1) * D]
+            setattr(shard, name, proj)
         shard.c_proj = torch.nn.Linear(D, C, bias=False)
         shard.c_proj.weight.data = attn.c_proj.weight.data[:, h * D:(h + 1) * D]
-        shard.resid_dropout, shard.dropout, shard.head_dim = attn.resid_dropout, 0.0, D
+        shard.resid_dropout, shard.dropout, shard.head_dim, shard.attend = attn.resid_dropout, 0.0, D, attn.attend
         total += shard(x)
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
 

@@ -1,9 +1,14 @@
 """A GPT-2-style decoder in plain PyTorch: no distributed code.
 
-Parameter names follow nanoGPT / Hugging Face GPT-2 (`transformer.wte`, `transformer.h.0.attn.c_attn`,
-`lm_head`, ...) because `from_pretrained` maps HF weights by name and tensor-parallel plans refer to
-these names. Attention reads its local head count from the projection's output width, so a
-parallel layout may shard heads across ranks without changing this file.
+Parameter names follow nanoGPT / Hugging Face GPT-2 (`transformer.wte`, `transformer.h.0.mlp.c_fc`,
+`lm_head`, ...) because `from_pretrained` maps HF weights by name and parallel plans refer to these
+names. One departure: q, k and v are three projections (`attn.q_proj`, ...), not GPT-2's fused
+`c_attn`, so that sharding each one by output features gives every tensor-parallel rank whole heads.
+
+Three seams let meshtrain.parallel change the layout without changing this file: attention reads its
+local head count from the projection's width (tensor parallel shards heads), `attn.attend` is the
+attention kernel (context parallel swaps in Ulysses or ring attention), and `forward` takes the
+positions of the tokens it is given (a context-parallel rank holds a slice of the sequence).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "g
                    "relu": "relu", "silu": "silu", "swish": "silu"}
 # HF GPT-2 stores these as Conv1D, i.e. weight [in, out]; nn.Linear wants [out, in].
 _HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 @dataclass
@@ -69,20 +75,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout = cfg.dropout
         self.head_dim = cfg.n_embd // cfg.n_head  # fixed; the number of heads is not (see forward)
+        self.attend = causal_attention  # (q, k, v, dropout_p) -> y, all [B, heads, T, head_dim]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.c_attn(x)
-        B, T, _ = qkv.shape
-        q, k, v = qkv.chunk(3, dim=-1)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        B, T, _ = q.shape
         # Heads present on this rank: all of them serially, n_head / tp under tensor parallelism.
         n_head = q.shape[-1] // self.head_dim
         q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -155,17 +163,20 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
         """idx [B, T] token ids -> (logits, loss).
 
         With targets: logits [B, T, V] and the mean cross-entropy (targets of -1 are ignored).
         Without: logits [B, 1, V] of the last position only, which is all sampling needs.
+        positions [T]: where in the sequence the tokens of idx sit; 0..T-1 unless given.
         """
         T = idx.shape[1]
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        if positions is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+            positions = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for block in self.transformer.h.values():
             x = block(x)
         x = self.transformer.ln_f(x)
@@ -271,8 +282,16 @@ class GPT(nn.Module):
 
         ours = model.state_dict()
         # Older transformers keep causal-mask buffers (attn.bias, attn.masked_bias); SDPA needs none.
-        theirs = {k: v for k, v in hf_model.state_dict().items()
-                  if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        theirs = {}
+        for k, v in hf_model.state_dict().items():
+            if k.endswith((".attn.bias", ".attn.masked_bias")):
+                continue
+            if ".attn.c_attn." in k:  # GPT-2's fused q|k|v -> our three projections
+                v = v.t() if k.endswith("weight") else v
+                for name, part in zip(_QKV, v.chunk(3, dim=0)):
+                    theirs[k.replace("c_attn", name)] = part
+                continue
+            theirs[k] = v.t() if k.endswith(_HF_CONV1D) else v
         if set(ours) != set(theirs):
             raise ValueError(
                 f"{name_or_path}: parameter names differ from GPT's; "
@@ -280,7 +299,7 @@ class GPT(nn.Module):
             )
         with torch.no_grad():
             for k, dst in ours.items():
-                src = theirs[k].t() if k.endswith(_HF_CONV1D) else theirs[k]
+                src = theirs[k]
                 if src.shape != dst.shape:
                     raise ValueError(f"{name_or_path}: {k} has shape {tuple(src.shape)}, GPT expects {tuple(dst.shape)}")
                 dst.copy_(src)
