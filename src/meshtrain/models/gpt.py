@@ -288,7 +288,7 @@ class GPT(nn.Module):
                 continue
             if ".attn.c_attn." in k:  # GPT-2's fused q|k|v -> our three projections
                 v = v.t() if k.endswith("weight") else v
-                for name, part in zip(_QKV, v.chunk(3, dim=0)):
+                for name, part in zip(_QKV, v.chunk(3, dim=0), strict=True):
                     theirs[k.replace("c_attn", name)] = part
                 continue
             theirs[k] = v.t() if k.endswith(_HF_CONV1D) else v
