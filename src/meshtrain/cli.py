@@ -48,7 +48,15 @@ SUBCOMMANDS = {
     "sample": (
         "meshtrain.train.sample_command",
         "generate text from a run's checkpoint",
-        "Load DIR/ckpt.pt with its config and tokenizer and print samples from a prompt.",
+        "Load a run's latest checkpoint (any layout) or an exported model.pt, with its config and tokenizer, "
+        "and print samples from a prompt.",
+        False,
+    ),
+    "export": (
+        "meshtrain.train.export_command",
+        "consolidate a run's latest distributed checkpoint into one model.pt",
+        "Read every shard of the run's latest checkpoint, whatever layout wrote it, and write the whole model "
+        "with its config and tokenizer description to one file (torch.load(weights_only=True) reads it).",
         False,
     ),
     "collectives": (

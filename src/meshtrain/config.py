@@ -23,6 +23,7 @@ from meshtrain.errors import MeshtrainError
 PRESET_DIR = Path(__file__).parent / "configs"
 DTYPES = ("fp32", "bf16", "fp16")
 BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp")  # parallel/data_parallel.py
+CP_IMPLS = ("ring", "ulysses")  # parallel/context_parallel.py
 
 
 class ConfigError(MeshtrainError, ValueError):
@@ -78,6 +79,8 @@ class TrainSection:
     out_dir: str = "outputs/runs"
     run_dir: str | None = None  # the run to resume (default: the latest run of this workload/backend)
     save_checkpoints: bool = True
+    async_checkpoint: bool = False  # write checkpoints from a background thread while training goes on
+    keep_checkpoints: int = 2  # step directories kept per run (0: all)
     prompt: str = "What is an LLM?"
     sample_tokens: int = 200
     temperature: float = 0.8
@@ -91,9 +94,15 @@ class TrainSection:
 class ParallelSection:
     dp_replicate: int = 1  # hsdp: replicas, each sharded over dp_shard ranks
     dp_shard: int = -1  # -1: the ranks left over
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
+    tp: int = 1  # tensor parallel: heads and MLP columns sharded; keep it within a node
+    sequence_parallel: bool = True  # tp: norms and dropout on sequence shards (activations / tp)
+    loss_parallel: bool = True  # tp: cross-entropy on vocabulary shards, the logits never gathered
+    cp: int = 1  # context parallel: the sequence sharded
+    cp_impl: str = "ring"  # ring (K/V passed around, any head count) | ulysses (all-to-all, heads % cp == 0)
+    pp: int = 1  # pipeline stages
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | ...
+    microbatches: int | None = None  # per pipeline step; default: 2 x the stages of the schedule
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved/looped schedules need 2 or more)
     order: str = "tp-cp-dp-pp"  # the first dim's ranks are adjacent (on one node)
     cpu_offload: bool = False  # fsdp/zero2/zero3/hsdp: parameters and optimizer state live in host memory
 
@@ -180,10 +189,22 @@ def validate(cfg: GPTRunConfig) -> None:
     if t.backend not in BACKENDS:
         raise ConfigError(f"train.backend={t.backend!r}: choose one of {', '.join(BACKENDS)}")
     p = cfg.parallel
-    for dim in ("tp", "cp", "pp"):
-        if getattr(p, dim) != 1:
-            raise ConfigError(f"parallel.{dim}={getattr(p, dim)}: the trainer runs data parallelism only in this "
-                              f"version; set parallel.{dim}=1")
+    for key in ("tp", "cp", "pp", "virtual_stages", "dp_replicate"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)}: must be at least 1")
+    if p.microbatches is not None and p.microbatches < 1:
+        raise ConfigError(f"parallel.microbatches={p.microbatches}: must be at least 1 (or null for the default)")
+    if p.cp_impl not in CP_IMPLS:
+        raise ConfigError(f"parallel.cp_impl={p.cp_impl!r}: choose one of {', '.join(CP_IMPLS)}")
+    if t.backend == "zero1" and max(p.tp, p.cp, p.pp) > 1:
+        raise ConfigError(f"train.backend=zero1 with tp={p.tp} cp={p.cp} pp={p.pp}: ZeroRedundancyOptimizer "
+                          "shards plain tensors over one group; use train.backend=zero2 or fsdp to combine "
+                          "sharded data parallelism with model parallelism")
+    if p.pp > 1 and t.compile:
+        raise ConfigError("train.compile=true with parallel.pp > 1: compiling pipeline stages is not supported in "
+                          "this version; set train.compile=false")
+    if t.keep_checkpoints < 0:
+        raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints}: 0 keeps all, N keeps the last N")
     if (p.dp_replicate > 1) != (t.backend == "hsdp"):
         raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} with train.backend={t.backend}: replicas of "
                           "shards are hsdp's; use train.backend=hsdp with parallel.dp_replicate > 1, or dp_replicate=1")

@@ -51,4 +51,5 @@ def print_rich(renderable) -> None:
     """Print a rich table or text to stdout (tables are rank 0's to print; callers check)."""
     from rich.console import Console
 
-    Console(width=120).print(renderable)
+    # Command lines and paths end up in these tables: ":ring:" must not become an emoji, "[x]" not markup.
+    Console(width=120, emoji=False, markup=False).print(renderable)

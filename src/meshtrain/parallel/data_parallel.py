@@ -26,17 +26,19 @@ SHARDED = ("zero2", "fsdp", "zero3", "hsdp")
 def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, world_size: int, *,
                         blocks: Iterable[nn.Module] = (), mesh=None, param_dtype: torch.dtype | None = None,
                         cpu_offload: bool = False) -> nn.Module:
-    """The model as the loop should call it; unchanged on one process (no collective to pay for).
+    """The model as the loop should call it; unchanged on one data-parallel rank (no collective to pay for).
 
-    `blocks` are the repeated layers FSDP shards one by one, so only one block's parameters are
-    gathered at a time; `mesh` is the data-parallel DeviceMesh (2-D, replicate × shard, for hsdp).
+    `world_size` counts the data-parallel ranks; `blocks` are the repeated layers FSDP shards one by
+    one, so only one block's parameters are gathered at a time; `mesh` is the data-parallel DeviceMesh
+    (2-D, replicate × shard, for hsdp; default: all ranks).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown data-parallel backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if world_size == 1:
         return model
     if backend in ("ddp", "zero1"):
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        kwargs = {"device_mesh": mesh} if mesh is not None else {}  # default: every rank
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -86,46 +88,6 @@ def gradient_sync(model: nn.Module, sync: bool):
     return nullcontext()
 
 
-def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The whole model and optimizer state on rank 0, on the CPU, gathered from every rank's shard.
-
-    Every rank must call it (it gathers); other ranks get what they hold, to be ignored. The format
-    is the same for every backend but zero1, so a checkpoint resumes under another of them.
-    """
-    if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: shards gathered to rank 0
-        optimizer.consolidate_state_dict(to=0)
-        optim_state = optimizer.state_dict() if torch.distributed.get_rank() == 0 else {}
-        return unwrap(model).state_dict(), optim_state
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model = unwrap(model)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                          optim_state: dict) -> None:
-    """Load what full_state_dicts saved (every rank passes the whole); each rank keeps its share."""
-    if hasattr(optimizer, "consolidate_state_dict"):
-        unwrap(model).load_state_dict(model_state)
-        optimizer.load_state_dict(optim_state)
-        return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True)
-    model = unwrap(model)
-    set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor holds only its shard here
 
@@ -141,9 +103,3 @@ def bytes_held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
         held["optimizer"] += sum(_local(v).numel() * v.element_size() for v in state.values()
                                  if torch.is_tensor(v) and v.dim() > 0)
     return held
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under DDP and torch.compile wrappers (for eval, sampling and checkpoints)."""
-    model = model.module if isinstance(model, DistributedDataParallel) else model
-    return getattr(model, "_orig_mod", model)

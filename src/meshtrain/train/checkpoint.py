@@ -1,26 +1,33 @@
 """Run directories and atomic checkpoints.
 
-    outputs/runs/<workload>/<backend>/<YYYY-MM-DD>/<HH-MM-SS>/   config.yaml, ckpt.pt, metrics.jsonl, samples.txt
+    outputs/runs/<workload>/<backend>/<YYYY-MM-DD>/<HH-MM-SS>/   config.yaml, metrics.jsonl, checkpoints/, model.pt
+        checkpoints/step-0000250/    a distributed checkpoint (DCP): every rank's shards, .metadata,
+                                     trainer_state.pt (iteration, config, RNG and sampler streams)
+        checkpoints/latest           the name of the last complete step directory
+        model.pt                     `meshtrain export`: the whole model in one file
     outputs/runs/<workload>/<backend>/latest                    the last run's directory (a text file)
     outputs/runs/checkpoints.log                                one line per run directory
 
-A checkpoint is written to a temporary file and renamed over the old one: a kill at any moment
-leaves either the previous checkpoint or the new one, never half of one. It loads with
-`torch.load(weights_only=True)`: tensors, numbers, strings, lists and dicts only.
+A checkpoint is published only once complete (see Checkpointer), so a kill at any moment leaves the
+previous one usable. Everything in it loads with `weights_only=True`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from meshtrain.errors import MeshtrainError
 
-CHECKPOINT = "ckpt.pt"
+CHECKPOINTS, LATEST, TRAINER_STATE, EXPORT = "checkpoints", "latest", "trainer_state.pt", "model.pt"
 
 
 class CheckpointError(MeshtrainError, RuntimeError):
@@ -54,28 +61,131 @@ def latest_run(out_dir: str | Path, workload: str, backend: str) -> Path:
     return Path(latest.read_text().strip())
 
 
-def save(run_dir: Path, state: dict[str, Any]) -> Path:
-    path = run_dir / CHECKPOINT
-    tmp = path.with_name(f".{CHECKPOINT}.tmp-{os.getpid()}")
+class Checkpointer:
+    """Saves distributed checkpoints of one run: `checkpoints/step-NNNNNNN/` directories and a `latest`
+    file naming the last complete one.
+
+    Every rank writes its own shards (DCP) into a hidden `.step-NNNNNNN.partial/` directory; only
+    when all have finished does rank 0 add the trainer state, rename the directory and move
+    `latest`. A kill mid-save leaves a partial directory that nothing points at, and the previous
+    checkpoint stays the one a resume finds. With `async_save`, the copy to host memory happens
+    in the step and the writing in a background thread, on a gloo group of its own so that its
+    collectives never interleave with training's.
+    """
+
+    def __init__(self, run_dir: Path, *, is_main: bool, keep: int = 2, async_save: bool = False):
+        self.root = Path(run_dir) / CHECKPOINTS
+        self.is_main, self.keep = is_main, keep
+        self.async_group = dist.new_group(backend="gloo") if async_save else None
+        self._pending = None  # (future, partial dir, final dir, trainer state) of an async save in flight
+
+    def save(self, iteration: int, state: dict, trainer_state: dict) -> Path:
+        """Start saving `state` (from parallel.state_dict, on every rank) and rank 0's `trainer_state`
+        (iteration, config, RNG streams: plain tensors and Python values)."""
+        self.wait()  # one save in flight at a time
+        final = self.root / f"step-{iteration:07d}"
+        partial = self.root / f".{final.name}.partial"
+        if self.is_main:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a killed run
+        if self.async_group is not None:
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+            self._pending = (future, partial, final, trainer_state)
+        else:
+            dcp.save(state, checkpoint_id=str(partial))  # returns once every rank's shards and the metadata are written
+            self._finish(partial, final, trainer_state)
+        return final
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is complete and published."""
+        if self._pending is None:
+            return None
+        future, partial, final, trainer_state = self._pending
+        self._pending = None
+        future.result()  # on rank 0 this also means every rank's writes are done: rank 0 writes the metadata last
+        self._finish(partial, final, trainer_state)
+        return final
+
+    def _finish(self, partial: Path, final: Path, trainer_state: dict) -> None:
+        if not self.is_main:
+            return
+        _atomic_torch_save(partial / TRAINER_STATE, trainer_state)
+        shutil.rmtree(final, ignore_errors=True)  # an earlier run saved this step and was resumed from before it
+        os.replace(partial, final)
+        _atomic_write_text(self.root / LATEST, f"{final.name}\n")
+        steps = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+        for old in steps[:-self.keep] if self.keep > 0 else ():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The last complete checkpoint directory of a run."""
+    pointer = Path(run_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        raise CheckpointError(f"no checkpoint in {run_dir}: {pointer} does not exist (the run saved none yet: see "
+                              "train.save_checkpoints and train.eval_interval), or the path is wrong")
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / TRAINER_STATE).is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which is missing or incomplete: delete {pointer} to "
+                              "fall back to an earlier step directory by hand, or start again")
+    return path
+
+
+def load_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
+    path = Path(checkpoint_dir) / TRAINER_STATE
     try:
-        torch.save(state, tmp)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: say which, not a pickle traceback
+        raise CheckpointError(f"{path} is not a readable meshtrain trainer state: {e}") from e
+
+
+def dcp_loader(checkpoint_dir: Path):
+    """state -> None: fill a template state dict (this rank's slices, in the current layout) from the checkpoint."""
+    def load(state: dict) -> None:
+        try:
+            with warnings.catch_warnings():  # one process reading every shard is what export and sample mean to do
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+                dcp.load(state, checkpoint_id=str(checkpoint_dir))
+        except Exception as e:
+            raise CheckpointError(f"{checkpoint_dir} could not be loaded into this model: {e}. Is it a checkpoint of "
+                                  "the same architecture (model.*) and optimizer?") from e
+    return load
+
+
+def export_model(run_dir: Path, out: Path | None = None) -> Path:
+    """Consolidate the run's latest checkpoint into one file: {"model": full state dict, "config", "meta",
+    "iteration"}, loadable by torch.load(weights_only=True) on one process and by `meshtrain sample`."""
+    from meshtrain.config import from_dict
+    from meshtrain.models.gpt import GPT
+
+    checkpoint_dir = latest_checkpoint(run_dir)
+    trainer_state = load_trainer_state(checkpoint_dir)
+    model = GPT(model_config(from_dict(trainer_state["config"]), trainer_state["meta"]))
+    state = {"model": model.state_dict()}
+    dcp_loader(checkpoint_dir)(state)  # without a process group: this process reads every shard
+    out = Path(out) if out else Path(run_dir) / EXPORT
+    _atomic_torch_save(out, {"model": state["model"], "config": trainer_state["config"], "meta": trainer_state["meta"],
+                             "iteration": trainer_state["iteration"]})
+    return out
+
+
+def model_config(cfg, meta: dict):
+    """The GPTConfig of a run config (its model section) and a dataset's meta (the vocabulary size)."""
+    from meshtrain.models.gpt import GPTConfig
+
+    m = cfg.model
+    return GPTConfig(block_size=m.block_size, vocab_size=meta["vocab_size"], n_layer=m.n_layer, n_head=m.n_head,
+                     n_embd=m.n_embd, dropout=0.0, bias=m.bias, activation=m.activation)
+
+
+def _atomic_torch_save(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return path
-
-
-def load(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / CHECKPOINT
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: the run saved none yet (train.save_checkpoints, "
-                              "train.eval_interval), or the path is wrong")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated or foreign file: say which, not a pickle traceback
-        raise CheckpointError(f"{path} is not a readable meshtrain checkpoint: {e}") from e
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

@@ -27,6 +27,6 @@ def run(args: argparse.Namespace) -> int:
         if info.is_main:
             log.info("done: %d iterations, train loss %.4f, val loss %.4f", result.iterations, result.train_loss,
                      result.val_loss)
-            log.info("run directory %s: config.yaml, ckpt.pt, metrics.jsonl; sample from it with "
+            log.info("run directory %s: config.yaml, checkpoints/, metrics.jsonl; sample from it with "
                      "`meshtrain sample --run %s`", result.run_dir, result.run_dir)
     return 0

@@ -2,8 +2,9 @@
 
 Per iteration: `grad_accum` micro-steps (only the last synchronises gradients), clip, step, log.
 Every `eval_interval`: mean train/val loss over `eval_iters` batches on every rank, a sample on
-rank 0, an atomic checkpoint. A checkpoint holds everything a bit-exact resume needs: model,
-optimizer, scaler, iteration, and every rank's RNG and data-sampler states.
+rank 0, a distributed checkpoint. A checkpoint holds everything a bit-exact resume needs: model,
+optimizer, scaler, iteration, and every rank's RNG and data-sampler states; it loads into any
+other layout too (then the data and RNG streams restart from the seed).
 """
 
 from __future__ import annotations
@@ -23,17 +24,10 @@ from meshtrain.dist.log import get_logger, print_rich
 from meshtrain.dist.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.errors import MeshtrainError
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.checkpointing import apply_activation_checkpointing
-from meshtrain.parallel.data_parallel import (
-    SHARDED,
-    apply_data_parallel,
-    build_optimizer,
-    bytes_held,
-    full_state_dicts,
-    gradient_sync,
-    load_full_state_dicts,
-)
+from meshtrain.parallel.data_parallel import build_optimizer, bytes_held
+from meshtrain.parallel.gpt_layout import build_gpt_layout
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.state_dict import load_model_and_optimizer_state, model_and_optimizer_state
 from meshtrain.train import checkpoint, metrics
 from meshtrain.train.optim import learning_rate
 from meshtrain.train.sinks import build_sinks, progress_bar, track
@@ -111,7 +105,8 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
     resumed = None
     if t.init_from == "resume":
         run_dir = Path(t.run_dir) if t.run_dir else checkpoint.latest_run(t.out_dir, "gpt", t.backend)
-        resumed = checkpoint.load(run_dir)
+        checkpoint_dir = checkpoint.latest_checkpoint(run_dir)
+        resumed = checkpoint.load_trainer_state(checkpoint_dir)
         cfg = replace(cfg, model=config_mod.from_dict(resumed["config"]).model)  # the saved architecture
     else:
         run_dir = None
@@ -130,29 +125,27 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         raise config_mod.ConfigError(f"train.prompt={t.prompt!r} cannot be encoded for {cfg.data.name}: {e}") from None
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = _build_model(cfg, meta["vocab_size"]).to(device)
+    model_config = model.config
     flops_per_token = model.flops_per_token()
-    dims = ParallelDims.resolve(info.world_size, dp_replicate=cfg.parallel.dp_replicate,
-                                dp_shard=cfg.parallel.dp_shard, order=cfg.parallel.order)
+    p = cfg.parallel
+    dims = ParallelDims.resolve(info.world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                                pp=p.pp, order=p.order)
     batches = _Batches(data_dir, cfg, dims.dp_rank(info.rank), dims.dp_size, device)
-    torch.manual_seed(t.seed + info.rank)  # dropout masks differ per rank, as their data does
 
     autocast = (torch.autocast(device_type=device.type, dtype=AUTOCAST[t.dtype]) if AUTOCAST[t.dtype]
                 else nullcontext())
-    apply_activation_checkpointing(model.transformer.h, t.activation_checkpointing, t.ac_every)  # before FSDP
-    sharded = t.backend in SHARDED and info.world_size > 1
-    mesh = dims.build_mesh(device.type) if sharded else None
-    train_model = apply_data_parallel(
-        model if sharded or not t.compile else torch.compile(model), t.backend, device, info.world_size,
-        blocks=model.transformer.h.values(), mesh=mesh, param_dtype=AUTOCAST[t.dtype] if sharded else None,
-        cpu_offload=cfg.parallel.cpu_offload)
-    if sharded and t.compile:  # FSDP first, then compile the sharded model
-        train_model = torch.compile(train_model)
+    layout = build_gpt_layout(model, cfg, dims, device, info.rank, info.local_world_size)
+    model = layout.model  # this rank's share of the GPT
+    torch.manual_seed(t.seed + info.rank)  # dropout masks differ per rank, as their data does
     optimizer = build_optimizer(model.configure_optimizer_groups(o.weight_decay), device, t.backend, info.world_size,
                                 lr=o.lr, betas=(o.beta1, o.beta2))
     scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
+    checkpointer = checkpoint.Checkpointer(run_dir, is_main=info.is_main, keep=t.keep_checkpoints,
+                                           async_save=t.async_checkpoint)
     start_iter = 0
     if resumed:
-        load_full_state_dicts(model, optimizer, resumed["model"], resumed["optimizer"])
+        with collective(f"loading the checkpoint {checkpoint_dir}", info.timeout_s):
+            load_model_and_optimizer_state(model, optimizer, checkpoint.dcp_loader(checkpoint_dir))
         scaler.load_state_dict(resumed["scaler"])
         start_iter = resumed["iteration"]
         ranks = resumed["ranks"]
@@ -161,10 +154,6 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         else:
             log.warning("checkpoint was written by %d ranks, this run has %d: data and RNG streams restart from "
                         "the seed (the run continues, but not bit-exactly)", len(ranks), info.world_size)
-    if info.is_main:
-        held = bytes_held(model, optimizer)
-        log.info("rank 0 holds %s of parameters and %s of optimizer state (%s)", _mib(held["params"]),
-                 _mib(held["optimizer"]), t.backend)
 
     decay_iters = o.lr_decay_iters or t.max_iters
     sample_generator = torch.Generator(device=device)
@@ -181,46 +170,59 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         log.info("run directory: %s%s", run_dir, f" (resuming at iteration {start_iter})" if resumed else "")
         log.info("model: %.2fM parameters, %.3g FLOPs per token (6N + 12·L·H·Q·T); peak %.4g TFLOP/s per device (%s)",
                  model.num_params() / 1e6, flops_per_token, peak / 1e12, peak_source)
-        log.info("%d rank(s) × batch %d × accumulation %d × block %d = %d tokens per iteration", info.world_size,
-                 cfg.model.batch_size, t.grad_accum, cfg.model.block_size, tokens_per_iter_per_rank * info.world_size)
+        log.info("layout: %s over %d rank(s) (%s); %d data-parallel rank(s) × batch %d × accumulation %d × block %d "
+                 "= %d tokens per iteration", t.backend, info.world_size, _describe(dims), dims.dp_size,
+                 cfg.model.batch_size, t.grad_accum, cfg.model.block_size, tokens_per_iter_per_rank * dims.dp_size)
         print_rich(metrics.legend_table())
+
+    def mean_loss(value: torch.Tensor, what: str) -> float:
+        """The mean over the ranks that hold a loss (under pp, those with the last stage; the others add 0)."""
+        return reduce_scalar(value, "sum", what, info.timeout_s) / layout.loss_ranks
 
     def evaluate() -> dict[str, float]:
         model.eval()
         out = {}
-        with torch.no_grad():
-            for split, split_batches in batches.eval.items():
-                total = torch.zeros((), device=device)
-                for _ in track(range(t.eval_iters), f"eval {split}", is_main=info.is_main):
-                    x, y = split_batches.next_batch()
-                    with autocast:
-                        _, loss = model(x, y)
-                    total += loss.float()
-                out[f"{split}_loss"] = reduce_scalar(total / t.eval_iters, "mean", f"all_reduce of the {split} loss",
-                                                     info.timeout_s)
+        for split, split_batches in batches.eval.items():
+            total = torch.zeros((), device=device)
+            for _ in track(range(t.eval_iters), f"eval {split}", is_main=info.is_main):
+                total += layout.eval_loss(*split_batches.next_batch(), autocast)
+            out[f"{split}_loss"] = mean_loss(total / t.eval_iters, f"all_reduce of the {split} loss")
         model.train()
         return out
 
+    sampler = None  # rank 0's whole copy of the model, refreshed from the shards before each sample
+
     def sample(it: int) -> str:
-        sample_generator.manual_seed(t.seed + it)
-        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        model.eval()
-        with autocast:
-            tokens = model.generate(prompt, t.sample_tokens, temperature=t.temperature, top_k=t.top_k,
-                                    generator=sample_generator)
-        model.train()
-        return tokenizer.decode(tokens[0].tolist())
+        nonlocal sampler
+        with collective("gathering the model for sampling", info.timeout_s):
+            weights = layout.full_state_for_sampling()
+        text = None
+        if info.is_main:
+            sampler = sampler or GPT(replace(model_config, dropout=0.0)).to(device).eval()
+            sampler.load_state_dict(weights)
+            sample_generator.manual_seed(t.seed + it)
+            prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+            with autocast:
+                tokens = sampler.generate(prompt, t.sample_tokens, temperature=t.temperature, top_k=t.top_k,
+                                          generator=sample_generator)
+            text = tokenizer.decode(tokens[0].tolist())
+        return broadcast_object(text, "broadcast of the sample", info.timeout_s)
 
     def save(it: int, losses: dict[str, float]) -> None:
         ranks = gather_objects(_rank_state(batches, device), "all_gather_object of RNG and sampler states for the "
                                "checkpoint", info.timeout_s)
-        with collective("gathering the model and optimizer state for the checkpoint", info.timeout_s):
-            model_state, optim_state = full_state_dicts(model, optimizer)
+        trainer_state = {"scaler": scaler.state_dict(), "iteration": it, "config": config_mod.to_dict(cfg),
+                         "meta": meta, "ranks": ranks, **losses}
+        with collective("saving the distributed checkpoint", info.timeout_s):
+            path = checkpointer.save(it, model_and_optimizer_state(model, optimizer), trainer_state)
+        log.info("checkpoint: %s (iteration %d)%s", path, it, " writing in the background" if t.async_checkpoint else "")
+
+    def log_bytes_held() -> None:
+        held = gather_objects(bytes_held(model, optimizer), "all_gather_object of per-rank memory", info.timeout_s)
         if info.is_main:
-            state = {"model": model_state, "optimizer": optim_state, "scaler": scaler.state_dict(),
-                     "iteration": it, "config": config_mod.to_dict(cfg), "meta": meta, "ranks": ranks, **losses}
-            path = checkpoint.save(run_dir, state)
-            log.info("checkpoint: %s (iteration %d)", path, it)
+            rows = [f"rank {r:>3}: params {_mib(h['params'])}, grads {_mib(h['grads'])}, optimizer "
+                    f"{_mib(h['optimizer'])}" for r, h in enumerate(held)]
+            log.info("what each rank holds after its first step (%s):\n%s", t.backend, "\n".join(rows))
 
     result = TrainResult(run_dir=run_dir, iterations=start_iter)
     started = time.perf_counter()
@@ -252,20 +254,20 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
             with timer("dt"):
                 for micro in range(t.grad_accum):
                     x, y = batches.train.next_batch()
-                    with gradient_sync(train_model, micro == t.grad_accum - 1):
-                        with timer("dtf"), autocast:
-                            _, loss = train_model(x, y)
-                            loss = loss / t.grad_accum  # the sum of micro-steps is the mean over the whole batch
-                        with timer("dtb"), collective("gradient reduction in backward()", info.timeout_s):
-                            scaler.scale(loss).backward()
-                    loss_sum += loss.detach()
+                    with collective("forward and backward (gradient reduction)", info.timeout_s):
+                        loss_sum += layout.train_micro_step(x, y, accum=t.grad_accum, sync=micro == t.grad_accum - 1,
+                                                            autocast=autocast, scaler=scaler, timer=timer)
+                with collective("the gradient all-reduce of the tied embedding across stages", info.timeout_s):
+                    layout.finish_backward()
                 if o.grad_clip > 0:
                     scaler.unscale_(optimizer)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+                    grad_norm = layout.clip_grad_norm(o.grad_clip)
                 else:
                     grad_norm = None
                 scaler.step(optimizer)
                 scaler.update()
+                if it == start_iter:
+                    log_bytes_held()
                 optimizer.zero_grad(set_to_none=True)
             times = timer.pop()
             it += 1
@@ -273,7 +275,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
             bar.update()
 
             if it % t.log_interval == 0:
-                loss_value = reduce_scalar(loss_sum, "mean", "all_reduce of the training loss for logging", info.timeout_s)
+                loss_value = mean_loss(loss_sum, "all_reduce of the training loss for logging")
                 if not math.isfinite(loss_value):
                     raise TrainingDiverged(f"training loss is {loss_value} at iteration {it}: the model diverged. The "
                                            f"last good checkpoint in {run_dir} is left as it was; lower optimizer.lr "
@@ -286,8 +288,13 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                 if grad_norm is not None:
                     row["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 sinks.log(it, row)
+    checkpointer.wait()
     sinks.close()
     return result
+
+
+def _describe(dims: ParallelDims) -> str:
+    return " × ".join(f"{d}={getattr(dims, d)}" for d in dims.mesh_dims) + f", order {dims.order}"
 
 
 def _mib(n: int) -> str:

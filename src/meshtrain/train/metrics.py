@@ -35,6 +35,7 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "dt": "seconds per training iteration: all micro-steps and the optimizer step",
     "dtf": "forward seconds of the iteration, summed over micro-steps",
     "dtb": "backward seconds of the iteration, summed over micro-steps",
+    "dtfb": "forward + backward seconds under a pipeline schedule (they interleave), summed over micro-steps",
     "sps": "samples per second: batch_size × grad_accum × data-parallel ranks / dt",
     "sps_per_gpu": "samples per second per rank/device (GPU, XPU or CPU rank): sps / world size",
     "tps": "tokens per second: sps × block_size",
@@ -47,7 +48,7 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "val_loss": "loss on validation batches at evaluation",
 })
 
-_SIX = {"loss", "dt", "dtf", "dtb", "train_loss", "val_loss"}
+_SIX = {"loss", "dt", "dtf", "dtb", "dtfb", "train_loss", "val_loss"}
 _RATES = {"sps", "sps_per_gpu", "tps", "tps_per_gpu"}
 _FORMATS = {**dict.fromkeys(_SIX, ".6f"), **dict.fromkeys(_RATES, ".3f"),
             "mfu": ".2f", "lr": ".3e", "grad_norm": ".4f", "mem_gb": ".3f"}

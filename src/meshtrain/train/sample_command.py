@@ -1,4 +1,5 @@
-"""`meshtrain sample --run DIR`: generate text from a run's checkpoint, on one process."""
+"""`meshtrain sample --run DIR|FILE`: generate text on one process from a run's latest distributed
+checkpoint (whatever layout wrote it: this process reads every shard) or from a `meshtrain export` file."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import torch
 from meshtrain.config import from_dict
 from meshtrain.data.text import tokenizer_from_meta
 from meshtrain.dist.device import pick_device
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.gpt import GPT
 from meshtrain.train import checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, type=Path, help="a run directory (holding ckpt.pt)")
+    parser.add_argument("--run", required=True, type=Path,
+                        help="a run directory (its latest checkpoint) or a model.pt written by `meshtrain export`")
     parser.add_argument("--prompt", default="What is an LLM?")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -25,14 +27,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="auto, cpu, cuda ... (default: $MESHTRAIN_DEVICE or auto)")
 
 
-def load_model(run_dir: Path, device: torch.device) -> tuple[GPT, dict]:
-    """The model of a run's checkpoint and the tokenizer description saved with it."""
-    state = checkpoint.load(run_dir)
-    m = from_dict(state["config"]).model
-    model = GPT(GPTConfig(block_size=m.block_size, vocab_size=state["meta"]["vocab_size"], n_layer=m.n_layer,
-                          n_head=m.n_head, n_embd=m.n_embd, dropout=0.0, bias=m.bias, activation=m.activation))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), state["meta"]
+def load_model(run: Path, device: torch.device) -> tuple[GPT, dict]:
+    """The model of a run's latest checkpoint (or of an exported file) and its tokenizer description."""
+    if run.is_file():
+        try:
+            saved = torch.load(run, map_location="cpu", weights_only=True)
+            config, meta, weights = saved["config"], saved["meta"], saved["model"]
+        except Exception as e:
+            raise checkpoint.CheckpointError(f"{run} is not a model file written by `meshtrain export`: {e}") from e
+        model = GPT(checkpoint.model_config(from_dict(config), meta))
+        model.load_state_dict(weights)
+    else:
+        checkpoint_dir = checkpoint.latest_checkpoint(run)
+        trainer_state = checkpoint.load_trainer_state(checkpoint_dir)
+        meta = trainer_state["meta"]
+        model = GPT(checkpoint.model_config(from_dict(trainer_state["config"]), meta))
+        state = {"model": model.state_dict()}
+        checkpoint.dcp_loader(checkpoint_dir)(state)  # fills the model's own tensors in place
+    return model.to(device).eval(), meta
 
 
 def run(args: argparse.Namespace) -> int:

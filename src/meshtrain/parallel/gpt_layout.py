@@ -1,0 +1,231 @@
+"""How the GPT is laid out on the mesh: the one place that composes every parallelism for it.
+
+    layout = build_gpt_layout(model, cfg, dims, device)
+    loss = layout.train_micro_step(x, y, accum=4, sync=last, autocast=ctx, scaler=scaler)
+    layout.finish_backward(); layout.clip_grad_norm(1.0); optimizer.step()
+
+Order of application (each step sees the modules the previous one left):
+    pipeline split (pp)  -> tensor + sequence parallel (tp)  -> context parallel attention (cp)
+    -> activation checkpointing -> data parallel (ddp over dp×cp, or FSDP2 over dp_shard×cp)
+FSDP must come last: it shards whatever parameters the others left (DTensors on the tp mesh
+included). Context-parallel ranks hold the same weights and see the same batch, each a slice of
+its sequence, so to data parallelism they are replicas whose gradients are averaged: the loss of
+a slice is its tokens' mean and the slices are equal-sized, so their mean is the whole's.
+
+The loop sees one object whatever the layout: `model` holds this rank's share of the GPT (its
+parameter names are the whole model's, so optimizers and checkpoints need no layout knowledge),
+and the step methods hide whether a forward is a call or a pipeline schedule.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.models.gpt import GPT
+from meshtrain.parallel.checkpointing import apply_activation_checkpointing
+from meshtrain.parallel.data_parallel import SHARDED, apply_data_parallel, gradient_sync
+from meshtrain.parallel.mesh import ParallelDims, submesh
+
+
+class LayoutError(MeshtrainError, ValueError):
+    """A combination of parallelisms this version cannot run; the message says which and what to use."""
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@dataclass
+class GPTLayout:
+    model: nn.Module  # this rank's share of the GPT: optimizer groups, checkpoints and byte counts come from it
+    dims: ParallelDims
+    mesh: object | None  # the DeviceMesh, None on one process
+    rank: int
+    runnable: nn.Module | None = None  # what a forward calls (wrapped by DDP / compile), when not pipelined
+    pipeline: object | None = None  # parallel.pipeline.Pipeline, when pp > 1
+    sequence_shard: tuple[int, int, str] | None = None  # (cp rank, cp size, cp impl) when cp > 1
+    loss_parallel: bool = False
+    parts: list[nn.Module] = field(default_factory=list)  # the modules data parallelism wrapped
+
+    # ---- one micro-step ------------------------------------------------------------------------------------
+    def _shard(self, x: torch.Tensor, y: torch.Tensor):
+        if self.sequence_shard is None:
+            return x, y, None
+        from meshtrain.parallel.context_parallel import shard_sequence
+
+        return shard_sequence(x, y, *self.sequence_shard)
+
+    def _loss_context(self):
+        if not self.loss_parallel:
+            return nullcontext()
+        from meshtrain.parallel.tensor_parallel import loss_parallel_context
+
+        return loss_parallel_context(True)
+
+    def train_micro_step(self, x, y, *, accum: int, sync: bool, autocast, scaler, timer) -> torch.Tensor:
+        """Forward and backward of one micro-batch, gradients scaled for an accumulation of `accum`; `timer`
+        (metrics.StepTimer) times forward and backward, or both as one under a pipeline schedule.
+        Returns this micro-step's loss / accum (a 0-dim tensor; 0 on ranks without the last pipeline stage)."""
+        if self.pipeline is not None:
+            for part in self.parts:
+                gradient_sync(part, sync)
+            with timer("dtfb"), autocast:
+                loss = self.pipeline.step(x, y)
+            if loss is None:
+                return torch.zeros((), device=x.device)
+            # The schedule ran backward on the mean over micro-batches; scale to this step's share afterwards.
+            self._scale_grads(1.0 / accum)
+            return loss.detach().float() / accum
+        x, y, positions = self._shard(x, y)
+        with gradient_sync(self.runnable, sync), self._loss_context():
+            with timer("dtf"), autocast:
+                _, loss = self.runnable(x, y, positions) if positions is not None else self.runnable(x, y)
+                loss = loss / accum  # the sum of micro-steps is the mean over the whole batch
+            with timer("dtb"):
+                scaler.scale(loss).backward()
+        return _plain(loss.detach()).float()
+
+    def _scale_grads(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    @torch.no_grad()
+    def eval_loss(self, x, y, autocast) -> torch.Tensor:
+        """Mean loss of a batch (0 on ranks without the last pipeline stage)."""
+        if self.pipeline is not None:
+            with autocast:
+                loss = self.pipeline.eval_loss(x, y)
+            return torch.zeros((), device=x.device) if loss is None else loss.float()
+        x, y, positions = self._shard(x, y)
+        with self._loss_context(), autocast:
+            _, loss = self.model(x, y, positions) if positions is not None else self.model(x, y)
+        return _plain(loss).float()
+
+    def finish_backward(self) -> None:
+        """After the last micro-step: what the backward pass leaves undone (the tied embedding across stages)."""
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_embedding()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.pipeline is not None:
+            from meshtrain.parallel.pipeline import clip_grad_norm_
+
+            return clip_grad_norm_(params, max_norm, submesh(self.mesh, "pp").get_group())
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    # ---- what the loop reports ------------------------------------------------------------------------------
+    @property
+    def loss_ranks(self) -> int:
+        """How many ranks return a loss: all but those without the last pipeline stage."""
+        return self.dims.world_size // self.dims.pp
+
+    def full_state_for_sampling(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's tensors on rank 0 (None elsewhere), gathered from every layout. Every rank calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.dims.world_size == 1:
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        # Every rank gathers its stage's whole tensors (the shards live on its dp/tp peers)...
+        local = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        first_of_stage = all(c == 0 for d, c in self.dims.coords(self.rank).items() if d != "pp")
+        mine = {k: v.detach().cpu() for k, v in local.items()} if first_of_stage else {}
+        # ... and one rank per stage sends them to rank 0.
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        whole = {}
+        for part in gathered:
+            whole.update(part)
+        return whole
+
+
+def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, rank: int,
+                     local_world_size: int) -> GPTLayout:
+    """Apply cfg.parallel and cfg.train's layout options to `model` (built identically on every rank)."""
+    p, t = cfg.parallel, cfg.train
+    dims.check_fits(local_world_size, n_head=model.config.n_head,
+                    seq_len=model.config.block_size if dims.cp > 1 else None,
+                    microbatches=_microbatches(cfg, dims) if dims.pp > 1 else None)
+    if dims.tp > 1 and t.backend in ("ddp", "zero1") and dims.dp_size > 1:
+        raise LayoutError(f"train.backend={t.backend} with parallel.tp={dims.tp} and {dims.dp_size} data-parallel "
+                          "ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use train.backend=fsdp "
+                          "(fsdp x tp) or zero2")
+    if dims.pp > 1 and t.dtype == "fp16":
+        raise LayoutError("train.dtype=fp16 with parallel.pp > 1: the GradScaler cannot scale a loss inside the "
+                          "pipeline schedule; use train.dtype=bf16")
+    mesh = dims.build_mesh(device.type) if dims.world_size > 1 else None
+    layout = GPTLayout(model=model, dims=dims, mesh=mesh, rank=rank)
+
+    if dims.pp > 1:
+        from meshtrain.parallel.pipeline import build_pipeline
+
+        layout.pipeline = build_pipeline(model, submesh(mesh, "pp"), schedule=p.pp_schedule,
+                                         microbatches=_microbatches(cfg, dims), virtual_stages=p.virtual_stages,
+                                         device=device)
+        parts = list(layout.pipeline.stages)
+    else:
+        parts = [model]
+    if dims.tp > 1:
+        from meshtrain.parallel.tensor_parallel import apply_tensor_parallel
+
+        for part in parts:
+            apply_tensor_parallel(part, submesh(mesh, "tp"), sequence_parallel=p.sequence_parallel,
+                                  loss_parallel=p.loss_parallel)
+        layout.loss_parallel = p.loss_parallel
+    if dims.cp > 1:
+        from meshtrain.parallel.context_parallel import apply_context_parallel
+
+        if model.config.dropout > 0 and p.cp_impl == "ring":
+            raise LayoutError(f"model.dropout={model.config.dropout} with parallel.cp_impl=ring: ring attention has "
+                              "no attention dropout; set model.dropout=0 or use parallel.cp_impl=ulysses")
+        apply_context_parallel(model, submesh(mesh, "cp"), p.cp_impl)
+        layout.sequence_shard = (dims.coords(rank)["cp"], dims.cp, p.cp_impl)
+    apply_activation_checkpointing(model.transformer.h, t.activation_checkpointing, t.ac_every)
+
+    sharded = t.backend in SHARDED
+    dp_mesh = _data_parallel_mesh(mesh, dims, t.backend)
+    dp_ranks = dims.size("dp_cp")
+    wrapped = []
+    for part in parts:
+        blocks = [m for m in part.modules() if m is not part and type(m).__name__ == "Block"]
+        wrapped.append(apply_data_parallel(
+            part if sharded or not t.compile else torch.compile(part), t.backend, device, dp_ranks, blocks=blocks,
+            mesh=dp_mesh, param_dtype=_param_dtype(t.dtype) if sharded else None, cpu_offload=p.cpu_offload))
+    if sharded and t.compile:  # FSDP first, then compile the sharded model
+        wrapped = [torch.compile(w) for w in wrapped]
+    layout.parts = wrapped
+    if layout.pipeline is None:
+        layout.runnable = wrapped[0]
+    return layout
+
+
+def _data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
+    """What data parallelism spans: dp and cp together (cp ranks are replicas that see other tokens)."""
+    if mesh is None:
+        return None
+    if backend == "hsdp":
+        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+        if dims.cp > 1:
+            raise LayoutError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
+        return mesh[("dp_replicate", shard)]
+    return submesh(mesh, "dp_shard_cp" if backend in SHARDED else "dp_cp")
+
+
+def _param_dtype(dtype: str):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+
+
+def _microbatches(cfg, dims: ParallelDims) -> int:
+    return cfg.parallel.microbatches or 2 * dims.pp * cfg.parallel.virtual_stages
+

@@ -1,0 +1,71 @@
+"""Model and optimizer state in the form a distributed checkpoint (DCP) saves, for every layout.
+
+Keys are parameter names of the whole model ("transformer.h.3.mlp.c_fc.weight"), whatever the
+layout; each rank contributes what it holds: DTensor shards under FSDP and TP, its stages'
+parameters under PP, everything (deduplicated by DCP) under DDP. DCP records every tensor's global
+shape and which slice each rank wrote, so a checkpoint saved under one layout loads into another:
+the loading rank asks for its own slices and DCP reads them from whichever files hold them.
+
+ZeroRedundancyOptimizer (zero1) is the exception: it keeps its state by parameter index, in shards
+that DCP cannot see. Its state is gathered to rank 0 and renamed by parameter name, which is the
+same form the other layouts save, so zero1 checkpoints move between layouts too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
+    return hasattr(optimizer, "consolidate_state_dict")
+
+
+def _plain_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An ordinary optimizer over the same parameter groups as a ZeroRedundancyOptimizer."""
+    groups = [dict(group) for group in optimizer.param_groups]
+    return optimizer._optim_constructor(groups, **optimizer._optim_defaults)
+
+
+def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"model": ..., "optimizer": ...} for dcp.save / dcp.async_save. Every rank must call it."""
+    state = {"model": get_model_state_dict(model)}
+    if not _is_zero1(optimizer):
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        return state
+    optimizer.consolidate_state_dict(to=0)
+    twin = _plain_twin(optimizer)
+    if torch.distributed.get_rank() == 0:  # only rank 0 has the whole state; the others write none of it
+        twin.load_state_dict(optimizer.state_dict())
+        state["optimizer"] = get_optimizer_state_dict(model, twin)
+    return state
+
+
+def load_model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, load) -> None:
+    """Fill `model` and `optimizer` from a checkpoint. `load(state)` is dcp.load bound to a checkpoint:
+    it fills the given template (this rank's slices, in this layout) in place."""
+    if not _is_zero1(optimizer):
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        load(state)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        return
+    twin = _plain_twin(optimizer)  # every rank reads the whole state, then keeps its shard of it
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, twin)}
+    load(state)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, twin, state["optimizer"])
+    optimizer.load_state_dict(twin.state_dict())
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on the CPU, gathered from shards (rank 0 gets them; others get what
+    DCP gives non-zero ranks). Every rank must call it. Under PP each rank still has only its stages."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
