@@ -52,6 +52,9 @@ class GPTLayout:
     sequence_shard: tuple[int, int, str] | None = None  # (cp rank, cp size, cp impl) when cp > 1
     loss_parallel: bool = False
     parts: list[nn.Module] = field(default_factory=list)  # the modules data parallelism wrapped
+    # Split by pipeline stages, lm_head keeps its own copy of the tied embedding; a checkpoint from any
+    # layout has the embedding's optimizer state, which the copy's equals (see parallel.state_dict).
+    aliases: dict[str, str] = field(default_factory=lambda: {"lm_head.weight": "transformer.wte.weight"})
 
     # ---- one micro-step ------------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor, y: torch.Tensor):
@@ -179,10 +182,13 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
     if dims.tp > 1:
         from meshtrain.parallel.tensor_parallel import apply_tensor_parallel
 
+        # Pipeline stages hand plain tensors to each other and compute the loss in the schedule: no
+        # sequence-sharded stream, no vocab-sharded loss across a stage boundary.
+        sequence_parallel, loss_parallel = (p.sequence_parallel, p.loss_parallel) if dims.pp == 1 else (False, False)
         for part in parts:
-            apply_tensor_parallel(part, submesh(mesh, "tp"), sequence_parallel=p.sequence_parallel,
-                                  loss_parallel=p.loss_parallel)
-        layout.loss_parallel = p.loss_parallel
+            apply_tensor_parallel(part, submesh(mesh, "tp"), sequence_parallel=sequence_parallel,
+                                  loss_parallel=loss_parallel)
+        layout.loss_parallel = loss_parallel
     if dims.cp > 1:
         from meshtrain.parallel.context_parallel import apply_context_parallel
 

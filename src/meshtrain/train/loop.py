@@ -136,7 +136,10 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                 else nullcontext())
     layout = build_gpt_layout(model, cfg, dims, device, info.rank, info.local_world_size)
     model = layout.model  # this rank's share of the GPT
-    torch.manual_seed(t.seed + info.rank)  # dropout masks differ per rank, as their data does
+    # Dropout masks differ where the tokens do (dp and cp ranks); tp ranks must draw the same masks on the stream
+    # they all hold, and pp ranks hold different layers anyway.
+    coords = dims.coords(info.rank)
+    torch.manual_seed(t.seed + dims.dp_rank(info.rank) * dims.cp + coords["cp"])
     optimizer = build_optimizer(model.configure_optimizer_groups(o.weight_decay), device, t.backend, info.world_size,
                                 lr=o.lr, betas=(o.beta1, o.beta2))
     scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
@@ -145,7 +148,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
     start_iter = 0
     if resumed:
         with collective(f"loading the checkpoint {checkpoint_dir}", info.timeout_s):
-            load_model_and_optimizer_state(model, optimizer, checkpoint.dcp_loader(checkpoint_dir))
+            load_model_and_optimizer_state(model, optimizer, checkpoint.dcp_loader(checkpoint_dir), layout.aliases)
         scaler.load_state_dict(resumed["scaler"])
         start_iter = resumed["iteration"]
         ranks = resumed["ranks"]

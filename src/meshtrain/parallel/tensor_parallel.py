@@ -1,0 +1,213 @@
+"""Tensor parallelism for the GPT (Megatron-style), with sequence and loss parallelism, on DTensor.
+
+Each rank of a tp group holds a slice of every big matrix and computes with it:
+
+    attn.q/k/v_proj  colwise: rank r computes heads [r·n_head/tp, (r+1)·n_head/tp), whole heads, so attention
+                     needs no communication (the model reads its local head count from q's width)
+    attn.c_proj      rowwise: each rank's heads give a partial sum of the output, reduced across the group
+    mlp.c_fc         colwise, then the activation on each rank's 4·C/tp hidden features
+    mlp.c_proj       rowwise, reduced like attn.c_proj
+    wte              rowwise over the vocabulary: a rank embeds the ids in its vocab range, zeros elsewhere, summed
+    lm_head          colwise over the vocabulary: the same Shard(0) of the same [V, C] matrix as wte, so the tie
+                     stays one parameter
+    everything else  (wpe, LayerNorms, row-parallel biases) replicated DTensors: every parameter ends up a DTensor
+                     on the tp mesh, which FSDP2, DCP and clip_grad_norm_ handle uniformly
+
+Between sublayers the residual stream is, without sequence parallel, a plain tensor that is the same on every tp
+rank (the rowwise outputs all-reduce). With sequence parallel it is a DTensor Shard(1): each rank holds T/tp
+positions and runs the LayerNorms, dropouts and residual adds on those alone; the rowwise outputs reduce-scatter
+into it and attention/MLP all-gather from it, once per sublayer (PrepareModuleInput on attn and mlp, not once per
+q/k/v). Same bytes on the wire as the all-reduce it replaces, 1/tp of the norm and dropout activations.
+
+Loss parallel: lm_head leaves the logits sharded over the vocabulary, and the model's own F.cross_entropy runs
+under torch's loss_parallel(): each rank takes the log-softmax of its vocab slice with small all-reduces (max,
+sum of exponentials, target logit) instead of gathering [B, T, V] logits. That needs the forward AND backward
+inside loss_parallel_context(True). Outside it (sampling, evaluation the loop did not wrap) lm_head gathers the
+logits, so the model still computes the right thing, only with the bigger all-gather. Either way the loss comes
+back as a plain tensor holding the whole mean on every rank.
+
+Nothing is padded: the vocabulary (65 over tp=2 is 33 + 32) and the sequence need not divide by tp; DTensor
+shards like torch.chunk and the vocab-parallel embedding and loss mask by each rank's actual range.
+
+Gradients: under sequence parallel the LayerNorm gradients come out Partial(sum) DTensors (each rank's sequence
+shard contributes a part); DTensor reduces them when the optimizer or clip_grad_norm_ reads them, so read
+gradients with DTensor ops (full_tensor), never to_local().
+
+Randomness: dropout on the replicated stream (no sequence parallel) must draw the same mask on every tp rank, so
+tp ranks must share their torch seed: seed dropout by data-parallel rank, not by global rank. Likewise build the
+model with real weights, the same on every rank, before applying this: on CPU DTensor has no RNG tracker, so
+init_weights() after a meta-device build would draw different replicated weights (wpe) on different ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from meshtrain.models.gpt import GPT, Block, GPTConfig
+from meshtrain.parallel.mesh import MeshError
+
+BLOCKS = "transformer.h.*"  # parallelize_module matches each path token with fnmatch: every block
+
+
+def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
+    """Raise MeshError (a ValueError) unless every tp rank gets whole attention heads and an equal share of the MLP."""
+    if config.n_head % tp:
+        raise MeshError(f"tensor parallel needs whole attention heads on each rank, but n_head={config.n_head} is "
+                        f"not divisible by tp={tp}: choose a tp that divides {config.n_head}")
+    if 4 * config.n_embd % tp:  # implied by the heads (n_embd = n_head * head_dim), kept for a plain message
+        raise MeshError(f"tensor parallel splits the MLP's 4*n_embd={4 * config.n_embd} hidden features evenly, "
+                        f"but tp={tp} does not divide it: choose a tp that divides {4 * config.n_embd}")
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh | None, *, sequence_parallel: bool = True,
+                          loss_parallel: bool = True) -> None:
+    """Shard `model` in place over the 1-D `tp_mesh` (a no-op when it is None or one rank); see the module doc.
+
+    Every rank of the tp group must call it (it broadcasts rank 0's values) with the same model. Apply it
+    before fully_shard when composing with FSDP2, the FSDP mesh being another dim of the same DeviceMesh.
+    `model` may also be a pipeline stage (parallel.pipeline.GPTStage): the same names, some of them absent.
+    A stage passes plain tensors to the next, so pipelines use neither sequence nor loss parallelism.
+    """
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return
+    if tp_mesh.ndim != 1:
+        raise MeshError(f"apply_tensor_parallel needs a 1-D tp mesh, got dims {tp_mesh.mesh_dim_names}: "
+                        f"pass submesh(mesh, 'tp')")
+    if isinstance(model, GPT):  # a pipeline stage was checked as a whole model before it was cut
+        check_tensor_parallel(model.config, tp_mesh.size())
+    # parallelize_module only warns about a path that matches nothing, and a block left whole would silently
+    # compute tp times its share: refuse blocks already wrapped (activation checkpointing, compile).
+    wrapped = [name for name, block in model.transformer.h.items() if not isinstance(block, Block)]
+    if wrapped:
+        kind = type(model.transformer.h[wrapped[0]]).__name__
+        raise MeshError(f"apply_tensor_parallel: block {wrapped[0]} is a {kind}, not a Block: apply tensor parallel "
+                        f"before activation checkpointing and compile")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise MeshError("apply_tensor_parallel: the model already holds DTensor parameters; apply tensor parallel "
+                        "once, to a plain model, before activation checkpointing, compile and fully_shard")
+
+    seq = Shard(1)
+    # The residual stream between sublayers: sequence shards (a DTensor), or the whole of it, the same everywhere.
+    stream, local = (seq, False) if sequence_parallel else (Replicate(), True)
+    plan = {
+        f"{BLOCKS}.attn.q_proj": ColwiseParallel(),
+        f"{BLOCKS}.attn.k_proj": ColwiseParallel(),
+        f"{BLOCKS}.attn.v_proj": ColwiseParallel(),
+        f"{BLOCKS}.attn.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+        f"{BLOCKS}.mlp.c_fc": ColwiseParallel(),
+        f"{BLOCKS}.mlp.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=local),
+        "lm_head": ColwiseParallel(input_layouts=stream,
+                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        plan |= {
+            "transformer.drop": SequenceParallel(),
+            "transformer.ln_f": SequenceParallel(),
+            f"{BLOCKS}.ln_1": SequenceParallel(),
+            f"{BLOCKS}.ln_2": SequenceParallel(),
+            f"{BLOCKS}.attn": gather,  # one all-gather feeds q, k and v
+            f"{BLOCKS}.mlp": gather,
+        }
+    parallelize_module(model, tp_mesh, plan)
+
+    # wpe's output [T, C] is added to wte's [B, T, C]: sliced to this rank's positions (Shard(0)) under sequence
+    # parallel, where the gradient's all-gather back to Replicate sums nothing; plain and whole otherwise.
+    t = model.transformer
+    if "wpe" in t:
+        _replicate(t.wpe, tp_mesh, output=Shard(0) if sequence_parallel else None)
+    if not sequence_parallel:  # the norms see the whole stream; their parameters become Replicate DTensors too
+        blocks = t.h.values()
+        for norm in [*([t.ln_f] if "ln_f" in t else []), *(b.ln_1 for b in blocks), *(b.ln_2 for b in blocks)]:
+            _replicate(norm, tp_mesh, output=None)
+
+    # Each style registered its own new parameter: tie lm_head back to wte (both Shard(0) of one [V, C] matrix).
+    if "wte" in t and hasattr(model, "lm_head"):
+        model.lm_head.weight = t.wte.weight
+    if loss_parallel:
+        model.lm_head.register_forward_hook(_gather_logits_outside_loss_parallel)
+    if isinstance(model, GPT):
+        model.register_forward_hook(_plain_loss)
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh, *, output: Shard | None) -> None:
+    """Parameters become Replicate DTensors (rank 0's values); inputs are taken as the whole, the same everywhere.
+
+    The output is redistributed to `output`, or returned as a plain tensor when None.
+    """
+    def partition(_name: str, mod: nn.Module, _mesh: DeviceMesh) -> None:
+        for name, param in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                      requires_grad=param.requires_grad))
+
+    def to_dtensor(_mod: nn.Module, inputs: tuple, _mesh: DeviceMesh) -> tuple:
+        x, *rest = inputs
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return (x, *rest)
+
+    def from_dtensor(_mod: nn.Module, out: DTensor, _mesh: DeviceMesh) -> torch.Tensor:
+        return out.to_local() if output is None else out.redistribute(placements=[output])
+
+    distribute_module(module, mesh, partition, to_dtensor, from_dtensor)
+
+
+# Depth of loss_parallel_context(True) nesting: lm_head keeps its logits vocab-sharded only inside it.
+_loss_parallel_depth = 0
+
+
+@contextmanager
+def loss_parallel_context(enabled: bool) -> Iterator[None]:
+    """Wrap the forward AND the backward of a training micro-step: vocab-parallel cross-entropy when enabled."""
+    global _loss_parallel_depth
+    if not enabled or _loss_parallel_depth:  # torch's loss_parallel() does not nest: enter it once
+        _loss_parallel_depth += bool(enabled)
+        try:
+            yield
+        finally:
+            _loss_parallel_depth -= bool(enabled)
+        return
+    with loss_parallel():
+        _loss_parallel_depth = 1
+        try:
+            yield
+        finally:
+            _loss_parallel_depth = 0
+
+
+def _gather_logits_outside_loss_parallel(_module: nn.Module, _inputs: tuple, logits: torch.Tensor) -> torch.Tensor:
+    # Without loss_parallel()'s cross-entropy, vocab-sharded logits would meet plain targets (or sampling code):
+    # hand out the whole logits instead.
+    if isinstance(logits, DTensor) and not _loss_parallel_depth:
+        return logits.full_tensor()
+    return logits
+
+
+def _plain_loss(_module: nn.Module, _inputs: tuple, outputs: tuple):
+    # loss_parallel's cross-entropy returns a Replicate DTensor: every rank holds the whole mean. A plain tensor
+    # lets the loop divide, accumulate and log it like any other loss; the gradient still flows through.
+    logits, loss = outputs
+    if isinstance(loss, DTensor):
+        return logits, loss.full_tensor()
+    return outputs
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor (apply_tensor_parallel already returns it so; this also takes a DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -1,0 +1,211 @@
+"""Under torchrun: a tensor-parallel GPT must train exactly like one process on the whole batch.
+
+    python -m torch.distributed.run --nproc-per-node N tensor_parallel_check.py CASE [--ac=full]
+
+CASE is tp (plain tensor parallel), tp-sp-lp (with sequence and loss parallel) or fsdp-tp (a 2 × N/2 mesh:
+FSDP2 over dp_shard on top of tp, with sequence and loss parallel); tp-sp and tp-lp are the other two mixes.
+--ac=full wraps the blocks in activation checkpointing after tensor parallel (the order the loop uses).
+
+Every rank builds the same global batch and a single-process reference from the same seed; the parallel model
+sees its data-parallel rank's rows (all of them without FSDP), in ACCUM micro-steps. Loss, gradients (DTensors
+gathered), the clipped gradient norm and the parameters are compared after each of STEPS SGD steps, then the
+logits and greedy samples of a 5-token prompt (a length tp does not divide) and an evaluation loss outside
+loss_parallel_context. The vocabulary is 65, which no tp > 1 divides. Also checked: the activations have the
+promised layout, the tie survives, each rank holds its exact share of the block matrices and embedding rows
+(printed for the pytest), a head count tp does not divide is refused, and with dropout the replicated
+parameters stay identical across the tp group.
+"""
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from meshtrain.dist import distributed
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel.checkpointing import apply_activation_checkpointing
+from meshtrain.parallel.data_parallel import apply_data_parallel, build_optimizer, gradient_sync
+from meshtrain.parallel.mesh import ParallelDims, submesh
+from meshtrain.parallel.tensor_parallel import apply_tensor_parallel, loss_parallel_context
+
+ACCUM, MICRO, STEPS, VOCAB = 2, 2, 3, 65
+CASES = {"tp": dict(sp=False, lp=False, fsdp=False), "tp-sp-lp": dict(sp=True, lp=True, fsdp=False),
+         "fsdp-tp": dict(sp=True, lp=True, fsdp=True),
+         "tp-sp": dict(sp=True, lp=False, fsdp=False), "tp-lp": dict(sp=False, lp=True, fsdp=False)}
+case = CASES[sys.argv[1]]
+activation_checkpointing = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--ac=")), "none")
+MATRICES = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "attn.c_proj.weight",
+            "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tiny_gpt(tp_mesh, dropout: float = 0.0) -> GPT:
+    config = GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, dropout=dropout, bias=True)
+    torch.manual_seed(0)
+    model = GPT(config)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel=case["sp"], loss_parallel=case["lp"])
+    return model
+
+
+def check_holds(model: GPT, tp: int, tp_rank: int) -> str:
+    """Exact shard sizes: block matrices 1/tp each; the tied [65, C] matrix in torch.chunk's uneven rows."""
+    c = model.config
+    block = sum(local(p).numel() for n, p in model.named_parameters() if n.endswith(MATRICES))
+    whole = c.n_layer * 12 * c.n_embd ** 2
+    assert block * tp == whole, (block, whole, tp)
+    rows = local(model.transformer.wte.weight).shape[0]
+    chunk = math.ceil(VOCAB / tp)
+    assert rows == max(0, min(chunk, VOCAB - tp_rank * chunk)), (rows, tp_rank)
+    return f"block_matrices={block}/{whole} wte_rows={rows}/{VOCAB}"
+
+
+def watch_layout(model: GPT) -> dict:
+    """Record what block 0 receives, what q_proj gives attention and what lm_head hands the loss."""
+    seen = {}
+
+    def record(key):
+        def hook(_mod, inputs, out=None) -> None:  # returns None: a hook's return value would replace the tensor
+            seen.setdefault(key, inputs[0] if out is None else out)
+        return hook
+
+    model.transformer.h["0"].register_forward_pre_hook(record("stream"))
+    model.transformer.h["0"].attn.q_proj.register_forward_hook(record("q"))
+    model.lm_head.register_forward_hook(record("logits"))
+    return seen
+
+
+def check_layout(seen: dict, tp: int) -> None:
+    stream, q, logits = seen["stream"], seen["q"], seen["logits"]
+    if case["sp"]:
+        assert isinstance(stream, DTensor) and stream.placements == (Shard(1),), "residual stream sequence-sharded"
+        assert stream.to_local().shape[1] == stream.shape[1] // tp
+    else:
+        assert type(stream) is torch.Tensor, f"residual stream plain and whole, got {type(stream)}"
+    assert type(q) is torch.Tensor and q.shape[-1] == 32 // tp, "attention sees its n_head/tp heads, plain"
+    if case["lp"]:
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), "logits vocab-sharded for the loss"
+    else:
+        assert type(logits) is torch.Tensor and logits.shape[-1] == VOCAB
+
+
+def check_bad_heads(tp_mesh) -> None:
+    bad = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=3, n_embd=24))
+    try:
+        apply_tensor_parallel(bad, tp_mesh)
+    except ValueError as e:
+        assert "n_head=3" in str(e) and f"tp={tp_mesh.size()}" in str(e), e
+        return
+    raise AssertionError("n_head=3 was accepted")
+
+
+def check_dropout_keeps_replicas_equal(tp_mesh) -> None:
+    """dropout > 0 trains (no parity: masks differ from one process) and replicated parameters stay replicas."""
+    torch.manual_seed(1)  # the same on every tp rank, as the loop seeds them
+    model = tiny_gpt(tp_mesh, dropout=0.2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    with loss_parallel_context(case["lp"]):
+        _, loss = model(x, x)
+        loss.backward()
+    with torch.no_grad():
+        _, eval_loss = model.eval()(x, x)
+    assert math.isfinite(loss.item()) and loss.item() != eval_loss.item(), "dropout active in training"
+    opt.step()
+    for name, p in model.named_parameters():
+        assert torch.isfinite(full(p)).all(), name
+        if p.placements[0].is_replicate():
+            replicas = [torch.empty_like(p.to_local()) for _ in range(tp_mesh.size())]
+            dist.all_gather(replicas, p.to_local().contiguous(), group=tp_mesh.get_group())
+            assert all(torch.equal(replicas[0], r) for r in replicas), f"{name} replicas diverged"
+
+
+with distributed() as info:
+    tp = info.world_size // 2 if case["fsdp"] else info.world_size
+    dims = ParallelDims(world_size=info.world_size, tp=tp)
+    mesh = dims.build_mesh("cpu")
+    tp_mesh, dp_mesh = submesh(mesh, "tp"), submesh(mesh, "dp")
+    tp_rank, dp_rank, dp = dims.coords(info.rank)["tp"], dims.dp_rank(info.rank), dims.dp_size
+    reference, model = tiny_gpt(None), tiny_gpt(tp_mesh)
+    assert model.lm_head.weight is model.transformer.wte.weight, "the tie survives parallelize_module"
+    print(f"{sys.argv[1]} rank {info.rank} tp_rank {tp_rank} holds {check_holds(model, tp, tp_rank)}", flush=True)
+    check_bad_heads(tp_mesh)
+    apply_activation_checkpointing(model.transformer.h, activation_checkpointing)  # after TP, before FSDP
+    if case["fsdp"]:
+        apply_data_parallel(model, "fsdp", info.torch_device, dp, blocks=model.transformer.h.values(), mesh=dp_mesh)
+        assert model.lm_head.weight is model.transformer.wte.weight, "the tie survives fully_shard"
+    seen = watch_layout(model)
+
+    sgd = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = build_optimizer(reference.configure_optimizer_groups(0.1), torch.device("cpu"), **sgd)
+    opt = build_optimizer(model.configure_optimizer_groups(0.1), info.torch_device, **sgd)
+    worst = dict.fromkeys(("loss", "grad", "norm", "param", "logits", "eval"), 0.0)
+    for step in range(STEPS):
+        batch = torch.randint(0, VOCAB, (dp * ACCUM * MICRO, 17), generator=torch.Generator().manual_seed(step))
+        x, y = batch[:, :-1], batch[:, 1:].clone()
+        y[:, 0] = -1  # ignored targets, the same number in every row so micro-batch means average to the whole
+        _, ref_loss = reference(x, y)
+        ref_loss.backward()
+        mine = slice(dp_rank * ACCUM * MICRO, (dp_rank + 1) * ACCUM * MICRO)  # tp ranks of one dp rank: same rows
+        rows, targets = x[mine], y[mine]
+        loss_sum = torch.zeros(())
+        for micro in range(ACCUM):
+            part = slice(micro * MICRO, (micro + 1) * MICRO)
+            with gradient_sync(model, micro == ACCUM - 1), loss_parallel_context(case["lp"]):
+                _, loss = model(rows[part], targets[part])
+                (loss / ACCUM).backward()
+            assert type(loss) is torch.Tensor, f"the loss is a plain tensor, got {type(loss)}"
+            loss_sum += loss.detach() / ACCUM
+        if step == 0:
+            check_layout(seen, tp)
+        if dp > 1:
+            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+        worst["loss"] = max(worst["loss"], abs(float(loss_sum) / dp - ref_loss.item()))
+        for (name, p), (ref_name, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            assert name.replace("_checkpoint_wrapped_module.", "") == ref_name, (name, ref_name)
+            # Relative to the gradient's size, but not below 1e-4: k_proj.bias's gradient is zero in exact arithmetic
+            # (softmax ignores a shift shared by all keys), so its reference value is pure rounding noise.
+            scale = q.grad.abs().max().clamp_min(1e-4)
+            worst["grad"] = max(worst["grad"], ((full(p.grad) - q.grad).abs().max() / scale).item())
+        # What the loop's clipping sees: the global norm over every shard, the same on every rank.
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        worst["norm"] = max(worst["norm"], abs(full(norm).item() - ref_norm.item()))
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst["param"] = max(worst["param"], (full(p.detach()) - q.detach()).abs().max().item())
+
+    # Sampling and evaluation outside loss_parallel_context: lm_head hands out whole logits.
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(99))
+        logits, _ = model(prompt)
+        ref_logits, _ = reference(prompt)
+        worst["logits"] = (logits - ref_logits).abs().max().item()
+        _, eval_loss = model(x[:MICRO], y[:MICRO])
+        _, ref_eval_loss = reference(x[:MICRO], y[:MICRO])
+        worst["eval"] = abs(eval_loss.item() - ref_eval_loss.item())
+        greedy = dict(max_new_tokens=4, temperature=0)
+        same_samples = torch.equal(model.generate(prompt, **greedy), reference.generate(prompt, **greedy))
+    if not case["fsdp"]:
+        check_dropout_keeps_replicas_equal(tp_mesh)
+    ok = max(worst.values()) < 1e-5 and same_samples
+    print(f"{sys.argv[1]} rank {info.rank}: loss diff {worst['loss']:.3g}, relative grad diff {worst['grad']:.3g}, "
+          f"grad norm diff {worst['norm']:.3g}, param diff {worst['param']:.3g} after {STEPS} steps; "
+          f"sampling logits diff {worst['logits']:.3g}, eval loss diff {worst['eval']:.3g}, "
+          f"greedy samples {'equal' if same_samples else 'differ'} -> {'EQUAL' if ok else 'DIFFERENT'}", flush=True)
+    exit_code = 0 if ok else 1
+sys.exit(exit_code)
