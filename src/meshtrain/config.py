@@ -101,7 +101,7 @@ class ParallelSection:
     cp_impl: str = "ring"  # ring (K/V passed around, any head count) | ulysses (all-to-all, heads % cp == 0)
     pp: int = 1  # pipeline stages
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | ...
-    microbatches: int | None = None  # per pipeline step; default: 2 x the stages of the schedule
+    microbatches: int | None = None  # per pipeline step (model.batch_size splits into them); default: pp x virtual_stages
     virtual_stages: int = 1  # stages per pipeline rank (interleaved/looped schedules need 2 or more)
     order: str = "tp-cp-dp-pp"  # the first dim's ranks are adjacent (on one node)
     cpu_offload: bool = False  # fsdp/zero2/zero3/hsdp: parameters and optimizer state live in host memory
@@ -194,6 +194,10 @@ def validate(cfg: GPTRunConfig) -> None:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: must be at least 1")
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"parallel.microbatches={p.microbatches}: must be at least 1 (or null for the default)")
+    microbatches = p.microbatches or p.pp * p.virtual_stages
+    if p.pp > 1 and m.batch_size % microbatches:
+        raise ConfigError(f"model.batch_size={m.batch_size} does not split into parallel.microbatches={microbatches} "
+                          f"for the pipeline: make the batch a multiple of {microbatches} (or change microbatches)")
     if p.cp_impl not in CP_IMPLS:
         raise ConfigError(f"parallel.cp_impl={p.cp_impl!r}: choose one of {', '.join(CP_IMPLS)}")
     if t.backend == "zero1" and max(p.tp, p.cp, p.pp) > 1:

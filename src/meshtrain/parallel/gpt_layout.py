@@ -75,17 +75,14 @@ class GPTLayout:
         """Forward and backward of one micro-batch, gradients scaled for an accumulation of `accum`; `timer`
         (metrics.StepTimer) times forward and backward, or both as one under a pipeline schedule.
         Returns this micro-step's loss / accum (a 0-dim tensor; 0 on ranks without the last pipeline stage)."""
+        x, y, positions = self._shard(x, y)
         if self.pipeline is not None:
             for part in self.parts:
                 gradient_sync(part, sync)
+            self._set_stage_positions(positions)
             with timer("dtfb"), autocast:
-                loss = self.pipeline.step(x, y)
-            if loss is None:
-                return torch.zeros((), device=x.device)
-            # The schedule ran backward on the mean over micro-batches; scale to this step's share afterwards.
-            self._scale_grads(1.0 / accum)
-            return loss.detach().float() / accum
-        x, y, positions = self._shard(x, y)
+                loss = self.pipeline.step(x, y, scale=1.0 / accum)  # backward on this step's share of the mean
+            return torch.zeros((), device=x.device) if loss is None else loss.detach().float() / accum
         with gradient_sync(self.runnable, sync), self._loss_context():
             with timer("dtf"), autocast:
                 _, loss = self.runnable(x, y, positions) if positions is not None else self.runnable(x, y)
@@ -94,21 +91,19 @@ class GPTLayout:
                 scaler.scale(loss).backward()
         return _plain(loss.detach()).float()
 
-    def _scale_grads(self, factor: float) -> None:
-        if factor == 1.0:
-            return
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+    def _set_stage_positions(self, positions: torch.Tensor | None) -> None:
+        for part in self.pipeline.parts:
+            part.positions = positions
 
     @torch.no_grad()
     def eval_loss(self, x, y, autocast) -> torch.Tensor:
         """Mean loss of a batch (0 on ranks without the last pipeline stage)."""
+        x, y, positions = self._shard(x, y)
         if self.pipeline is not None:
+            self._set_stage_positions(positions)
             with autocast:
                 loss = self.pipeline.eval_loss(x, y)
             return torch.zeros((), device=x.device) if loss is None else loss.float()
-        x, y, positions = self._shard(x, y)
         with self._loss_context(), autocast:
             _, loss = self.model(x, y, positions) if positions is not None else self.model(x, y)
         return _plain(loss).float()
@@ -119,12 +114,9 @@ class GPTLayout:
             self.pipeline.sync_tied_embedding()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.pipeline is not None:
-            from meshtrain.parallel.pipeline import clip_grad_norm_
-
-            return clip_grad_norm_(params, max_norm, submesh(self.mesh, "pp").get_group())
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.pipeline is not None:  # over every stage, the tied embedding's two copies counted once
+            return self.pipeline.clip_grad_norm_(max_norm)
+        return torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm)
 
     # ---- what the loop reports ------------------------------------------------------------------------------
     @property
@@ -176,7 +168,7 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
         layout.pipeline = build_pipeline(model, submesh(mesh, "pp"), schedule=p.pp_schedule,
                                          microbatches=_microbatches(cfg, dims), virtual_stages=p.virtual_stages,
                                          device=device)
-        parts = list(layout.pipeline.stages)
+        parts = layout.pipeline.parts
     else:
         parts = [model]
     if dims.tp > 1:
@@ -197,22 +189,25 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
                               "no attention dropout; set model.dropout=0 or use parallel.cp_impl=ulysses")
         apply_context_parallel(model, submesh(mesh, "cp"), p.cp_impl)
         layout.sequence_shard = (dims.coords(rank)["cp"], dims.cp, p.cp_impl)
-    apply_activation_checkpointing(model.transformer.h, t.activation_checkpointing, t.ac_every)
+    for part in parts:  # a stage holds its blocks in a ModuleDict of its own
+        apply_activation_checkpointing(part.transformer.h, t.activation_checkpointing, t.ac_every)
 
     sharded = t.backend in SHARDED
     dp_mesh = _data_parallel_mesh(mesh, dims, t.backend)
     dp_ranks = dims.size("dp_cp")
     wrapped = []
     for part in parts:
-        blocks = [m for m in part.modules() if m is not part and type(m).__name__ == "Block"]
         wrapped.append(apply_data_parallel(
-            part if sharded or not t.compile else torch.compile(part), t.backend, device, dp_ranks, blocks=blocks,
-            mesh=dp_mesh, param_dtype=_param_dtype(t.dtype) if sharded else None, cpu_offload=p.cpu_offload))
+            part if sharded or not t.compile else torch.compile(part), t.backend, device, dp_ranks,
+            blocks=part.transformer.h.values(), mesh=dp_mesh, param_dtype=_param_dtype(t.dtype) if sharded else None,
+            cpu_offload=p.cpu_offload))
     if sharded and t.compile:  # FSDP first, then compile the sharded model
         wrapped = [torch.compile(w) for w in wrapped]
     layout.parts = wrapped
     if layout.pipeline is None:
         layout.runnable = wrapped[0]
+    else:
+        layout.pipeline.stages[:] = wrapped  # the schedule runs the wrapped stages (DDP replaces the module)
     return layout
 
 
@@ -233,5 +228,5 @@ def _param_dtype(dtype: str):
 
 
 def _microbatches(cfg, dims: ParallelDims) -> int:
-    return cfg.parallel.microbatches or 2 * dims.pp * cfg.parallel.virtual_stages
+    return cfg.parallel.microbatches or dims.pp * cfg.parallel.virtual_stages  # one per stage: the fewest that fill it
 

@@ -1,0 +1,537 @@
+"""Pipeline parallelism for the GPT on torch.distributed.pipelining, with every one of torch's schedules.
+
+    pipeline = build_pipeline(model, submesh(mesh, "pp"), schedule="1f1b", microbatches=8, device=device)
+    for module in pipeline.stages: fully_shard(module, mesh=dp_mesh)   # optional, in place (or DDP: replace)
+    loss = pipeline.step(x, y)              # forward + backward of every microbatch; the loss on the last stage
+    pipeline.sync_tied_embedding()          # after the last step() of an accumulation, before clipping
+    pipeline.clip_grad_norm_(1.0); optimizer.step()
+
+The blocks are cut into S = pp × virtual_stages contiguous stages (split_layers, which counts the embedding
+and the head as blocks of work) and each pp rank holds the stages stage_ids gives it: rank r, r + pp, ... for
+the looped schedules, r and 2·pp-1-r for the V-shaped ones. A GPTStage holds the model's own submodules, so
+its state_dict keys are the full model's: checkpoints load by name whatever the layout. build_pipeline takes
+the model apart, keeping only this rank's stages: every rank builds the whole model from the same seed (fine
+at test sizes); a big one can be built on the meta device, then each stage to_empty()'d and loaded by name.
+
+Loss scale: torch calls loss_fn once per microbatch and backpropagates each result. Our loss_fn returns the
+microbatch's summed token loss divided by the number of targets (not -1) in the whole batch, and torch's own
+division by the number of microbatches is switched off (scale_grads=False; torch 2.6 has no such division),
+so the gradients are exactly those of the whole batch's mean loss, whatever the microbatches' token counts.
+
+Tied embedding: wte (first stage) and lm_head (last stage) become separate parameters that start equal, also
+when one rank holds both (V schedules), so that every stage module owns its parameters (two FSDP units cannot
+share one, an optimizer must not see one twice). sync_tied_embedding() makes each copy's gradient the sum of
+both (an all-reduce over {first-stage rank, last-stage rank}, Megatron's embedding group; a local add on one
+rank), which is the tied weight's gradient, so both copies take the same step and stay equal.
+
+Data parallel composes the way torchtitan does it: fully_shard each stage module (and its blocks) in place,
+or replace pipeline.stages[i] with DDP(pipeline.stages[i]); the schedule is rebuilt around whatever `stages`
+holds and drives no_sync / FSDP's reduction itself. Known torch 2.13 pitfalls are handled in _check_wrappers
+(DDP with the split-backward schedules is refused) and eval_loss (V schedules' eval() is broken).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.models.gpt import GPT
+
+# Our config names -> the names torch's get_schedule_class knows.
+SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_zero_bubble": "InterleavedZeroBubble",
+    "zbv_zero_bubble": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
+V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # two stages per rank, the first and last on rank 0
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")  # input and weight grads apart
+_HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class PipelineError(MeshtrainError, ValueError):
+    """The pipeline layout does not fit the model, the mesh, the batch or this torch; the message says how."""
+
+
+# ---- pure layout arithmetic -----------------------------------------------------------------------------
+def split_layers(n_layer: int, n_stages: int, *, embed_weight: float = 1.0,
+                 head_weight: float = 1.0) -> list[list[int]]:
+    """Contiguous block indices for each stage, balancing blocks + embedding (stage 0) + head (last stage).
+
+    Stage s ends where the cumulative work reaches (s + 1) / n_stages of the total, rounded to the nearest
+    block (halves up), while every stage keeps at least one block.
+    """
+    for name, value in (("n_layer", n_layer), ("n_stages", n_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PipelineError(f"{name} must be a positive integer, got {value!r}")
+    for name, value in (("embed_weight", embed_weight), ("head_weight", head_weight)):
+        if not math.isfinite(value) or value < 0:
+            raise PipelineError(f"{name} must be a finite number >= 0 (work in units of one block), got {value!r}")
+    if n_layer < n_stages:
+        raise PipelineError(f"{n_layer} blocks cannot fill {n_stages} pipeline stages (pp × virtual_stages): "
+                            f"every stage needs at least one block; use at most {n_layer} stages")
+    total = n_layer + embed_weight + head_weight
+    ends, previous = [], 0
+    for s in range(n_stages - 1):
+        end = math.floor((s + 1) * total / n_stages - embed_weight + 0.5 + 1e-9)
+        end = min(max(end, previous + 1), n_layer - (n_stages - 1 - s))
+        ends.append(end)
+        previous = end
+    ends.append(n_layer)
+    return [list(range(start, end)) for start, end in zip([0] + ends[:-1], ends, strict=True)]
+
+
+def _check_name(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+
+
+def _check_virtual_stages(schedule: str, virtual_stages: int) -> None:
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise PipelineError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    if schedule in SINGLE_STAGE and virtual_stages != 1:
+        raise PipelineError(f"schedule {schedule!r} runs one stage per rank, got virtual_stages={virtual_stages}: "
+                            "use virtual_stages=1, or interleaved_1f1b / looped_bfs / interleaved_zero_bubble")
+    if schedule in V_SHAPED and virtual_stages != 2:
+        raise PipelineError(f"schedule {schedule!r} places exactly 2 stages per rank in a V, got "
+                            f"virtual_stages={virtual_stages}: use virtual_stages=2")
+
+
+def stage_ids(pp_rank: int, pp_size: int, virtual_stages: int, schedule: str) -> list[int]:
+    """The global stage indices pp rank `pp_rank` holds, in pipeline order."""
+    _check_name(schedule)
+    _check_virtual_stages(schedule, virtual_stages)
+    if not 0 <= pp_rank < pp_size:
+        raise PipelineError(f"pp rank {pp_rank} is outside the pipeline's {pp_size} ranks")
+    if schedule in V_SHAPED:  # down the ranks and back up: rank 0 holds the first and the last stage
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + i * pp_size for i in range(virtual_stages)]
+
+
+def check_schedule(schedule: str, pp_size: int, virtual_stages: int, microbatches: int) -> None:
+    """Raise PipelineError if `schedule` cannot run this layout (torch's rules, stated with our names)."""
+    _check_name(schedule)
+    _check_virtual_stages(schedule, virtual_stages)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
+    n_stages = pp_size * virtual_stages
+    if schedule == "1f1b" and microbatches < n_stages or schedule == "dualpipev" and microbatches < n_stages:
+        raise PipelineError(f"schedule {schedule!r} needs at least as many microbatches as stages: got "
+                            f"microbatches={microbatches} for {n_stages} stages; use microbatches >= {n_stages}")
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, microbatches // pp_size)
+        if microbatches % rounds:
+            raise PipelineError(f"schedule {schedule!r} runs microbatches in rounds of pp={pp_size}: "
+                                f"microbatches={microbatches} is not; use a multiple of {pp_size} "
+                                f"(or fewer than {pp_size})")
+
+
+def schedule_class(schedule: str) -> type:
+    """torch's class for one of our schedule names, or a clear error if this torch lacks it."""
+    _check_name(schedule)
+    from torch.distributed.pipelining import schedules
+
+    try:
+        return schedules.get_schedule_class(SCHEDULES[schedule])
+    except (ValueError, KeyError, AttributeError):
+        available = []
+        for ours, theirs in SCHEDULES.items():
+            try:
+                schedules.get_schedule_class(theirs)
+                available.append(ours)
+            except (ValueError, KeyError, AttributeError):
+                pass
+        raise PipelineError(f"pipeline schedule {schedule!r} needs torch's {SCHEDULES[schedule]}, which torch "
+                            f"{torch.__version__} does not have: upgrade torch or choose one of "
+                            f"{', '.join(available)}") from None
+
+
+# ---- one stage of the GPT -------------------------------------------------------------------------------
+class GPTStage(nn.Module):
+    """Blocks `block_ids` of `model`, plus the embeddings on the first stage and ln_f + lm_head on the last.
+
+    It holds the model's own modules under the model's own names, so state_dict() keys are exactly the full
+    model's ("transformer.h.3.mlp.c_fc.weight", "lm_head.weight", ...) for what this stage owns.
+    """
+
+    def __init__(self, model: GPT, block_ids: Sequence[int], *, first: bool, last: bool):
+        super().__init__()
+        t = model.transformer
+        parts: dict[str, nn.Module] = {}
+        if first:
+            parts.update(wte=t.wte, wpe=t.wpe, drop=t.drop)
+        parts["h"] = nn.ModuleDict({str(i): t.h[str(i)] for i in block_ids})
+        if last:
+            parts["ln_f"] = t.ln_f
+        self.transformer = nn.ModuleDict(parts)
+        if last:
+            self.lm_head = model.lm_head
+        self.is_first, self.is_last = first, last
+        self.block_ids = tuple(block_ids)
+        self.block_size = model.config.block_size
+        self.positions: torch.Tensor | None = None  # the tokens' positions when not 0..T-1 (a context-parallel slice)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids [B, T] -> hidden [B, T, C]; middle: hidden -> hidden; last: -> logits [B, T, V]."""
+        t = self.transformer
+        if self.is_first:
+            T = x.shape[1]
+            positions = self.positions
+            if positions is None:
+                if T > self.block_size:
+                    raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
+                positions = torch.arange(T, dtype=torch.long, device=x.device)
+            x = t.drop(t.wte(x) + t.wpe(positions))
+        for block in t.h.values():
+            x = block(x)
+        if self.is_last:
+            x = self.lm_head(t.ln_f(x))
+        return x
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of one microbatch (targets of -1 ignored), as GPT.forward computes it."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                           reduction="sum")
+
+
+# ---- the pipeline ---------------------------------------------------------------------------------------
+class Pipeline:
+    """This rank's stages and torch's schedule over them. Build it with build_pipeline."""
+
+    def __init__(self, parts: list[GPTStage], stage_indices: list[int], n_stages: int, group, schedule: str,
+                 microbatches: int, device: torch.device, loss_sum: Callable, embed_group, embed_peer_is_self: bool):
+        self.stages: list[nn.Module] = list(parts)  # replace an entry to wrap it (DDP); fully_shard works in place
+        self._parts = list(parts)  # the GPTStages themselves, whatever wraps them later
+        self.stage_indices = list(stage_indices)
+        self.n_stages = n_stages
+        self.is_first = any(p.is_first for p in parts)
+        self.is_last = any(p.is_last for p in parts)
+        self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
+        self._group, self._embed_group, self._embed_on_one_rank = group, embed_group, embed_peer_is_self
+        self._loss_sum = loss_sum
+        self._loss_divisor: torch.Tensor | float = 1.0
+        self._schedule, self._built_for = None, None
+        # eval_loss through a plain forward pass instead of the schedule's eval(): where torch has no eval()
+        # (before ~2.8), and for V schedules, whose eval() in torch 2.13 still runs the backward actions of the
+        # two adjacent stages on the last rank and fails ("can't steal_bwd_input ... doesn't have backward").
+        self._plain_eval = schedule in V_SHAPED
+        self._ensure_schedule()  # now, so that a layout torch refuses fails at build time
+
+    # -- the schedule, rebuilt if `stages` was wrapped since ------------------------------------------------
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._loss_sum(logits, targets) / self._loss_divisor
+
+    def _ensure_schedule(self):
+        if self._built_for is not None and all(a is b for a, b in zip(self._built_for, self.stages, strict=True)):
+            return self._schedule
+        from torch.distributed.pipelining import PipelineStage
+
+        cls = schedule_class(self.schedule_name)
+        pipe_stages = [PipelineStage(module, index, self.n_stages, self.device, group=self._group)
+                       for module, index in zip(self.stages, self.stage_indices, strict=True)]
+        kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
+        first_arg = pipe_stages[0] if self.schedule_name in SINGLE_STAGE else pipe_stages
+        try:
+            self._schedule = cls(first_arg, n_microbatches=self.microbatches, loss_fn=self._loss_fn, **kwargs)
+        except ValueError as e:
+            raise PipelineError(f"torch {torch.__version__} refuses schedule {self.schedule_name!r} with "
+                                f"microbatches={self.microbatches} over {self.n_stages} stages: {e}") from e
+        self._built_for = list(self.stages)
+        return self._schedule
+
+    def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if x.shape[0] % self.microbatches:
+            raise PipelineError(f"batch of {x.shape[0]} sequences does not split into {self.microbatches} "
+                                f"microbatches: make the batch a multiple of {self.microbatches}")
+        if tuple(x.shape) != tuple(y.shape):
+            raise PipelineError(f"inputs {tuple(x.shape)} and targets {tuple(y.shape)} differ in shape")
+
+    def _inputs(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> tuple[tuple, torch.Tensor | None]:
+        target = None
+        if self.is_last:
+            target = y.to(self.device)
+            self._loss_divisor = (target != -1).sum().clamp_min(1) / scale
+        return ((x.to(self.device),) if self.is_first else ()), target
+
+    def _check_wrappers(self) -> None:
+        """Adjust or refuse the data-parallel wrappers of `stages` where torch's schedules mishandle them.
+
+        DDP: the stage runs every forward under no_sync and starts the reduction itself on the last
+        microbatch's backward, but torch 2.13's shape inference calls the DDP module outside no_sync, which
+        arms the reducer too early (its bucket rebuild then counts each gradient twice and fails); turning
+        the forward-time sync off keeps it for the stage alone. The split-backward schedules compute weight
+        gradients with autograd.grad, which DDP never sees: refused. FSDP2 under those schedules: blocks that
+        reshard after forward lose their weight gradients (the root is spared: FSDP never reshards it after
+        forward), so their parameters stay gathered from forward to backward, as torchtitan does anyway.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        for module in self.stages:
+            if isinstance(module, DistributedDataParallel):
+                if self.schedule_name in SPLIT_BACKWARD:
+                    raise PipelineError(
+                        f"schedule {self.schedule_name!r} computes weight gradients outside autograd's backward, "
+                        "where DDP cannot all-reduce them: shard the stages with FSDP (fully_shard) instead, or "
+                        "use gpipe / 1f1b / interleaved_1f1b / looped_bfs with DDP")
+                module.require_backward_grad_sync = False
+        if self.schedule_name not in SPLIT_BACKWARD:
+            return
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            return
+        for stage in self.stages:
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    if not hasattr(module, "set_reshard_after_forward"):
+                        raise PipelineError(f"torch {torch.__version__} cannot switch FSDP's reshard_after_forward "
+                                            f"for schedule {self.schedule_name!r}: call fully_shard(..., "
+                                            "reshard_after_forward=False) on the stages' blocks")
+                    module.set_reshard_after_forward(False, recurse=False)
+
+    def _run(self, method: str, x, y, scale: float) -> torch.Tensor | None:
+        self._check_batch(x, y)
+        schedule = self._ensure_schedule()
+        self._check_wrappers()
+        args, target = self._inputs(x, y, scale)
+        losses: list[torch.Tensor] = []
+        extra = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+        getattr(schedule, method)(*args, target=target, losses=losses, **extra)  # no merged logits: loss only
+        if not self.is_last:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).sum() / scale
+
+    # -- the loop's interface --------------------------------------------------------------------------------
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor | None:
+        """Forward + backward of every microbatch of (x, y); gradients ADD to what the parameters hold.
+
+        Returns the batch's mean loss (model(x, y)[1]) on the rank with the last stage, None elsewhere.
+        `scale` multiplies this step's gradients only: 1 / accumulation steps for gradient accumulation.
+        """
+        return self._run("step", x, y, scale)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The mean loss of (x, y) without gradients (last stage; None elsewhere). Dropout follows the stages'
+        train()/eval() mode. Uses the schedule's eval() where torch has it, a plain forward pass otherwise."""
+        schedule = self._ensure_schedule()
+        if hasattr(schedule, "eval") and not self._plain_eval:
+            return self._run("eval", x, y, 1.0)
+        self._check_batch(x, y)
+        return self._plain_forward_loss(x, y)
+
+    def _plain_forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Microbatch by microbatch, stage by stage, in one global order that every rank follows, so each
+        send meets its receive: slow (no overlap), but it needs nothing from torch's schedules."""
+        owner = {index: r for r in range(dist.get_world_size(self._group))
+                 for index in stage_ids(r, dist.get_world_size(self._group), len(self.stage_indices),
+                                        self.schedule_name)}
+        me = dist.get_rank(self._group)
+        modules = dict(zip(self.stage_indices, self.stages, strict=True))
+        args, target = self._inputs(x, y, 1.0)
+        total = torch.zeros((), device=self.device)
+        for mb in range(self.microbatches):
+            rows = slice(mb * (x.shape[0] // self.microbatches), (mb + 1) * (x.shape[0] // self.microbatches))
+            carried = None
+            for s in range(self.n_stages):
+                if owner[s] != me:
+                    continue
+                h = args[0][rows] if s == 0 else carried if owner[s - 1] == me else self._recv(owner[s - 1])
+                out = modules[s](h)
+                if s == self.n_stages - 1:
+                    total += self._loss_fn(out, target[rows]).float()
+                elif owner[s + 1] == me:
+                    carried = out
+                else:
+                    self._send(out, owner[s + 1])
+        return total if self.is_last else None
+
+    def _send(self, hidden: torch.Tensor, peer: int) -> None:
+        header = torch.tensor([*hidden.shape, _HIDDEN_DTYPES.index(hidden.dtype)], device=self.device)
+        dist.send(header, dist.get_global_rank(self._group, peer), group=self._group)
+        dist.send(hidden.contiguous(), dist.get_global_rank(self._group, peer), group=self._group)
+
+    def _recv(self, peer: int) -> torch.Tensor:
+        header = torch.empty(4, dtype=torch.long, device=self.device)
+        dist.recv(header, dist.get_global_rank(self._group, peer), group=self._group)
+        *shape, dtype = header.tolist()
+        hidden = torch.empty(shape, dtype=_HIDDEN_DTYPES[dtype], device=self.device)
+        dist.recv(hidden, dist.get_global_rank(self._group, peer), group=self._group)
+        return hidden
+
+    @property
+    def parts(self) -> list[GPTStage]:
+        """The GPTStage under each entry of `stages`, unwrapped: full-model names for state dicts."""
+        return list(self._parts)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter this rank holds, once each (both copies of the tied embedding where held)."""
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.stages:
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _tied_copies(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+        wte = next((p.transformer.wte.weight for p in self._parts if p.is_first), None)
+        head = next((p.lm_head.weight for p in self._parts if p.is_last), None)
+        return wte, head
+
+    def sync_tied_embedding(self) -> None:
+        """Make wte's and lm_head's gradients both their sum, the tied weight's gradient. Every rank of the
+        pipeline calls it after backward (ranks without either copy return at once)."""
+        copies = [p for p in self._tied_copies() if p is not None]
+        if not copies:
+            return
+        if any(p.grad is None for p in copies):
+            raise PipelineError("sync_tied_embedding() found no gradient on the embedding / lm_head: call it "
+                                "after step(), before clipping and the optimizer step")
+        grads = [_local(p.grad) for p in copies]
+        if self._embed_on_one_rank:
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        else:
+            dist.all_reduce(grads[0], group=self._embed_group)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """clip_grad_norm_ over the whole pipeline, the tied embedding counted once (call after
+        sync_tied_embedding). Every rank of the pipeline calls it; returns the total norm."""
+        _, head = self._tied_copies()
+        counted = [p for p in self.parameters() if p is not head]
+        return clip_grad_norm_(counted, max_norm, self._group, norm_type=norm_type,
+                               scale_only=[head] if head is not None else [])
+
+
+def _group_of(mesh_or_group):
+    return mesh_or_group.get_group() if hasattr(mesh_or_group, "get_group") else mesh_or_group
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+
+
+_EMBED_GROUPS: dict = {}  # (world group, all pairs) -> {pair: group}: new_group once per layout
+
+
+def _embedding_group(pair: tuple[int, int] | None):
+    """The process group of {first-stage rank, last-stage rank} of this rank's pipeline.
+
+    new_group is collective over the whole world: every rank learns every pipeline's pair and creates
+    all of them in the same order, keeping the one it belongs to.
+    """
+    pairs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pairs, pair)
+    layout = tuple(sorted({p for p in pairs if p is not None}))
+    key = (id(dist.group.WORLD), layout)
+    if key not in _EMBED_GROUPS:
+        _EMBED_GROUPS[key] = {p: dist.new_group(list(p)) for p in layout}
+    return _EMBED_GROUPS[key].get(pair)
+
+
+def build_pipeline(model: GPT, pp_mesh, *, schedule: str, microbatches: int, virtual_stages: int = 1,
+                   device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+                   embed_weight: float = 1.0, head_weight: float = 1.0) -> Pipeline:
+    """Cut `model` into this rank's stages of `schedule` over the pp mesh (a 1-D DeviceMesh or process group).
+
+    Collective: every rank of the job calls it (the embedding groups are created together). `model` is
+    taken apart: afterwards it holds only this rank's parts. loss_fn(logits, targets) must return the
+    microbatch's SUMMED loss; the pipeline divides by the number of targets that are not -1.
+    """
+    if pp_mesh is None:
+        raise PipelineError("build_pipeline needs the pp mesh dim (submesh(mesh, 'pp')); with parallel.pp=1 "
+                            "there is no pipeline to build: train the model directly")
+    group = _group_of(pp_mesh)
+    pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
+    check_schedule(schedule, pp_size, virtual_stages, microbatches)
+    schedule_class(schedule)
+    n_stages = pp_size * virtual_stages
+    blocks = split_layers(model.config.n_layer, n_stages, embed_weight=embed_weight, head_weight=head_weight)
+    mine = stage_ids(pp_rank, pp_size, virtual_stages, schedule)
+    last_owner = next(r for r in range(pp_size) if n_stages - 1 in stage_ids(r, pp_size, virtual_stages, schedule))
+    first, last = 0 in mine, n_stages - 1 in mine
+
+    t = model.transformer
+    if last:  # untie: lm_head gets its own copy, kept equal by sync_tied_embedding
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
+                                            requires_grad=model.lm_head.weight.requires_grad)
+    owned = {i for s in mine for i in blocks[s]}
+    for i in range(model.config.n_layer):
+        if i not in owned:
+            del t.h[str(i)]
+    if not first:
+        del t.wte, t.wpe, t.drop
+    if not last:
+        del t.ln_f, model.lm_head
+    parts = [GPTStage(model, blocks[s], first=s == 0, last=s == n_stages - 1) for s in mine]
+    if not any(p.is_meta for part in parts for p in part.parameters()):
+        for part in parts:
+            part.to(device)
+
+    on_one_rank = last_owner == 0
+    pair = None
+    if not on_one_rank and pp_rank in (0, last_owner):
+        pair = (dist.get_global_rank(group, 0), dist.get_global_rank(group, last_owner))
+    embed_group = None if on_one_rank else _embedding_group(pair)
+    return Pipeline(parts, mine, n_stages, group, schedule, microbatches, device, loss_fn, embed_group, on_one_rank)
+
+
+# ---- gradient clipping across stages --------------------------------------------------------------------
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None, *, norm_type: float = 2.0,
+                    scale_only: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a model split over pipeline ranks (and sharded by FSDP / TP).
+
+    The norm is over `parameters` on every rank of `pp_group` (a process group, a 1-D DeviceMesh, or None):
+    each rank sums |g|^p of what it holds, a DTensor gradient's shards are summed over the mesh dims it is
+    sharded on (not those it is replicated on), then the ranks of the pipeline add theirs. `scale_only` are
+    clipped but not counted (the second copy of a tied weight). Returns the total norm.
+    """
+    norm_type = float(norm_type)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    extra = [p.grad for p in scale_only if p.grad is not None]
+    device = (grads or extra)[0].device if grads or extra else torch.device("cpu")
+    infinite = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    parts: dict = {}  # None for plain tensors, (mesh, sharded dims) for DTensors -> this rank's sum of |g|^p
+    for g in grads:
+        local = _local(g).detach().float()
+        if local.numel() == 0:  # an FSDP shard can be empty on some ranks
+            value = torch.zeros((), device=local.device)
+        else:
+            value = local.abs().max() if infinite else local.abs().pow(norm_type).sum()
+        key = None
+        if hasattr(g, "placements"):
+            if any(pl.is_partial() for pl in g.placements):
+                raise PipelineError("clip_grad_norm_ got a gradient with a Partial placement: reduce it first")
+            key = (g.device_mesh, tuple(d for d, pl in enumerate(g.placements) if pl.is_shard()))
+        if key not in parts:
+            parts[key] = value
+        else:
+            parts[key] = torch.maximum(parts[key], value) if infinite else parts[key] + value
+    total = torch.zeros((), device=device)
+    for key, value in parts.items():
+        if key is not None:
+            mesh, dims = key
+            for d in dims:
+                dist.all_reduce(value, op=op, group=mesh.get_group(d))
+        total = torch.maximum(total, value.to(device)) if infinite else total + value.to(device)
+    group = _group_of(pp_group)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=op, group=group)
+    total_norm = total if infinite else total.pow(1.0 / norm_type)
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for g in grads + extra:
+        local = _local(g)
+        local.mul_(coef.to(local.device, local.dtype))
+    return total_norm
