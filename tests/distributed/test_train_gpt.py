@@ -153,6 +153,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_root, tmp_path):
     assert out.returncode == 1, text[-3000:]
     assert "training loss is nan at iteration 8" in text and "Traceback" not in text
     import torch
+
     from meshtrain.train import checkpoint
 
     run_dir = run_dir_of(tmp_path)

@@ -126,14 +126,14 @@ class GPTLayout:
 
     def full_state_for_sampling(self) -> dict[str, torch.Tensor] | None:
         """The whole model's tensors on rank 0 (None elsewhere), gathered from every layout. Every rank calls it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from meshtrain.parallel.state_dict import full_model_state
 
         if self.dims.world_size == 1:
             return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         # Every rank gathers its stage's whole tensors (the shards live on its dp/tp peers)...
-        local = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        local = full_model_state(self.model)
         first_of_stage = all(c == 0 for d, c in self.dims.coords(self.rank).items() if d != "pp")
-        mine = {k: v.detach().cpu() for k, v in local.items()} if first_of_stage else {}
+        mine = local if first_of_stage else {}
         # ... and one rank per stage sends them to rank 0.
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)

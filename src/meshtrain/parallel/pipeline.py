@@ -398,7 +398,7 @@ class Pipeline:
         if any(p.grad is None for p in copies):
             raise PipelineError("sync_tied_embedding() found no gradient on the embedding / lm_head: call it "
                                 "after step(), before clipping and the optimizer step")
-        grads = [_local(p.grad) for p in copies]
+        grads = [_local(_grad_placed_like_param(p)) for p in copies]
         if self._embed_on_one_rank:
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
@@ -416,6 +416,16 @@ class Pipeline:
 
 def _group_of(mesh_or_group):
     return mesh_or_group.get_group() if hasattr(mesh_or_group, "get_group") else mesh_or_group
+
+
+def _grad_placed_like_param(p: nn.Parameter) -> torch.Tensor:
+    """The gradient, redistributed to its parameter's placements if autograd left it otherwise: under tensor
+    parallelism the embedding's gradient comes out Replicate/Partial, the head's Shard(0), and the two local
+    tensors must be the same slice to be summed."""
+    grad = p.grad
+    if hasattr(grad, "placements") and tuple(grad.placements) != tuple(p.placements):
+        p.grad = grad = grad.redistribute(grad.device_mesh, p.placements)
+    return grad
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -503,29 +513,16 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_grou
     device = (grads or extra)[0].device if grads or extra else torch.device("cpu")
     infinite = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    parts: dict = {}  # None for plain tensors, (mesh, sharded dims) for DTensors -> this rank's sum of |g|^p
-    for g in grads:
-        local = _local(g).detach().float()
-        if local.numel() == 0:  # an FSDP shard can be empty on some ranks
-            value = torch.zeros((), device=local.device)
-        else:
-            value = local.abs().max() if infinite else local.abs().pow(norm_type).sum()
-        key = None
-        if hasattr(g, "placements"):
-            if any(pl.is_partial() for pl in g.placements):
-                raise PipelineError("clip_grad_norm_ got a gradient with a Partial placement: reduce it first")
-            key = (g.device_mesh, tuple(d for d, pl in enumerate(g.placements) if pl.is_shard()))
-        if key not in parts:
-            parts[key] = value
-        else:
-            parts[key] = torch.maximum(parts[key], value) if infinite else parts[key] + value
-    total = torch.zeros((), device=device)
-    for key, value in parts.items():
-        if key is not None:
-            mesh, dims = key
-            for d in dims:
-                dist.all_reduce(value, op=op, group=mesh.get_group(d))
-        total = torch.maximum(total, value.to(device)) if infinite else total + value.to(device)
+    # DTensor ops reduce over whatever dims a gradient is sharded on, strided FSDP x TP shards included;
+    # every rank of a stage holds the same gradients in the same order, so their collectives line up.
+    norms = [torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    if not norms:
+        total = torch.zeros((), device=device)
+    elif infinite:
+        total = torch.stack([n.to(device) for n in norms]).max()
+    else:
+        total = torch.stack([n.to(device) for n in norms]).pow(norm_type).sum()
     group = _group_of(pp_group)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, op=op, group=group)

@@ -91,6 +91,8 @@ def _alias(key: str, aliases: dict[str, str]) -> str:
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's tensors on the CPU, gathered from shards (rank 0 gets them; others get what
-    DCP gives non-zero ranks). Every rank must call it. Under PP each rank still has only its stages."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Whole tensors, on the CPU, of what `model` holds: its shards gathered from the ranks that share it
+    (FSDP, TP). Every rank must call it and every rank gets them; under PP each rank still has only its
+    stages' tensors. (cpu_offload=True would keep them on global rank 0 alone, which holds one stage.)"""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: value.detach().cpu() for name, value in state.items()}

@@ -125,6 +125,9 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh | None, *, sequence_pa
             f"{BLOCKS}.attn": gather,  # one all-gather feeds q, k and v
             f"{BLOCKS}.mlp": gather,
         }
+    # A pipeline stage lacks some of the model's top-level modules; blocks it has (at least one).
+    plan = {path: style for path, style in plan.items()
+            if path.startswith(BLOCKS) or path in dict(model.named_modules())}
     parallelize_module(model, tp_mesh, plan)
 
     # wpe's output [T, C] is added to wte's [B, T, C]: sliced to this rank's positions (Shard(0)) under sequence

@@ -1,0 +1,179 @@
+"""Under torchrun: any layout the trainer can build trains exactly like one process, and its checkpoints reshard.
+
+    python -m torch.distributed.run --nproc-per-node N layout_check.py CASE [CASE ...] [--save DIR] [--load DIR]
+
+CASE is `backend:key=value,...` over cfg.parallel, e.g. `fsdp:tp=2`, `ddp:pp=2,pp_schedule=gpipe`,
+`fsdp:tp=2,pp=2`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
+layout's micro-step, tied-embedding, clipping and eval methods — for STEPS steps of ACCUM micro-steps on
+the same global batches as a single-process reference, and compares loss, every gradient (gathered) and
+every parameter after each step, then the eval loss, printing "CASE -> EQUAL" per rank.
+
+--save DIR: after the last case, write a distributed checkpoint of it to DIR (parallel.state_dict +
+train.checkpoint.Checkpointer). --load DIR: for each case, load DIR into the fresh layout and write the
+whole model and optimizer state, gathered, to DIR/gathered-CASE.pt for the test to compare.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from meshtrain.config import GPTRunConfig
+from meshtrain.dist import distributed
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel.data_parallel import build_optimizer
+from meshtrain.parallel.gpt_layout import build_gpt_layout
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.state_dict import (
+    full_model_state,
+    load_model_and_optimizer_state,
+    model_and_optimizer_state,
+)
+from meshtrain.train import checkpoint
+from meshtrain.train.metrics import StepTimer
+
+ACCUM, MICRO, STEPS, TOL = 2, 4, 2, 1e-5
+CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=True)
+SGD = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+INTS = {"tp", "cp", "pp", "dp_replicate", "dp_shard", "microbatches", "virtual_stages"}
+
+
+def parse(case: str) -> GPTRunConfig:
+    cfg = GPTRunConfig()
+    backend, _, options = case.partition(":")
+    cfg.train.backend, cfg.train.dtype = backend, "fp32"
+    for item in filter(None, options.split(",")):
+        key, value = item.split("=")
+        value = int(value) if key in INTS else (value == "true" if value in ("true", "false") else value)
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def worst(mine: dict, ref: dict) -> float:
+    """Max abs difference relative to the reference's scale, over the names this rank holds."""
+    out = 0.0
+    for name, value in mine.items():
+        r = ref[name]
+        out = max(out, (full(value) - r).abs().max().item() / max(r.abs().max().item(), 1e-2))
+    return out
+
+
+def build(cfg: GPTRunConfig, info):
+    torch.manual_seed(0)
+    p = cfg.parallel
+    dims = ParallelDims.resolve(info.world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                                pp=p.pp, order=p.order)
+    layout = build_gpt_layout(GPT(CONFIG), cfg, dims, info.torch_device, info.rank, info.local_world_size)
+    optimizer = build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device, cfg.train.backend,
+                                info.world_size, **SGD)
+    return dims, layout, optimizer
+
+
+def run_case(case: str, info) -> tuple:
+    cfg = parse(case)
+    dims, layout, optimizer = build(cfg, info)
+    torch.manual_seed(0)
+    reference = GPT(CONFIG)
+    ref_opt = build_optimizer(reference.configure_optimizer_groups(0.1), torch.device("cpu"), **SGD)
+    scaler, timer = torch.amp.GradScaler("cpu", enabled=False), StepTimer(info.torch_device)
+    dp_rank, rows = dims.dp_rank(info.rank), ACCUM * MICRO
+    diffs = {"loss": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0}
+    for step in range(STEPS + 1):
+        batch = torch.randint(0, 65, (dims.dp_size * rows, 17), generator=torch.Generator().manual_seed(step))
+        x, y = batch[:, :-1], batch[:, 1:]
+        if step == STEPS:  # evaluation after training
+            loss = layout.eval_loss(x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows],
+                                    nullcontext())
+            dist.all_reduce(loss)
+            with torch.no_grad():
+                ref_eval = torch.stack([reference(x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])[1]
+                                        for r in range(dims.dp_size)]).mean()
+            diffs["eval"] = abs(loss.item() / layout.loss_ranks - ref_eval.item())
+            break
+        _, ref_loss = reference(x, y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        loss = torch.zeros(())
+        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        for micro in range(ACCUM):
+            part = slice(mine.start + micro * MICRO, mine.start + (micro + 1) * MICRO)
+            loss += layout.train_micro_step(x[part], y[part], accum=ACCUM, sync=micro == ACCUM - 1, autocast=nullcontext(),
+                                            scaler=scaler, timer=timer)
+        layout.finish_backward()
+        grads = {n: p.grad for n, p in layout.model.named_parameters() if p.grad is not None}
+        ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
+        # clip_grad_norm_ returns the norm before clipping: compare, then the clipped gradients must match too
+        norm = layout.clip_grad_norm(1.0)
+        dist.all_reduce(loss)
+        diffs["loss"] = max(diffs["loss"], abs(loss.item() / layout.loss_ranks - ref_loss.item()))
+        diffs["norm"] = max(diffs["norm"], abs(full(norm).item() - ref_norm.item()) / ref_norm.item())
+        diffs["grad"] = max(diffs["grad"], worst(grads, ref_grads))
+        optimizer.step()
+        ref_opt.step()
+        optimizer.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_params = dict(reference.named_parameters(remove_duplicate=False))
+        diffs["param"] = max(diffs["param"], worst(dict(layout.model.named_parameters()), ref_params))
+    ok = max(diffs.values()) <= TOL and len(grads) > 0
+    owned = sorted(n for n, _ in layout.model.named_parameters())
+    print(f"{case} rank {info.rank}: owns {len(owned)} tensors; max diff " +
+          " ".join(f"{k}={v:.2e}" for k, v in diffs.items()) + (" -> EQUAL" if ok else " -> DIFFERENT"), flush=True)
+    return layout, optimizer
+
+
+def gathered_state(layout, optimizer, info) -> dict | None:
+    """The whole model and optimizer state on rank 0, from whatever this layout holds where."""
+    model_state = full_model_state(layout.model)
+    if hasattr(optimizer, "consolidate_state_dict"):
+        raise SystemExit("gathering a zero1 optimizer is not needed by these tests")
+    optim_state = get_optimizer_state_dict(layout.model, optimizer, options=StateDictOptions(full_state_dict=True))
+    optim_state = {n: {k: full(v).detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                   for n, s in optim_state["state"].items()}  # keyed by parameter name
+    parts = [None] * info.world_size if info.rank == 0 else None
+    first_of_stage = all(c == 0 for d, c in layout.dims.coords(info.rank).items() if d != "pp")
+    dist.gather_object((model_state, optim_state) if first_of_stage else ({}, {}), parts, dst=0)
+    if info.rank != 0:
+        return None
+    whole = {"model": {}, "optimizer": {}}
+    for model_part, optim_part in parts:
+        whole["model"].update(model_part)
+        whole["optimizer"].update(optim_part)
+    return whole
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    save = Path(args[args.index("--save") + 1]) if "--save" in args else None
+    load = Path(args[args.index("--load") + 1]) if "--load" in args else None
+    cases = [a for a in args if ":" in a]
+    with distributed() as info:
+        for case in cases:
+            if load is None:
+                layout, optimizer = run_case(case, info)
+                continue
+            _, layout, optimizer = build(parse(case), info)
+            checkpoint_dir = checkpoint.latest_checkpoint(load)
+            load_model_and_optimizer_state(layout.model, optimizer, checkpoint.dcp_loader(checkpoint_dir),
+                                           layout.aliases)
+            whole = gathered_state(layout, optimizer, info)
+            if info.rank == 0:
+                torch.save(whole, load / f"gathered-{case.replace(':', '_').replace(',', '_')}.pt")
+                print(f"{case}: gathered the loaded state", flush=True)
+        if save is not None:
+            saver = checkpoint.Checkpointer(save, is_main=info.rank == 0)
+            saver.save(STEPS, model_and_optimizer_state(layout.model, optimizer), {"iteration": STEPS})
+            saver.wait()
+            print(f"saved {case} to {save}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
