@@ -262,3 +262,40 @@ def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_r
     after = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "split", backend))
              if r["step"] > 20 and "loss" in r}
     assert after == {step: full[step] for step in range(21, 31)}, "the resumed run repeats the uninterrupted one"
+
+
+def test_model_parallel_layouts_train_resume_across_layouts_and_export(data_root, tmp_path):
+    # tp 2 (sequence + loss parallel) trains 20 iterations and saves; pp 2 resumes that checkpoint to 30;
+    # cp 2 (ring) resumes it to 40; export consolidates the last checkpoint, which sample reads.
+    common = ["model.dropout=0.0", "model.n_head=4", "train.eval_interval=10", "train.log_interval=5",
+              "optimizer.lr_decay_iters=40", "train.dtype=fp32"]
+    steps = [("fsdp", ["parallel.tp=2"], 20), ("ddp", ["parallel.pp=2", "parallel.pp_schedule=gpipe"], 30),
+             ("ddp", ["parallel.cp=2", "parallel.cp_impl=ring"], 40)]
+    run_dir = None
+    for backend, layout, iters in steps:
+        resume = ["train.init_from=resume", f"train.run_dir={run_dir}"] if run_dir else []
+        out = train(2, data_root, tmp_path, f"train.backend={backend}", *layout, f"train.max_iters={iters}",
+                    *common, *resume)
+        text = output(out)
+        assert out.returncode == 0, text[-3000:]
+        dim = layout[0].split("=")[0].split(".")[1]
+        assert f"layout: {backend} over 2 rank(s) ({dim}=2" in text
+        run_dir = run_dir or run_dir_of(tmp_path, backend)
+        assert saved_iteration(run_dir) == iters
+        if resume:
+            assert f"resuming at iteration {iters - 10}" in text
+    evals = {r["step"]: r["val_loss"] for r in metrics_of(run_dir) if "val_loss" in r}
+    assert sorted(evals) == [0, 10, 20, 30, 40]
+    assert evals[40] < evals[20] < evals[0] - 0.3, "training goes on improving across the three layouts"
+
+    exported = subprocess.run([sys.executable, "-m", "meshtrain", "export", "--run", str(run_dir)], capture_output=True,
+                              text=True, env=clean_env(), cwd=REPO, timeout=120)
+    assert exported.returncode == 0, output(exported)
+    sample = subprocess.run([sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir / "model.pt"),
+                             "--prompt", "ROMEO:", "--max-new-tokens", "20", "--seed", "3"], capture_output=True,
+                            text=True, env=clean_env(), cwd=REPO, timeout=120)
+    from_dir = subprocess.run([sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir), "--prompt",
+                               "ROMEO:", "--max-new-tokens", "20", "--seed", "3"], capture_output=True, text=True,
+                              env=clean_env(), cwd=REPO, timeout=120)
+    assert sample.returncode == 0 and from_dir.returncode == 0, output(sample) + output(from_dir)
+    assert sample.stdout.startswith("ROMEO:") and sample.stdout == from_dir.stdout, "export holds the same model"
