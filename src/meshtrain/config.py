@@ -22,7 +22,7 @@ from meshtrain.errors import MeshtrainError
 
 PRESET_DIR = Path(__file__).parent / "configs"
 DTYPES = ("fp32", "bf16", "fp16")
-BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp")  # parallel/data_parallel.py
+BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp", "deepspeed")  # parallel/data_parallel.py, deepspeed_backend.py
 CP_IMPLS = ("ring", "ulysses")  # parallel/context_parallel.py
 
 
@@ -105,6 +105,7 @@ class ParallelSection:
     virtual_stages: int = 1  # stages per pipeline rank (interleaved/looped schedules need 2 or more)
     order: str = "tp-cp-dp-pp"  # the first dim's ranks are adjacent (on one node)
     cpu_offload: bool = False  # fsdp/zero2/zero3/hsdp: parameters and optimizer state live in host memory
+    zero_stage: int = 2  # train.backend=deepspeed: ZeRO stage 1 (optimizer), 2 (+ gradients) or 3 (+ parameters)
 
 
 @dataclass
@@ -204,6 +205,8 @@ def validate(cfg: GPTRunConfig) -> None:
         raise ConfigError(f"train.backend=zero1 with tp={p.tp} cp={p.cp} pp={p.pp}: ZeroRedundancyOptimizer "
                           "shards plain tensors over one group; use train.backend=zero2 or fsdp to combine "
                           "sharded data parallelism with model parallelism")
+    if p.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO stages are 1, 2 and 3")
     if p.pp > 1 and t.compile:
         raise ConfigError("train.compile=true with parallel.pp > 1: compiling pipeline stages is not supported in "
                           "this version; set train.compile=false")

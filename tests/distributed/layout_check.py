@@ -31,8 +31,6 @@ from meshtrain.parallel.gpt_layout import build_gpt_layout
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.state_dict import (
     full_model_state,
-    load_model_and_optimizer_state,
-    model_and_optimizer_state,
 )
 from meshtrain.train import checkpoint
 from meshtrain.train.metrics import StepTimer
@@ -40,7 +38,7 @@ from meshtrain.train.metrics import StepTimer
 ACCUM, MICRO, STEPS, TOL = 2, 4, 2, 1e-5
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=True)
 SGD = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
-INTS = {"tp", "cp", "pp", "dp_replicate", "dp_shard", "microbatches", "virtual_stages"}
+INTS = {"tp", "cp", "pp", "dp_replicate", "dp_shard", "microbatches", "virtual_stages", "zero_stage"}
 
 
 def parse(case: str) -> GPTRunConfig:
@@ -68,14 +66,26 @@ def worst(mine: dict, ref: dict) -> float:
 
 
 def build(cfg: GPTRunConfig, info):
+    cfg.optimizer.grad_clip, cfg.model.batch_size, cfg.train.grad_accum = 1.0, MICRO, ACCUM  # DeepSpeed's config
     torch.manual_seed(0)
     p = cfg.parallel
     dims = ParallelDims.resolve(info.world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 pp=p.pp, order=p.order)
     layout = build_gpt_layout(GPT(CONFIG), cfg, dims, info.torch_device, info.rank, info.local_world_size)
-    optimizer = build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device, cfg.train.backend,
-                                info.world_size, **SGD)
+    optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device,
+                                                        cfg.train.backend, info.world_size, **SGD))
     return dims, layout, optimizer
+
+
+def whole_parameters(layout) -> dict:
+    """Name -> parameter; under DeepSpeed ZeRO-3 gathered from the partitions (outside: empty tensors)."""
+    params = dict(layout.model.named_parameters())
+    if layout.engine is None or layout.deepspeed["stage"] < 3:
+        return {n: p.detach().clone() for n, p in params.items()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().clone() for n, p in params.items()}
 
 
 def run_case(case: str, info) -> tuple:
@@ -109,21 +119,23 @@ def run_case(case: str, info) -> tuple:
             loss += layout.train_micro_step(x[part], y[part], accum=ACCUM, sync=micro == ACCUM - 1, autocast=nullcontext(),
                                             scaler=scaler, timer=timer)
         layout.finish_backward()
+        # DeepSpeed keeps its gradients in partitions of its own and steps inside the last micro-step: its
+        # gradients are seen through the norm and the parameters only.
         grads = {n: p.grad for n, p in layout.model.named_parameters() if p.grad is not None}
         ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
-        # clip_grad_norm_ returns the norm before clipping: compare, then the clipped gradients must match too
-        norm = layout.clip_grad_norm(1.0)
+        # the norm before clipping; then the clipped gradients must match too
+        norm = layout.optimizer_step(optimizer, scaler, 1.0)
         dist.all_reduce(loss)
         diffs["loss"] = max(diffs["loss"], abs(loss.item() / layout.loss_ranks - ref_loss.item()))
         diffs["norm"] = max(diffs["norm"], abs(full(norm).item() - ref_norm.item()) / ref_norm.item())
-        diffs["grad"] = max(diffs["grad"], worst(grads, ref_grads))
-        optimizer.step()
+        if layout.engine is None:
+            diffs["grad"] = max(diffs["grad"], worst(grads, ref_grads))
         ref_opt.step()
         optimizer.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
-        diffs["param"] = max(diffs["param"], worst(dict(layout.model.named_parameters()), ref_params))
-    ok = max(diffs.values()) <= TOL and len(grads) > 0
+        diffs["param"] = max(diffs["param"], worst(whole_parameters(layout), ref_params))
+    ok = max(diffs.values()) <= TOL and (len(grads) > 0 or layout.engine is not None)
     owned = sorted(n for n, _ in layout.model.named_parameters())
     print(f"{case} rank {info.rank}: owns {len(owned)} tensors; max diff " +
           " ".join(f"{k}={v:.2e}" for k, v in diffs.items()) + (" -> EQUAL" if ok else " -> DIFFERENT"), flush=True)
@@ -162,15 +174,14 @@ def main() -> None:
                 continue
             _, layout, optimizer = build(parse(case), info)
             checkpoint_dir = checkpoint.latest_checkpoint(load)
-            load_model_and_optimizer_state(layout.model, optimizer, checkpoint.dcp_loader(checkpoint_dir),
-                                           layout.aliases)
+            layout.load_checkpoint(checkpoint_dir, optimizer)
             whole = gathered_state(layout, optimizer, info)
             if info.rank == 0:
                 torch.save(whole, load / f"gathered-{case.replace(':', '_').replace(',', '_')}.pt")
                 print(f"{case}: gathered the loaded state", flush=True)
         if save is not None:
             saver = checkpoint.Checkpointer(save, is_main=info.rank == 0)
-            saver.save(STEPS, model_and_optimizer_state(layout.model, optimizer), {"iteration": STEPS})
+            layout.save_checkpoint(saver, STEPS, optimizer, {"iteration": STEPS})
             saver.wait()
             print(f"saved {case} to {save}", flush=True)
 

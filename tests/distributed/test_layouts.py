@@ -60,6 +60,12 @@ def test_layouts_equal_one_process(ranks):
     assert_equal(text, LAYOUTS[ranks], ranks)
 
 
+def test_deepspeed_zero_stages_equal_one_process():
+    pytest.importorskip("deepspeed", reason="needs the [deepspeed] extra")
+    cases = ["deepspeed:zero_stage=1", "deepspeed:zero_stage=2", "deepspeed:zero_stage=3"]
+    assert_equal(launch(2, *cases), cases, 2)  # loss, DeepSpeed's clip norm, parameters (gathered under ZeRO-3)
+
+
 def test_checkpoint_reshards_between_layouts(tmp_path):
     # Saved under fsdp 2 x tp 2 (4 ranks) after two steps ...
     saved_under = "fsdp:tp=2"

@@ -242,8 +242,11 @@ def test_compile_trains_like_eager(data_root, tmp_path):
 @pytest.mark.parametrize("backend,world,extra", [
     ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []), ("hsdp", 4, ["parallel.dp_replicate=2"]),
     ("fsdp", 2, ["parallel.cpu_offload=true", "train.activation_checkpointing=selective"]),
-], ids=["zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload-selective-ac"])
+    ("deepspeed", 2, ["parallel.zero_stage=3"]),
+], ids=["zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload-selective-ac", "deepspeed-zero3"])
 def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_root, tmp_path):
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed", reason="needs the [deepspeed] extra")
     common = [f"train.backend={backend}", *extra, "train.eval_interval=10", "train.log_interval=1",
               "optimizer.lr_decay_iters=30", "train.dtype=fp32"]
     full_run = train(world, data_root, tmp_path / "full", "train.max_iters=30", *common)

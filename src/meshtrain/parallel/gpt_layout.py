@@ -55,6 +55,54 @@ class GPTLayout:
     # Split by pipeline stages, lm_head keeps its own copy of the tied embedding; a checkpoint from any
     # layout has the embedding's optimizer state, which the copy's equals (see parallel.state_dict).
     aliases: dict[str, str] = field(default_factory=lambda: {"lm_head.weight": "transformer.wte.weight"})
+    deepspeed: dict | None = None  # train.backend=deepspeed: the engine's settings until attach_optimizer
+    engine: object | None = None  # the DeepSpeed engine, which then owns forward, backward and step
+
+    # ---- the optimizer and checkpoints ---------------------------------------------------------------------
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the loop sets learning rates on and steps (DeepSpeed wraps it in its engine)."""
+        if self.deepspeed is None:
+            return optimizer
+        from meshtrain.parallel import deepspeed_backend
+
+        self.engine, optimizer = deepspeed_backend.initialize(self.model, optimizer, **self.deepspeed)
+        self.runnable = self.engine
+        return optimizer
+
+    def optimizer_step(self, optimizer, scaler, max_norm: float) -> torch.Tensor | None:
+        """Unscale, clip (if max_norm > 0; returns the norm before clipping) and step."""
+        if self.engine is not None:  # it stepped (and clipped, from its config) at the accumulation boundary
+            return torch.tensor(float(self.engine.get_global_grad_norm() or 0.0)) if max_norm > 0 else None
+        norm = None
+        if max_norm > 0:
+            scaler.unscale_(optimizer)
+            norm = self.clip_grad_norm(max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        return norm
+
+    def save_checkpoint(self, checkpointer, iteration: int, optimizer, trainer_state: dict):
+        """A checkpoint of this rank's share of model and optimizer (every rank calls it)."""
+        if self.engine is not None:
+            from meshtrain.parallel import deepspeed_backend
+
+            return checkpointer.save_with(iteration, lambda path: deepspeed_backend.save(self.engine, path),
+                                          trainer_state)
+        from meshtrain.parallel.state_dict import model_and_optimizer_state
+
+        return checkpointer.save(iteration, model_and_optimizer_state(self.model, optimizer), trainer_state)
+
+    def load_checkpoint(self, checkpoint_dir, optimizer) -> None:
+        """Load a checkpoint saved under any layout (DeepSpeed's: under deepspeed only)."""
+        if self.engine is not None:
+            from meshtrain.parallel import deepspeed_backend
+
+            return deepspeed_backend.load(self.engine, checkpoint_dir)
+        from meshtrain.parallel.state_dict import load_model_and_optimizer_state
+        from meshtrain.train.checkpoint import dcp_loader
+
+        load_model_and_optimizer_state(self.model, optimizer, dcp_loader(checkpoint_dir), self.aliases)
+        return None
 
     # ---- one micro-step ------------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor, y: torch.Tensor):
@@ -76,6 +124,13 @@ class GPTLayout:
         (metrics.StepTimer) times forward and backward, or both as one under a pipeline schedule.
         Returns this micro-step's loss / accum (a 0-dim tensor; 0 on ranks without the last pipeline stage)."""
         x, y, positions = self._shard(x, y)
+        if self.engine is not None:
+            with timer("dtf"), autocast:
+                _, loss = self.engine(x, y)
+            with timer("dtb"):
+                self.engine.backward(loss)  # scales by 1 / accumulation itself
+                self.engine.step()  # a real step only at the accumulation boundary
+            return loss.detach().float() / accum
         if self.pipeline is not None:
             for part in self.parts:
                 gradient_sync(part, sync)
@@ -130,6 +185,13 @@ class GPTLayout:
 
         if self.dims.world_size == 1:
             return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.engine is not None and self.deepspeed["stage"] == 3:  # partitioned: DeepSpeed gathers to rank 0
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+            if self.rank != 0:
+                return None
+            state = {k: v.detach().cpu() for k, v in state.items()}
+            state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # a tied weight is listed once
+            return state
         # Every rank gathers its stage's whole tensors (the shards live on its dp/tp peers)...
         local = full_model_state(self.model)
         first_of_stage = all(c == 0 for d, c in self.dims.coords(self.rank).items() if d != "pp")
@@ -192,6 +254,14 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
     for part in parts:  # a stage holds its blocks in a ModuleDict of its own
         apply_activation_checkpointing(part.transformer.h, t.activation_checkpointing, t.ac_every)
 
+    if t.backend == "deepspeed":
+        if max(dims.tp, dims.cp, dims.pp) > 1:
+            raise LayoutError(f"train.backend=deepspeed with tp={dims.tp} cp={dims.cp} pp={dims.pp}: meshtrain runs "
+                              "DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine with tp/cp/pp")
+        layout.deepspeed = dict(device=device, stage=p.zero_stage, micro_batch_size=cfg.model.batch_size,
+                                grad_accum=t.grad_accum, grad_clip=cfg.optimizer.grad_clip, dtype=t.dtype)
+        layout.runnable = model
+        return layout
     sharded = t.backend in SHARDED
     dp_mesh = _data_parallel_mesh(mesh, dims, t.backend)
     dp_ranks = dims.size("dp_cp")

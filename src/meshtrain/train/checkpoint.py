@@ -82,18 +82,31 @@ class Checkpointer:
     def save(self, iteration: int, state: dict, trainer_state: dict) -> Path:
         """Start saving `state` (from parallel.state_dict, on every rank) and rank 0's `trainer_state`
         (iteration, config, RNG streams: plain tensors and Python values)."""
+        if self.async_group is None:  # dcp.save returns once every rank's shards and the metadata are written
+            return self.save_with(iteration, lambda path: dcp.save(state, checkpoint_id=str(path)), trainer_state)
         self.wait()  # one save in flight at a time
+        partial, final = self._paths(iteration)
+        future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+        self._pending = (future, partial, final, trainer_state)
+        return final
+
+    def save_with(self, iteration: int, write, trainer_state: dict) -> Path:
+        """Save through `write(directory)`, which every rank calls and which returns once all ranks have
+        written (a DeepSpeed engine's own save, say); then publish it like any other."""
+        self.wait()
+        partial, final = self._paths(iteration)
+        write(partial)
+        dist.barrier()  # rank 0 publishes only once every rank's files are there
+        self._finish(partial, final, trainer_state)
+        return final
+
+    def _paths(self, iteration: int) -> tuple[Path, Path]:
         final = self.root / f"step-{iteration:07d}"
         partial = self.root / f".{final.name}.partial"
         if self.is_main:
             shutil.rmtree(partial, ignore_errors=True)  # left by a killed run
-        if self.async_group is not None:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
-            self._pending = (future, partial, final, trainer_state)
-        else:
-            dcp.save(state, checkpoint_id=str(partial))  # returns once every rank's shards and the metadata are written
-            self._finish(partial, final, trainer_state)
-        return final
+        dist.barrier()  # nobody writes into it before it is cleared
+        return partial, final
 
     def wait(self) -> Path | None:
         """Block until the save in flight (if any) is complete and published."""
@@ -160,12 +173,24 @@ def export_model(run_dir: Path, out: Path | None = None) -> Path:
     checkpoint_dir = latest_checkpoint(run_dir)
     trainer_state = load_trainer_state(checkpoint_dir)
     model = GPT(model_config(from_dict(trainer_state["config"]), trainer_state["meta"]))
-    state = {"model": model.state_dict()}
-    dcp_loader(checkpoint_dir)(state)  # without a process group: this process reads every shard
+    load_whole_model(model, checkpoint_dir)
     out = Path(out) if out else Path(run_dir) / EXPORT
-    _atomic_torch_save(out, {"model": state["model"], "config": trainer_state["config"], "meta": trainer_state["meta"],
-                             "iteration": trainer_state["iteration"]})
+    _atomic_torch_save(out, {"model": model.state_dict(), "config": trainer_state["config"],
+                             "meta": trainer_state["meta"], "iteration": trainer_state["iteration"]})
     return out
+
+
+def load_whole_model(model, checkpoint_dir: Path) -> None:
+    """Fill a one-process model from a checkpoint of any layout: this process reads every shard."""
+    from meshtrain.parallel import deepspeed_backend
+
+    if (Path(checkpoint_dir) / deepspeed_backend.TAG).is_dir():
+        state = deepspeed_backend.consolidated_state(checkpoint_dir)
+        state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # DeepSpeed lists a tied weight once
+        model.load_state_dict(state)
+        return
+    state = {"model": model.state_dict()}
+    dcp_loader(checkpoint_dir)(state)  # fills the model's own tensors in place
 
 
 def model_config(cfg, meta: dict):

@@ -27,7 +27,6 @@ from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.data_parallel import build_optimizer, bytes_held
 from meshtrain.parallel.gpt_layout import build_gpt_layout
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.parallel.state_dict import load_model_and_optimizer_state, model_and_optimizer_state
 from meshtrain.train import checkpoint, metrics
 from meshtrain.train.optim import learning_rate
 from meshtrain.train.sinks import build_sinks, progress_bar, track
@@ -140,15 +139,15 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
     # they all hold, and pp ranks hold different layers anyway.
     coords = dims.coords(info.rank)
     torch.manual_seed(t.seed + dims.dp_rank(info.rank) * dims.cp + coords["cp"])
-    optimizer = build_optimizer(model.configure_optimizer_groups(o.weight_decay), device, t.backend, info.world_size,
-                                lr=o.lr, betas=(o.beta1, o.beta2))
+    optimizer = layout.attach_optimizer(build_optimizer(model.configure_optimizer_groups(o.weight_decay), device,
+                                                        t.backend, info.world_size, lr=o.lr, betas=(o.beta1, o.beta2)))
     scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
     checkpointer = checkpoint.Checkpointer(run_dir, is_main=info.is_main, keep=t.keep_checkpoints,
                                            async_save=t.async_checkpoint)
     start_iter = 0
     if resumed:
         with collective(f"loading the checkpoint {checkpoint_dir}", info.timeout_s):
-            load_model_and_optimizer_state(model, optimizer, checkpoint.dcp_loader(checkpoint_dir), layout.aliases)
+            layout.load_checkpoint(checkpoint_dir, optimizer)
         scaler.load_state_dict(resumed["scaler"])
         start_iter = resumed["iteration"]
         ranks = resumed["ranks"]
@@ -217,7 +216,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         trainer_state = {"scaler": scaler.state_dict(), "iteration": it, "config": config_mod.to_dict(cfg),
                          "meta": meta, "ranks": ranks, **losses}
         with collective("saving the distributed checkpoint", info.timeout_s):
-            path = checkpointer.save(it, model_and_optimizer_state(model, optimizer), trainer_state)
+            path = layout.save_checkpoint(checkpointer, it, optimizer, trainer_state)
         log.info("checkpoint: %s (iteration %d)%s", path, it, " writing in the background" if t.async_checkpoint else "")
 
     def log_bytes_held() -> None:
@@ -262,13 +261,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                                                             autocast=autocast, scaler=scaler, timer=timer)
                 with collective("the gradient all-reduce of the tied embedding across stages", info.timeout_s):
                     layout.finish_backward()
-                if o.grad_clip > 0:
-                    scaler.unscale_(optimizer)
-                    grad_norm = layout.clip_grad_norm(o.grad_clip)
-                else:
-                    grad_norm = None
-                scaler.step(optimizer)
-                scaler.update()
+                grad_norm = layout.optimizer_step(optimizer, scaler, o.grad_clip)
                 if it == start_iter:
                     log_bytes_held()
                 optimizer.zero_grad(set_to_none=True)

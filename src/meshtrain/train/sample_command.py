@@ -42,8 +42,7 @@ def load_model(run: Path, device: torch.device) -> tuple[GPT, dict]:
         trainer_state = checkpoint.load_trainer_state(checkpoint_dir)
         meta = trainer_state["meta"]
         model = GPT(checkpoint.model_config(from_dict(trainer_state["config"]), meta))
-        state = {"model": model.state_dict()}
-        checkpoint.dcp_loader(checkpoint_dir)(state)  # fills the model's own tensors in place
+        checkpoint.load_whole_model(model, checkpoint_dir)
     return model.to(device).eval(), meta
 
 

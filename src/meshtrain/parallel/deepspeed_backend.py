@@ -1,0 +1,80 @@
+"""`train.backend=deepspeed`: DeepSpeed's ZeRO (stage 1, 2 or 3 from `parallel.zero_stage`) as one more
+data-parallel backend, for users whose recipes and checkpoints already live in DeepSpeed.
+
+DeepSpeed wants to own the step: its engine runs forward, scales the loss by the accumulation, does
+the backward with its own gradient partitioning, and steps (and clips, from its config) only at the
+accumulation boundary. So this backend hands the engine the model and meshtrain's optimizer and the
+layout routes the loop's calls to it. It joins the process group meshtrain already made (gloo on CPU,
+where `DS_ACCELERATOR=cpu` is set for it; NCCL on GPUs). Checkpoints are DeepSpeed's own (each rank's
+partitions), written inside meshtrain's step directory and published like every other checkpoint;
+`meshtrain export` consolidates them with DeepSpeed's zero_to_fp32. They resume under deepspeed only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from meshtrain.errors import MeshtrainError
+
+TAG = "deepspeed"  # the sub-directory of a step directory that holds DeepSpeed's files
+
+
+class DeepSpeedUnavailable(MeshtrainError, ImportError):
+    """train.backend=deepspeed without DeepSpeed installed."""
+
+
+def _import(device: torch.device):
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the import: DeepSpeed picks its accelerator then
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise DeepSpeedUnavailable("train.backend=deepspeed needs DeepSpeed: pip install 'meshtrain[deepspeed]' "
+                                   f"({e})") from None
+    return deepspeed
+
+
+def config(*, stage: int, micro_batch_size: int, grad_accum: int, grad_clip: float, dtype: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16"},
+        "zero_allow_untested_optimizer": True,  # meshtrain's AdamW (or the tests' SGD) is a plain torch optimizer
+        "steps_per_print": 2**31 - 1,  # meshtrain logs; DeepSpeed stays quiet
+        "wall_clock_breakdown": False,
+    }
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, **settings):
+    """(engine, the engine's optimizer): call the engine for forward, then engine.backward and engine.step."""
+    deepspeed = _import(device)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(**settings))
+    return engine, ds_optimizer
+
+
+def save(engine, directory: Path) -> None:
+    """Every rank writes its partitions to directory/deepspeed/."""
+    engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+
+
+def load(engine, directory: Path) -> None:
+    if not (Path(directory) / TAG).is_dir():
+        raise MeshtrainError(f"{directory} is not a DeepSpeed checkpoint: a run saved under another backend resumes "
+                             "under a meshtrain backend (ddp, fsdp, ...), not train.backend=deepspeed")
+    path, _ = engine.load_checkpoint(str(directory), tag=TAG)
+    if path is None:
+        raise MeshtrainError(f"DeepSpeed could not load {directory}/{TAG}")
+
+
+def consolidated_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The whole fp32 model from a step directory's DeepSpeed partitions, on one process."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
