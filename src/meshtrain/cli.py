@@ -31,10 +31,11 @@ SUBCOMMANDS = {
     ),
     "prepare": (
         "meshtrain.data.prepare_cmd",
-        "tokenize a corpus into train.bin / val.bin (shakespeare_char, shakespeare, or your own text)",
+        "prepare a dataset: shakespeare_char, shakespeare, your own text, or synthetic ERA5 weather data",
         "Write data/<name>/train.bin, val.bin (uint16 tokens, 90/10 split) and meta.json. shakespeare_char and "
         "shakespeare (GPT-2 BPE) use the corpus shipped with meshtrain and need no network; `text PATH` "
-        "tokenizes your own file.",
+        "tokenizes your own file. `era5-synthetic` writes ERA5-format h5 files (train/valid/test, one per "
+        "year) of smooth, evolving fields with their normalisation stats.",
         False,
     ),
     "train": (

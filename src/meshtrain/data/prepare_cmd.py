@@ -1,16 +1,24 @@
-"""`meshtrain prepare`: tokenize a corpus into DATA_ROOT/NAME/{train.bin,val.bin,meta.json}.
+"""`meshtrain prepare`: tokenize a corpus into DATA_ROOT/NAME/{train.bin,val.bin,meta.json}, or write ERA5-like data.
 
     meshtrain prepare shakespeare_char            characters of the shipped tiny-Shakespeare
     meshtrain prepare shakespeare                 GPT-2 BPE of the same corpus
     meshtrain prepare text PATH [--tokenizer char|gpt2] [--name NAME]   a text file of your own
+    meshtrain prepare era5-synthetic [--out DIR] [--years 2016 2017 2018] [--samples-per-year 64]
+                                     [--grid 90x180] [--channels 20] [--seed 0] [--dt-hours 6]
+                                     [--train-years ... --valid-years ... --test-years ...]
+                                  weather fields in NERSC's ERA5 layout (train/ valid/ test/ YEAR.h5, stats/)
+                                  for the ViT forecaster; years sorted: all but the last two train, the
+                                  second to last validates, the last tests (two years: train + valid)
 
-DATA_ROOT is --data-root, else $MESHTRAIN_DATA_ROOT, else ./data. Running it again is cheap: a dataset
-made from the same source bytes is left as it is.
+DATA_ROOT is --data-root, else $MESHTRAIN_DATA_ROOT, else ./data; era5-synthetic writes to --out, else
+DATA_ROOT/era5_synthetic. Running it again is cheap: a dataset made from the same source bytes (the same
+parameters, for era5-synthetic) is left as it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from meshtrain.data.text import (
@@ -24,12 +32,26 @@ from meshtrain.data.text import (
 )
 from meshtrain.dist.log import get_logger
 
-DATASETS = (*BUILTIN_TOKENIZER, "text")
+ERA5_SYNTHETIC = "era5-synthetic"
+ERA5_DIR_NAME = "era5_synthetic"
+DATASETS = (*BUILTIN_TOKENIZER, "text", ERA5_SYNTHETIC)
+DEFAULT_VAL_FRACTION = 0.1
+ERA5_OPTIONS = ("out", "years", "samples_per_year", "grid", "channels", "seed", "dt_hours", "train_years",
+                "valid_years", "test_years")
+
+
+def grid_size(text: str) -> tuple[int, int]:
+    """'90x180' -> (90, 180): rows (latitudes, both poles included) x columns (longitudes)."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLUMNS such as 90x180, got {text!r}")
+    return int(match[1]), int(match[2])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dataset", choices=DATASETS,
-                        help="shakespeare_char (chars), shakespeare (GPT-2 BPE), or text (your file at PATH)")
+                        help="shakespeare_char (chars), shakespeare (GPT-2 BPE), text (your file at PATH), "
+                             f"or {ERA5_SYNTHETIC} (weather fields for the ViT)")
     parser.add_argument("path", nargs="?", type=Path, default=None, metavar="PATH",
                         help="the UTF-8 text file to prepare (only with `text`)")
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
@@ -38,13 +60,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for `text`: the dataset's folder under the data root (default: PATH's file stem)")
     parser.add_argument("--data-root", type=Path, default=None,
                         help=f"where datasets live (default: ${DATA_ROOT_ENV} or ./{DEFAULT_DATA_ROOT})")
-    parser.add_argument("--val-fraction", type=float, default=0.1,
+    parser.add_argument("--val-fraction", type=float, default=None,
                         help="share of the text, taken from its end, held out for validation (default 0.1)")
     parser.add_argument("--force", action="store_true", help="prepare again even if the dataset is up to date")
+
+    era5 = parser.add_argument_group(ERA5_SYNTHETIC)
+    era5.add_argument("--out", type=Path, default=None,
+                      help=f"the dataset directory (default: DATA_ROOT/{ERA5_DIR_NAME})")
+    era5.add_argument("--years", type=int, nargs="+", default=None,
+                      help="years to write, split by the rule: all but the last two train, the second to last "
+                           "is valid, the last is test; with two: train + valid (default: 2016 2017 2018)")
+    era5.add_argument("--train-years", type=int, nargs="+", default=None,
+                      help="choose the splits explicitly instead of --years (with --valid-years, --test-years)")
+    era5.add_argument("--valid-years", type=int, nargs="+", default=None)
+    era5.add_argument("--test-years", type=int, nargs="+", default=None)
+    era5.add_argument("--samples-per-year", type=int, default=None, help="time steps per year file (default 64)")
+    era5.add_argument("--grid", type=grid_size, default=None,
+                      help="ROWSxCOLUMNS: latitudes 90N..90S (poles included) x longitudes (default 90x180)")
+    era5.add_argument("--channels", type=int, default=None,
+                      help="how many of the 20 ERA5 channels (u10, v10, t2m, ... tcwv) to write (default 20)")
+    era5.add_argument("--seed", type=int, default=None, help="the synthetic atmosphere's seed (default 0)")
+    era5.add_argument("--dt-hours", type=float, default=None, help="hours between time steps (default 6)")
+
+
+def _run_era5_synthetic(args: argparse.Namespace) -> None:
+    from meshtrain.data.era5_synthetic import generate  # h5py only when it is needed
+
+    data_root = args.data_root if args.data_root is not None else default_data_root()
+    options = {"years": args.years, "train_years": args.train_years, "valid_years": args.valid_years,
+               "test_years": args.test_years, "samples_per_year": args.samples_per_year, "grid": args.grid,
+               "channels": args.channels, "seed": args.seed, "dt_hours": args.dt_hours}
+    generate(args.out if args.out is not None else data_root / ERA5_DIR_NAME, force=args.force,
+             **{key: value for key, value in options.items() if value is not None})
 
 
 def run(args: argparse.Namespace) -> int:
     log = get_logger("data")
+    if args.dataset == ERA5_SYNTHETIC:
+        if args.path is not None or args.tokenizer or args.name or args.val_fraction is not None:
+            log.error("PATH, --tokenizer, --name and --val-fraction go with the text datasets, not %s",
+                      ERA5_SYNTHETIC)
+            return 2
+        try:
+            _run_era5_synthetic(args)
+        except DataError as e:
+            log.error("%s", e)
+            return 1
+        return 0
+    given = [f"--{key.replace('_', '-')}" for key in ERA5_OPTIONS if getattr(args, key) is not None]
+    if given:
+        log.error("%s go with %s only, not %s", ", ".join(given), ERA5_SYNTHETIC, args.dataset)
+        return 2
     if args.dataset == "text" and args.path is None:
         log.error("`meshtrain prepare text` needs the file to prepare: meshtrain prepare text PATH")
         return 2
@@ -53,9 +119,10 @@ def run(args: argparse.Namespace) -> int:
                   "and its %s tokenizer", args.dataset, BUILTIN_TOKENIZER[args.dataset])
         return 2
     data_root = args.data_root if args.data_root is not None else default_data_root()
+    val_fraction = DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction
     try:
         prepare(args.dataset, data_root, source=args.path, tokenizer=args.tokenizer,
-                val_fraction=args.val_fraction, out_name=args.name, force=args.force)
+                val_fraction=val_fraction, out_name=args.name, force=args.force)
     except DataError as e:
         log.error("%s", e)
         return 1

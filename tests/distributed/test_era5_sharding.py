@@ -1,0 +1,79 @@
+"""Under torchrun, ERA5 batches are dealt over the dp ranks only: dp ranks read disjoint samples, and the
+ranks of one replica (tp here) read the same ones, each sample exactly as one process reads it.
+
+The file is both the pytest test and, run as a script under torchrun, the driver:
+    python -m torch.distributed.run --nproc-per-node 4 test_era5_sharding.py DATA_DIR
+4 ranks = dp 2 x tp 2 (dp_rank = rank // 2). Each rank loads 2 epochs with one worker process, gathers
+what every rank read, and matches each sample against the whole dataset read by this process alone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RANKS, TP, BATCH, LIMIT = 4, 2, 2, 11
+
+
+def run_driver(root: Path) -> None:
+    from meshtrain.data.era5 import ERA5Dataset, era5_loader
+    from meshtrain.dist import distributed
+
+    with distributed() as info:
+        dp_rank, dp_size = info.rank // TP, info.world_size // TP
+        ds = ERA5Dataset(root, "train", limit=LIMIT)
+        reference_x = torch.stack([ds[i][0] for i in range(len(ds))])  # this process alone, no loader
+        reference_y = torch.stack([ds[i][1] for i in range(len(ds))])
+        loader = era5_loader(ds, batch_size=BATCH, dp_rank=dp_rank, dp_size=dp_size, shuffle=True, seed=5,
+                             num_workers=1, persistent_workers=True, drop_last=True)
+        per_rank = len(ds) // dp_size // BATCH * BATCH  # whole batches of this rank's share
+        orders, worst = [], 0.0
+        for epoch in (0, 1):
+            loader.sampler.set_epoch(epoch)
+            xs, ys = (torch.cat(parts) for parts in zip(*loader, strict=True))
+            assert xs.shape[0] == per_rank, (xs.shape, per_rank)
+            gathered_x = [torch.empty_like(xs) for _ in range(info.world_size)]
+            gathered_y = [torch.empty_like(ys) for _ in range(info.world_size)]
+            dist.all_gather(gathered_x, xs)
+            dist.all_gather(gathered_y, ys)
+            read = []  # per rank: the dataset index of each sample it read, found by content
+            for x_rank, y_rank in zip(gathered_x, gathered_y, strict=True):
+                flat = x_rank.reshape(len(x_rank), -1)
+                distance = torch.cdist(flat.double(), reference_x.reshape(len(ds), -1).double())
+                indices = distance.argmin(1)
+                worst = max(worst, float((x_rank - reference_x[indices]).abs().max()),
+                            float((y_rank - reference_y[indices]).abs().max()))
+                read.append(indices.tolist())
+            for r in range(info.world_size):  # the tp ranks of one replica read the same batches
+                assert read[r] == read[r - r % TP], (epoch, read)
+            shares = [read[d * TP] for d in range(dp_size)]
+            every = [i for share in shares for i in share]
+            assert len(set(every)) == len(every) == dp_size * per_rank, (epoch, shares)  # disjoint across dp
+            orders.append(shares)
+            print(f"rank {info.rank} epoch {epoch}: dp rank {dp_rank} read {read[info.rank]}; "
+                  f"dp shares {shares}", flush=True)
+        assert orders[0] != orders[1], "set_epoch reshuffles"
+        verdict = "EQUAL" if worst == 0.0 else "DIFFERENT"
+        print(f"rank {info.rank}: max |loader - one process| = {worst:.3g} -> {verdict}", flush=True)
+
+
+def test_dp_ranks_read_disjoint_samples_and_tp_ranks_the_same(tmp_path):
+    from tests.conftest import REPO, clean_env, output
+
+    from meshtrain.data.era5_synthetic import generate
+
+    generate(tmp_path / "era5", years=[2016, 2017, 2018, 2019], samples_per_year=7, grid=(8, 16), seed=0)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", __file__,
+           str(tmp_path / "era5")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
+    text = output(proc)
+    assert proc.returncode == 0, text[-3000:]
+    assert text.count("-> EQUAL") == RANKS, text[-3000:]
+
+
+if __name__ == "__main__":
+    run_driver(Path(sys.argv[1]))
