@@ -94,6 +94,8 @@ def test_resume_after_a_kill_continues_bit_exactly(data_root, tmp_path):
     while not ((killed_out / "gpt/ddp/latest").exists() and (run_dir_of(killed_out) / "checkpoints/latest").exists()):
         assert job.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.05)
+    # torchrun starts each rank in a session of its own: kill the ranks (its children), then torchrun.
+    subprocess.run(["pkill", "-KILL", "-P", str(job.pid)], check=False)
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
     killed_at = saved_iteration(run_dir_of(killed_out))
@@ -240,10 +242,10 @@ def test_compile_trains_like_eager(data_root, tmp_path):
 
 
 @pytest.mark.parametrize("backend,world,extra", [
-    ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []), ("hsdp", 4, ["parallel.dp_replicate=2"]),
+    ("ddp", 2, []), ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []), ("hsdp", 4, ["parallel.dp_replicate=2"]),
     ("fsdp", 2, ["parallel.cpu_offload=true", "train.activation_checkpointing=selective"]),
     ("deepspeed", 2, ["parallel.zero_stage=3"]),
-], ids=["zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload-selective-ac", "deepspeed-zero3"])
+], ids=["ddp", "zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload-selective-ac", "deepspeed-zero3"])
 def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_root, tmp_path):
     if backend == "deepspeed":
         pytest.importorskip("deepspeed", reason="needs the [deepspeed] extra")
@@ -268,11 +270,12 @@ def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_r
 
 
 def test_model_parallel_layouts_train_resume_across_layouts_and_export(data_root, tmp_path):
-    # tp 2 (sequence + loss parallel) trains 20 iterations and saves; pp 2 resumes that checkpoint to 30;
+    # tp 2 (sequence + loss parallel) trains 20 iterations, saving in the background; pp 2 resumes that to 30;
     # cp 2 (ring) resumes it to 40; export consolidates the last checkpoint, which sample reads.
     common = ["model.dropout=0.0", "model.n_head=4", "train.eval_interval=10", "train.log_interval=5",
               "optimizer.lr_decay_iters=40", "train.dtype=fp32"]
-    steps = [("fsdp", ["parallel.tp=2"], 20), ("ddp", ["parallel.pp=2", "parallel.pp_schedule=gpipe"], 30),
+    steps = [("fsdp", ["parallel.tp=2", "train.async_checkpoint=true"], 20),
+             ("ddp", ["parallel.pp=2", "parallel.pp_schedule=gpipe"], 30),
              ("ddp", ["parallel.cp=2", "parallel.cp_impl=ring"], 40)]
     run_dir = None
     for backend, layout, iters in steps:

@@ -1,6 +1,7 @@
 """Atomic checkpoints, run directories, and the learning-rate schedule."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,25 +38,76 @@ def test_resume_without_any_run_is_a_clear_error(tmp_path):
         checkpoint.latest_run(tmp_path, "gpt", "ddp")
 
 
-def test_save_is_atomic_when_interrupted(tmp_path, monkeypatch):
-    checkpoint.save(tmp_path, {"iteration": 1, "w": torch.ones(3)})
+@pytest.fixture()
+def one_rank(tmp_path):
+    """A one-process gloo group: the Checkpointer's collectives then run for real."""
+    import torch.distributed as dist
 
-    def dies_half_way(obj, f, *args, **kwargs):
-        with open(f, "wb") as out:
-            out.write(b"half a checkpoint")
-        raise KeyboardInterrupt  # a kill during the write
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
-    monkeypatch.setattr(torch, "save", dies_half_way)
+
+def _model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_checkpoints_are_published_whole_kept_by_count_and_load_exactly(one_rank, tmp_path, async_save):
+    from meshtrain.parallel.state_dict import load_model_and_optimizer_state, model_and_optimizer_state
+
+    saver = checkpoint.Checkpointer(tmp_path, is_main=True, keep=2, async_save=async_save)
+    for step in (10, 20, 30):
+        model, optimizer = _model_and_optimizer(step)
+        saver.save(step, model_and_optimizer_state(model, optimizer), {"iteration": step})
+    saver.wait()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-0000020", "step-0000030"]
+    latest = checkpoint.latest_checkpoint(tmp_path)
+    assert latest == root / "step-0000030" and checkpoint.load_trainer_state(latest) == {"iteration": 30}
+
+    fresh, fresh_optimizer = _model_and_optimizer(0)
+    load_model_and_optimizer_state(fresh, fresh_optimizer, checkpoint.dcp_loader(latest))
+    for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(fresh_optimizer.state[a]["exp_avg_sq"], optimizer.state[b]["exp_avg_sq"])
+
+
+def test_a_save_killed_halfway_leaves_the_last_checkpoint_current(one_rank, tmp_path, monkeypatch):
+    from meshtrain.parallel.state_dict import model_and_optimizer_state
+
+    saver = checkpoint.Checkpointer(tmp_path, is_main=True)
+    model, optimizer = _model_and_optimizer(1)
+    saver.save(10, model_and_optimizer_state(model, optimizer), {"iteration": 10})
+
+    def dies_after_some_files(state, checkpoint_id):
+        Path(checkpoint_id).mkdir(parents=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise KeyboardInterrupt  # as if the job were killed mid-write
+
+    monkeypatch.setattr(checkpoint.dcp, "save", dies_after_some_files)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, {"iteration": 2, "w": torch.zeros(3)})
-    state = checkpoint.load(tmp_path)
-    assert state["iteration"] == 1 and torch.equal(state["w"], torch.ones(3))
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"], "no temporary file is left behind"
+        saver.save(20, model_and_optimizer_state(model, optimizer), {"iteration": 20})
+    assert (tmp_path / "checkpoints" / ".step-0000020.partial").is_dir()
+    assert checkpoint.latest_checkpoint(tmp_path).name == "step-0000010"
+    assert checkpoint.load_trainer_state(checkpoint.latest_checkpoint(tmp_path))["iteration"] == 10
 
 
-def test_corrupt_or_missing_checkpoint_names_the_file(tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint at"):
-        checkpoint.load(tmp_path)
-    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(checkpoint.CheckpointError, match="ckpt.pt is not a readable meshtrain checkpoint"):
-        checkpoint.load(tmp_path)
+def test_missing_or_broken_checkpoints_are_named(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in .*checkpoints/latest does not exist"):
+        checkpoint.latest_checkpoint(tmp_path)
+    step = tmp_path / "checkpoints" / "step-0000005"
+    step.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step-0000005\n")
+    with pytest.raises(checkpoint.CheckpointError, match="names step-0000005, which is missing or incomplete"):
+        checkpoint.latest_checkpoint(tmp_path)
+    (step / "trainer_state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(checkpoint.CheckpointError, match="trainer_state.pt is not a readable meshtrain trainer state"):
+        checkpoint.load_trainer_state(checkpoint.latest_checkpoint(tmp_path))
+    with pytest.raises(checkpoint.CheckpointError, match="could not be loaded into this model"):
+        checkpoint.dcp_loader(step)({"model": {"w": torch.zeros(2)}})

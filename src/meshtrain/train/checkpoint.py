@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtrain.errors import MeshtrainError
 
@@ -158,7 +159,7 @@ def dcp_loader(checkpoint_dir: Path):
             with warnings.catch_warnings():  # one process reading every shard is what export and sample mean to do
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
                 dcp.load(state, checkpoint_id=str(checkpoint_dir))
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"{checkpoint_dir} could not be loaded into this model: {e}. Is it a checkpoint of "
                                   "the same architecture (model.*) and optimizer?") from e
     return load

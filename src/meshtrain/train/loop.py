@@ -200,7 +200,10 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
             weights = layout.full_state_for_sampling()
         text = None
         if info.is_main:
-            sampler = sampler or GPT(replace(model_config, dropout=0.0)).to(device).eval()
+            if sampler is None:  # built on the meta device: a real init would draw from the RNG that drives dropout
+                with torch.device("meta"):
+                    sampler = GPT(replace(model_config, dropout=0.0)).eval()
+                sampler.to_empty(device=device)
             sampler.load_state_dict(weights)
             sample_generator.manual_seed(t.seed + it)
             prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)

@@ -35,7 +35,6 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "dt": "seconds per training iteration: all micro-steps and the optimizer step",
     "dtf": "forward seconds of the iteration, summed over micro-steps",
     "dtb": "backward seconds of the iteration, summed over micro-steps",
-    "dtfb": "forward + backward seconds under a pipeline schedule (they interleave), summed over micro-steps",
     "sps": "samples per second: batch_size × grad_accum × data-parallel ranks / dt",
     "sps_per_gpu": "samples per second per rank/device (GPU, XPU or CPU rank): sps / world size",
     "tps": "tokens per second: sps × block_size",
@@ -44,6 +43,7 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "lr": "learning rate of the iteration",
     "grad_norm": "global gradient norm before clipping",
     "mem_gb": "peak memory, GiB (2^30 bytes): accelerator max allocated, or the CPU process's peak RSS",
+    "dtfb": "forward + backward seconds under a pipeline schedule (they interleave), summed over micro-steps",
     "train_loss": "loss on training batches at evaluation",
     "val_loss": "loss on validation batches at evaluation",
 })
