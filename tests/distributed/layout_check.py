@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --nproc-per-node N layout_check.py CASE [CASE ...] [--save DIR] [--load DIR]
 
-CASE is `backend:key=value,...` over cfg.parallel, e.g. `fsdp:tp=2`, `ddp:pp=2,pp_schedule=gpipe`,
-`fsdp:tp=2,pp=2`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
+CASE is `backend:key=value,...` over cfg.parallel (and `ac=full|selective`), e.g. `fsdp:tp=2`,
+`ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
 layout's micro-step, tied-embedding, clipping and eval methods — for STEPS steps of ACCUM micro-steps on
 the same global batches as a single-process reference, and compares loss, every gradient (gathered) and
 every parameter after each step, then the eval loss, printing "CASE -> EQUAL" per rank.
@@ -47,6 +47,9 @@ def parse(case: str) -> GPTRunConfig:
     cfg.train.backend, cfg.train.dtype = backend, "fp32"
     for item in filter(None, options.split(",")):
         key, value = item.split("=")
+        if key == "ac":  # train.activation_checkpointing, which composes with every layout
+            cfg.train.activation_checkpointing = value
+            continue
         value = int(value) if key in INTS else (value == "true" if value in ("true", "false") else value)
         setattr(cfg.parallel, key, value)
     return cfg
@@ -60,7 +63,7 @@ def worst(mine: dict, ref: dict) -> float:
     """Max abs difference relative to the reference's scale, over the names this rank holds."""
     out = 0.0
     for name, value in mine.items():
-        r = ref[name]
+        r = ref[name.replace("._checkpoint_wrapped_module", "")]  # activation checkpointing's wrapper
         out = max(out, (full(value) - r).abs().max().item() / max(r.abs().max().item(), 1e-2))
     return out
 

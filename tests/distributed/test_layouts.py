@@ -38,7 +38,7 @@ LAYOUTS = {
     2: ["ddp:tp=2,sequence_parallel=false,loss_parallel=false",  # tensor parallel alone
         "fsdp:tp=2",  # tp + sequence parallel + loss parallel
         "ddp:pp=2,pp_schedule=1f1b",
-        "ddp:pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2",
+        "ddp:pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=full",
         "ddp:cp=2,cp_impl=ring",
         "ddp:cp=2,cp_impl=ulysses"],
     4: ["fsdp:tp=2",  # fsdp 2 x tp 2
@@ -47,7 +47,7 @@ LAYOUTS = {
         "ddp:tp=2,pp=2,pp_schedule=1f1b",  # tp 2 x pp 2
         "ddp:cp=2,cp_impl=ring",  # dp 2 x cp 2
         "fsdp:cp=2,cp_impl=ulysses",  # fsdp 2 x cp 2
-        "fsdp:tp=2,cp=2,cp_impl=ring"],  # tp 2 x cp 2
+        "fsdp:tp=2,cp=2,cp_impl=ring,ac=selective"],  # tp 2 x cp 2, activation checkpointing
     8: ["fsdp:tp=2,pp=2,pp_schedule=1f1b",  # 3-D: fsdp 2 x tp 2 x pp 2
         "hsdp:dp_replicate=2,tp=2",  # 3-D: replicate 2 x shard 2 x tp 2
         "fsdp:tp=2,cp=2,pp=2,pp_schedule=gpipe"],  # 4-D: tp 2 x cp 2 x pp 2 (dp 1)

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from meshtrain.parallel.pipeline import (
+from meshtrain.parallel.pipeline_schedules import (
     SCHEDULES,
     PipelineError,
     check_schedule,
