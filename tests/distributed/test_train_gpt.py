@@ -290,6 +290,7 @@ def test_model_parallel_layouts_train_resume_across_layouts_and_export(data_root
         assert saved_iteration(run_dir) == iters
         if resume:
             assert f"resuming at iteration {iters - 10}" in text
+            assert "data and RNG streams restart from the seed" in text, "another layout: its ranks' streams differ"
     evals = {r["step"]: r["val_loss"] for r in metrics_of(run_dir) if "val_loss" in r}
     assert sorted(evals) == [0, 10, 20, 30, 40]
     assert evals[40] < evals[20] < evals[0] - 0.3, "training goes on improving across the three layouts"

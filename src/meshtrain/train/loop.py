@@ -124,8 +124,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         raise config_mod.ConfigError(f"train.prompt={t.prompt!r} cannot be encoded for {cfg.data.name}: {e}") from None
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = _build_model(cfg, meta["vocab_size"]).to(device)
-    model_config = model.config
-    flops_per_token = model.flops_per_token()
+    model_config, num_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
     p = cfg.parallel
     dims = ParallelDims.resolve(info.world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 pp=p.pp, order=p.order)
@@ -137,8 +136,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
     model = layout.model  # this rank's share of the GPT
     # Dropout masks differ where the tokens do (dp and cp ranks); tp ranks must draw the same masks on the stream
     # they all hold, and pp ranks hold different layers anyway.
-    coords = dims.coords(info.rank)
-    torch.manual_seed(t.seed + dims.dp_rank(info.rank) * dims.cp + coords["cp"])
+    torch.manual_seed(t.seed + dims.dp_rank(info.rank) * dims.cp + dims.coords(info.rank)["cp"])
     optimizer = layout.attach_optimizer(build_optimizer(model.configure_optimizer_groups(o.weight_decay), device,
                                                         t.backend, info.world_size, lr=o.lr, betas=(o.beta1, o.beta2)))
     scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
@@ -150,12 +148,14 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
             layout.load_checkpoint(checkpoint_dir, optimizer)
         scaler.load_state_dict(resumed["scaler"])
         start_iter = resumed["iteration"]
-        ranks = resumed["ranks"]
-        if len(ranks) == info.world_size:
-            _restore_rank_state(ranks[info.rank], batches, device)
+        # A rank's data and RNG streams belong to its place in the layout (its dp and cp rank): carry them over
+        # only into the same layout. In another, the ranks of one replica would read different batches.
+        if resumed.get("layout") == _describe(dims):
+            _restore_rank_state(resumed["ranks"][info.rank], batches, device)
         else:
-            log.warning("checkpoint was written by %d ranks, this run has %d: data and RNG streams restart from "
-                        "the seed (the run continues, but not bit-exactly)", len(ranks), info.world_size)
+            log.warning("checkpoint was written under %s, this run is %s: data and RNG streams restart from the "
+                        "seed (the model and optimizer state carry over exactly; the run is not bit-exact)",
+                        resumed.get("layout"), _describe(dims))
 
     decay_iters = o.lr_decay_iters or t.max_iters
     sample_generator = torch.Generator(device=device)
@@ -171,7 +171,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         log.info("resolved config:\n%s", config_mod.to_yaml(cfg).rstrip())
         log.info("run directory: %s%s", run_dir, f" (resuming at iteration {start_iter})" if resumed else "")
         log.info("model: %.2fM parameters, %.3g FLOPs per token (6N + 12·L·H·Q·T); peak %.4g TFLOP/s per device (%s)",
-                 model.num_params() / 1e6, flops_per_token, peak / 1e12, peak_source)
+                 num_params / 1e6, flops_per_token, peak / 1e12, peak_source)
         log.info("layout: %s over %d rank(s) (%s); %d data-parallel rank(s) × batch %d × accumulation %d × block %d "
                  "= %d tokens per iteration", t.backend, info.world_size, _describe(dims), dims.dp_size,
                  cfg.model.batch_size, t.grad_accum, cfg.model.block_size, tokens_per_iter_per_rank * dims.dp_size)
@@ -217,7 +217,7 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         ranks = gather_objects(_rank_state(batches, device), "all_gather_object of RNG and sampler states for the "
                                "checkpoint", info.timeout_s)
         trainer_state = {"scaler": scaler.state_dict(), "iteration": it, "config": config_mod.to_dict(cfg),
-                         "meta": meta, "ranks": ranks, **losses}
+                         "meta": meta, "ranks": ranks, "layout": _describe(dims), **losses}
         with collective("saving the distributed checkpoint", info.timeout_s):
             path = layout.save_checkpoint(checkpointer, it, optimizer, trainer_state)
         log.info("checkpoint: %s (iteration %d)%s", path, it, " writing in the background" if t.async_checkpoint else "")

@@ -1,0 +1,388 @@
+"""Tensor and context (token) parallelism for the weather ViT (meshtrain.models.vit), which holds no distributed code.
+
+Tensor parallel (`apply_vit_tensor_parallel`), the GPT's Megatron plan on DTensor:
+
+    attn.q/k/v_proj  colwise: rank r computes heads [r·heads/tp, (r+1)·heads/tp), whole heads, so attention needs
+                     no communication (the model reads its local head count from q_proj's width)
+    attn.c_proj      rowwise: each rank's heads give a partial sum of the output, all-reduced
+    mlp.c_fc         colwise; mlp.c_proj rowwise, reduced like attn.c_proj
+    everything else  patch_embed, pos_embed, the LayerNorms and the output head: replicated DTensors. They are small
+                     (the head is D x C_out·p², the embedding C_in·p² x D), every rank computes them on the whole
+                     stream anyway, and as DTensors every parameter sits on the tp mesh, so FSDP2 on another dim of
+                     the same DeviceMesh, DCP and clip_grad_norm_ handle them uniformly.
+
+The residual stream between sublayers is a plain tensor, the same on every tp rank (the rowwise outputs all-reduce).
+patch_embed hands out a Replicate DTensor so the DTensor pos_embed can be added to it; pos_drop's input is turned
+back into a plain tensor. With sequence_parallel=True the stream is instead a DTensor sharded over tokens (Shard(1)):
+LayerNorms, dropouts and residual adds run on N/tp tokens, the rowwise outputs reduce-scatter into the stream and
+attn / mlp all-gather from it once per sublayer; the head runs on the local tokens and gathers its patches, so the
+model still returns whole fields. As for the GPT: build the model with the same weights on every rank before
+applying this (distribute_tensor keeps rank 0's values), and seed dropout by data-parallel rank.
+
+Context parallel (`apply_vit_context_parallel`, `shard_tokens`, `cp_forward_loss`): the N patch tokens of every
+image are split over the cp ranks of a replica, which all read the same batch. Everything but attention is per token,
+so only attention talks; it is swapped in as `block.attn.attend`:
+
+    ulysses  all-to-all from [B, H, N/cp, hd] (token-sharded) to [B, H/cp, N, hd] (head-sharded), the model's own
+             non-causal attention on whole sequences of H/cp heads, and an all-to-all back. Needs heads % cp == 0.
+    ring     K/V blocks travel round the cp ranks; each rank folds every block into its queries' output with an
+             online softmax (running log-sum-exp), and the backward sends the K/V gradients round with their
+             blocks. Any head count; score memory is one block pair.
+
+context_parallel.ring_attention is causal with zigzag chunks; this one is non-causal, so every block pair is fully
+visible and no mask exists. That is also why the tokens are cut into contiguous slices, not zigzag: with causal
+attention a late slice does more work than an early one, here every query sees all N keys, so equal slices are
+equal work. A contiguous slice of the row-major patch grid is a band of latitude rows, the natural spatial split.
+
+The loss never needs the whole image on one rank: `cp_forward_loss` runs embed -> forward_tokens -> head on this
+rank's tokens and takes the MSE against patchify(target)[:, positions]. Every rank holds equally many tokens, so
+the mean over cp ranks of these MSEs is the MSE of the whole image, and gradients are averaged over cp exactly as
+data parallelism averages them (DDP or FSDP over the flattened dp_cp / dp_shard_cp mesh). FourCastNet's relative
+L2 needs each sample's global norms and is refused here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshtrain.models.vit import Block, ViT, ViTConfig, full_attention, mse_loss
+from meshtrain.parallel.context_parallel import (
+    ContextParallelError,
+    _as_group,
+    _block_backward,
+    _block_forward,
+    _cpu_bf16,
+    _merge,
+    _Ring,
+)
+from meshtrain.parallel.mesh import MeshError
+from meshtrain.parallel.tensor_parallel import _replicate
+
+VIT_CP_IMPLS = ("ulysses", "ring")
+BLOCKS = "blocks.*"  # parallelize_module matches each path token with fnmatch: every block
+
+
+# ---- tensor parallel ------------------------------------------------------------------------------------------------
+def check_vit_tensor_parallel(config: ViTConfig, tp: int) -> None:
+    """Raise MeshError (a ValueError) unless every tp rank gets whole heads and an equal share of the MLP."""
+    if config.num_heads % tp:
+        raise MeshError(f"tensor parallel needs whole attention heads on each rank, but num_heads={config.num_heads} "
+                        f"is not divisible by tp={tp}: choose a tp that divides {config.num_heads}")
+    if config.mlp_hidden % tp:
+        raise MeshError(f"tensor parallel splits the MLP's {config.mlp_hidden} hidden features (embed_dim × mlp_ratio) "
+                        f"evenly, but tp={tp} does not divide them: choose a tp or mlp_ratio that does")
+
+
+def apply_vit_tensor_parallel(model: ViT, tp_mesh: DeviceMesh | None, *, sequence_parallel: bool = False) -> None:
+    """Shard `model` in place over the 1-D `tp_mesh` (a no-op when None or one rank); see the module docstring.
+
+    Every rank of the tp group calls it with the same model. Apply it before activation checkpointing, compile and
+    fully_shard (FSDP2 then shards over another dim of the same DeviceMesh).
+    """
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return
+    if tp_mesh.ndim != 1:
+        raise MeshError(f"apply_vit_tensor_parallel needs a 1-D tp mesh, got dims {tp_mesh.mesh_dim_names}: "
+                        f"pass submesh(mesh, 'tp')")
+    if not isinstance(model, ViT):
+        raise MeshError(f"apply_vit_tensor_parallel takes the plain ViT, got a {type(model).__name__}: apply it "
+                        f"before DDP, compile and other wrappers")
+    check_vit_tensor_parallel(model.config, tp_mesh.size())
+    # A block hidden in a wrapper would not match the plan and would silently compute tp times its share.
+    wrapped = [name for name, block in model.blocks.items() if not isinstance(block, Block)]
+    if wrapped:
+        kind = type(model.blocks[wrapped[0]]).__name__
+        raise MeshError(f"apply_vit_tensor_parallel: block {wrapped[0]} is a {kind}, not a Block: apply tensor "
+                        f"parallel before activation checkpointing and compile")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise MeshError("apply_vit_tensor_parallel: the model already holds DTensor parameters; apply tensor "
+                        "parallel once, to a plain model, before fully_shard")
+
+    tokens = Shard(1)
+    stream, local = (tokens, False) if sequence_parallel else (Replicate(), True)
+    plan = {
+        f"{BLOCKS}.attn.q_proj": ColwiseParallel(),
+        f"{BLOCKS}.attn.k_proj": ColwiseParallel(),
+        f"{BLOCKS}.attn.v_proj": ColwiseParallel(),
+        f"{BLOCKS}.attn.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+        f"{BLOCKS}.mlp.c_fc": ColwiseParallel(),
+        f"{BLOCKS}.mlp.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+    }
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),))
+        plan |= {
+            "pos_drop": SequenceParallel(),
+            "norm": SequenceParallel(),
+            f"{BLOCKS}.ln_1": SequenceParallel(),
+            f"{BLOCKS}.ln_2": SequenceParallel(),
+            f"{BLOCKS}.attn": gather,  # one all-gather feeds q, k and v
+            f"{BLOCKS}.mlp": gather,
+        }
+    parallelize_module(model, tp_mesh, plan)
+
+    # embed() adds pos_embed to patch_embed's output: both DTensors, so the sum is one (sliced to this rank's tokens
+    # for free under sequence parallel, where the Replicate pos_embed meets a Shard(1) stream).
+    _replicate(model.patch_embed, tp_mesh, output=stream)
+    model.pos_embed = nn.Parameter(distribute_tensor(model.pos_embed.detach(), tp_mesh, [Replicate()]),
+                                   requires_grad=model.pos_embed.requires_grad)
+    if sequence_parallel:
+        _replicate(model.head, tp_mesh, output=tokens)  # per token on this rank's tokens, then gather the patches
+        model.head.register_forward_hook(_whole_output)
+    else:
+        model.pos_drop.register_forward_pre_hook(_plain_inputs)  # the stream is plain, the same on every rank
+        for norm in [model.norm, *(b.ln_1 for b in model.blocks.values()), *(b.ln_2 for b in model.blocks.values())]:
+            _replicate(norm, tp_mesh, output=None)
+        _replicate(model.head, tp_mesh, output=None)
+
+
+def _plain_inputs(_module: nn.Module, inputs: tuple) -> tuple:
+    return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
+
+
+def _whole_output(_module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out.full_tensor() if isinstance(out, DTensor) else out
+
+
+# ---- the token layout -----------------------------------------------------------------------------------------------
+def shard_tokens(num_patches: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The patch indices (long, ascending, contiguous) that cp rank `cp_rank` of `cp_size` holds of `num_patches`."""
+    if not isinstance(cp_size, int) or cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ContextParallelError(f"cp_rank={cp_rank} must be in 0..cp_size-1 with cp_size={cp_size} >= 1")
+    if num_patches % cp_size:
+        raise ContextParallelError(
+            f"the {num_patches} patch tokens do not split evenly over cp={cp_size} ranks (every rank must hold "
+            f"as many tokens for its mean loss to average to the whole image's): choose a cp that divides "
+            f"{num_patches}, or an img_size / patch_size whose token count cp divides")
+    size = num_patches // cp_size
+    return torch.arange(cp_rank * size, (cp_rank + 1) * size, device=device)
+
+
+def gather_tokens(local: torch.Tensor, cp_mesh) -> torch.Tensor:
+    """[B, N/cp, ...] from every cp rank (shard_tokens' contiguous slices) -> [B, N, ...] in patch order, e.g. to
+    unpatchify a prediction for evaluation. Autograd-aware: the backward sums the ranks' gradients (reduce-scatter),
+    i.e. it differentiates the sum of what every rank computes from the gathered tensor."""
+    import torch.distributed._functional_collectives as fc
+
+    # torch 2.13 renamed the op (the old name warns); torch 2.6 has only the old one.
+    all_gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    group = _as_group(cp_mesh)
+    if dist.get_world_size(group) == 1:
+        return local
+    return all_gather(local.contiguous(), gather_dim=1, group=group)
+
+
+# ---- non-causal attention kernels -----------------------------------------------------------------------------------
+def vit_ulysses_attention(cp_group_or_mesh) -> Callable:
+    """attend(q, k, v, dropout_p): all-to-all to whole token sequences of heads/cp heads, full attention, and back."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    group = _as_group(cp_group_or_mesh)
+    cp = dist.get_world_size(group)
+
+    def exchange(t: torch.Tensor) -> torch.Tensor:
+        # all_to_all_single sends slice j of dim 0 to rank j and stacks what rank j sent at position j.
+        return all_to_all_single_autograd(t.contiguous(), None, None, group)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        if cp == 1:
+            return full_attention(q, k, v, dropout_p)
+        B, H, n, hd = q.shape
+        if H % cp:
+            raise ContextParallelError(
+                f"Ulysses gives each of the cp={cp} ranks whole heads, but this rank has {H} heads: use a cp that "
+                f"divides the head count (per tensor-parallel rank), or impl 'ring'")
+        # [3, B, H, n, hd] -> head group g goes to rank g -> rank i's tokens (the i-th slice) arrive at index i.
+        qkv = torch.stack([q, k, v]).view(3, B, cp, H // cp, n, hd).movedim(2, 0)
+        got = exchange(qkv)  # [cp (token slice), 3, B, H/cp, n, hd]
+        q, k, v = got.movedim(0, 3).reshape(3, B, H // cp, cp * n, hd).unbind(0)
+        y = full_attention(q, k, v, dropout_p)  # [B, H/cp, N, hd]
+        # token slice i goes back to rank i; what arrives at index g is head group g of our own tokens.
+        back = exchange(y.reshape(B, H // cp, cp, n, hd).movedim(2, 0))  # [cp (head group), B, H/cp, n, hd]
+        return back.movedim(0, 1).reshape(B, H, n, hd)
+
+    return attend
+
+
+class _FullRingAttention(torch.autograd.Function):
+    """Non-causal ring attention: at step s this rank holds cp rank (r - s)'s K/V, and all our queries see all of it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        with torch.autocast(q.device.type, enabled=False):
+            kv, out, lse = torch.stack([k, v]), None, None
+            for step in range(ring.size):
+                more = step + 1 < ring.size
+                if more:  # the next K/V travel while this block computes
+                    next_kv, kv_transfer = ring.shift(kv, tag=0)
+                block_out, block_lse = _block_forward(q, kv[0], kv[1], scale, causal=False)
+                if out is None:
+                    out, lse = block_out, block_lse
+                else:
+                    _merge(out, lse, block_out, block_lse)
+                if more:
+                    kv_transfer.wait()
+                    kv = next_kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, 1.0 / math.sqrt(q.shape[-1])
+        with torch.autocast(q.device.type, enabled=False):
+            dout = dout.to(q.dtype).contiguous()
+            delta = (dout.float() * out).sum(-1)
+            dq = torch.zeros_like(out)
+            kv, incoming, dkv_transfer = torch.stack([k, v]), None, None
+            for step in range(ring.size):
+                more = step + 1 < ring.size
+                if more:
+                    next_kv, kv_transfer = ring.shift(kv, tag=0)
+                dq_block, dk, dv = _block_backward(q, kv[0], kv[1], dout, lse, delta, scale, causal=False)
+                dq += dq_block
+                dkv = torch.stack([dk, dv])
+                if dkv_transfer is not None:  # what the ranks before us added to this same block's gradient
+                    dkv_transfer.wait()
+                    dkv += incoming
+                # The gradient travels on with its block; after the last step it lands on the block's owner.
+                incoming, dkv_transfer = ring.shift(dkv, tag=1)
+                if more:
+                    kv_transfer.wait()
+                    kv = next_kv
+            dkv_transfer.wait()
+        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None
+
+
+def vit_ring_attention(cp_group_or_mesh) -> Callable:
+    """attend(q, k, v, dropout_p): non-causal ring attention over the cp group (any head count, no dropout)."""
+    ring = _Ring(_as_group(cp_group_or_mesh))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        if dropout_p:
+            raise ContextParallelError(f"ring attention does not implement attention dropout (dropout_p={dropout_p}): "
+                                       f"set ViTConfig.dropout=0 or use impl 'ulysses'")
+        if ring.size == 1:
+            return full_attention(q, k, v, 0.0)
+        if _cpu_bf16(q):  # as the model's own kernel: CPU bf16 attention is faster (and exacter) in fp32
+            return _FullRingAttention.apply(q.float(), k.float(), v.float(), ring).to(torch.bfloat16)
+        return _FullRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)
+
+    return attend
+
+
+# ---- the model ------------------------------------------------------------------------------------------------------
+def _unwrap(model: nn.Module) -> nn.Module:
+    model = getattr(model, "module", model)  # DDP
+    return getattr(model, "_orig_mod", model)  # torch.compile
+
+
+def apply_vit_context_parallel(model: nn.Module, cp_mesh, impl: str = "ulysses") -> None:
+    """Make every block's attention a non-causal context-parallel kernel over `cp_mesh` (1-D cp DeviceMesh or its
+    process group; None: no-op). Before or after tensor parallel, activation checkpointing, DDP and FSDP (it only
+    sets an attribute); then train with cp_forward_loss on shard_tokens' positions."""
+    if impl not in VIT_CP_IMPLS:
+        raise ContextParallelError(f"context parallel impl {impl!r}: choose one of {', '.join(VIT_CP_IMPLS)}")
+    if cp_mesh is None:
+        return
+    group = _as_group(cp_mesh)
+    cp = dist.get_world_size(group)
+    config = _unwrap(model).config
+    if config.num_patches % cp:
+        shard_tokens(config.num_patches, 0, cp)  # raises, naming the numbers
+    if impl == "ulysses" and config.num_heads % cp:
+        raise ContextParallelError(
+            f"Ulysses gives each of the cp={cp} ranks whole heads, but num_heads={config.num_heads} is not divisible "
+            f"by {cp}: pick a cp that divides {config.num_heads}, or impl 'ring'")
+    if impl == "ring" and config.dropout:
+        raise ContextParallelError(f"ring attention does not implement attention dropout (ViTConfig.dropout="
+                                   f"{config.dropout}): set it to 0 or use impl 'ulysses'")
+    attend = vit_ulysses_attention(group) if impl == "ulysses" else vit_ring_attention(group)
+    for block in _unwrap(model).blocks.values():
+        block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing's wrapper
+        block.attn.attend = attend
+
+
+def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """This cp rank's MSE: its tokens (`positions`, from shard_tokens) of the prediction for fields `x` [B, C, H, W]
+    against the same tokens of `target`. The mean over cp ranks is the MSE of the whole images.
+
+    `model` is the ViT, or it under DDP or FSDP2 (see _call_through for why that matters); a torch.compile'd ViT
+    takes the same path but is untested.
+    """
+    vit = _unwrap(model)
+    if vit.config.loss != "mse":
+        raise ContextParallelError(
+            f"context parallel trains on the per-token mean squared error, but ViTConfig.loss={vit.config.loss!r} "
+            f"needs each sample's norms over the whole image: set loss='mse'")
+    return _call_through(model, _token_loss, x, target, positions)
+
+
+def cp_forward_patches(model: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """This cp rank's predicted patches [B, N/cp, C_out·p²] of fields `x`, for its tokens `positions`; the whole
+    prediction is model.unpatchify(gather_tokens(patches, cp_mesh)). `model` as for cp_forward_loss."""
+    return _call_through(model, _token_patches, x, positions)
+
+
+def _call_through(model: nn.Module, step: Callable, *args) -> torch.Tensor:
+    """step(vit, *args), called as model(*args): wrappers run their forward machinery on the way (DDP prepares its
+    gradient all-reduce there, FSDP2's root hooks gather the root's parameters), which calling the ViT's methods
+    directly would skip. For the duration of the call the ViT's forward is `step`."""
+    vit = _unwrap(model)
+    if "forward" in vit.__dict__:
+        raise ContextParallelError("the ViT's forward is already replaced: cp_forward_loss / cp_forward_patches "
+                                   "do not nest")
+    vit.forward = lambda *inner: step(vit, *inner)
+    try:
+        return model(*args)
+    finally:
+        del vit.forward
+
+
+def _token_patches(vit: ViT, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return vit.head(vit.forward_tokens(vit.embed(x, _token_index(vit, positions))))
+
+
+def _token_loss(vit: ViT, x: torch.Tensor, target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    index = _token_index(vit, positions)
+    pred = vit.head(vit.forward_tokens(vit.embed(x, index)))
+    want = vit.patchify(target)[:, index]
+    if pred.shape != want.shape:
+        raise ValueError(f"prediction patches {list(pred.shape)} and target patches {list(want.shape)} differ: the "
+                         f"target needs ViTConfig.out_channels={vit.config.out_channels} channels")
+    return mse_loss(pred, want)
+
+
+def _token_index(vit: ViT, positions: torch.Tensor) -> slice | torch.Tensor:
+    """shard_tokens' contiguous positions as the slice they are, anything else as it is.
+
+    embed() picks the rows of the position embedding with token_positions. Under tensor parallel pos_embed is a
+    Replicate DTensor, which DTensor slices (forward and backward) but cannot index with a plain index tensor; a
+    slice is also a view instead of a copy.
+    """
+    if not torch.is_tensor(positions) or positions.dim() != 1 or positions.numel() == 0:
+        raise ContextParallelError(f"token positions must be a non-empty 1-D tensor of patch indices (shard_tokens), "
+                                   f"got {positions!r}")
+    first, count = int(positions[0]), positions.numel()
+    if torch.equal(positions, torch.arange(first, first + count, device=positions.device)):
+        return slice(first, first + count)
+    if isinstance(vit.pos_embed, DTensor):
+        raise ContextParallelError("under tensor parallel a cp rank's token positions must be one contiguous run "
+                                   "(as shard_tokens gives them): DTensor cannot index the position embedding with "
+                                   "an arbitrary index tensor")
+    return positions
