@@ -1,8 +1,12 @@
 """How the GPT is laid out on the mesh: the one place that composes every parallelism for it.
 
-    layout = build_gpt_layout(model, cfg, dims, device)
-    loss = layout.train_micro_step(x, y, accum=4, sync=last, autocast=ctx, scaler=scaler)
-    layout.finish_backward(); layout.clip_grad_norm(1.0); optimizer.step()
+    layout = build_gpt_layout(model, cfg, dims, device, rank, local_world_size)
+    optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(wd), ...))
+    for micro in range(accum):
+        loss += layout.train_micro_step(x, y, accum=accum, sync=micro == accum - 1, autocast=ctx,
+                                        scaler=scaler, timer=timer)
+    layout.finish_backward(); grad_norm = layout.optimizer_step(optimizer, scaler, max_norm=1.0)
+    layout.eval_loss(x, y, ctx); layout.save_checkpoint(...); layout.load_checkpoint(...)
 
 Order of application (each step sees the modules the previous one left):
     pipeline split (pp)  -> tensor + sequence parallel (tp)  -> context parallel attention (cp)
@@ -14,7 +18,7 @@ a slice is its tokens' mean and the slices are equal-sized, so their mean is the
 
 The loop sees one object whatever the layout: `model` holds this rank's share of the GPT (its
 parameter names are the whole model's, so optimizers and checkpoints need no layout knowledge),
-and the step methods hide whether a forward is a call or a pipeline schedule.
+and the step methods hide whether a forward is a call, a pipeline schedule or a DeepSpeed engine.
 """
 
 from __future__ import annotations
