@@ -222,6 +222,11 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
         raise LayoutError(f"train.backend={t.backend} with parallel.tp={dims.tp} and {dims.dp_size} data-parallel "
                           "ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use train.backend=fsdp "
                           "(fsdp x tp) or zero2")
+    if t.backend == "deepspeed" and max(dims.tp, dims.cp, dims.pp) > 1:
+        raise LayoutError(f"train.backend=deepspeed with tp={dims.tp} cp={dims.cp} pp={dims.pp}: meshtrain runs "
+                          "DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine with tp/cp/pp")
+    if t.backend == "hsdp" and dims.cp > 1:
+        raise LayoutError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
     if dims.pp > 1 and t.dtype == "fp16":
         raise LayoutError("train.dtype=fp16 with parallel.pp > 1: the GradScaler cannot scale a loss inside the "
                           "pipeline schedule; use train.dtype=bf16")
@@ -259,9 +264,6 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
         apply_activation_checkpointing(part.transformer.h, t.activation_checkpointing, t.ac_every)
 
     if t.backend == "deepspeed":
-        if max(dims.tp, dims.cp, dims.pp) > 1:
-            raise LayoutError(f"train.backend=deepspeed with tp={dims.tp} cp={dims.cp} pp={dims.pp}: meshtrain runs "
-                              "DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine with tp/cp/pp")
         layout.deepspeed = dict(device=device, stage=p.zero_stage, micro_batch_size=cfg.model.batch_size,
                                 grad_accum=t.grad_accum, grad_clip=cfg.optimizer.grad_clip, dtype=t.dtype)
         layout.runnable = model
@@ -289,11 +291,8 @@ def _data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
     """What data parallelism spans: dp and cp together (cp ranks are replicas that see other tokens)."""
     if mesh is None:
         return None
-    if backend == "hsdp":
-        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
-        if dims.cp > 1:
-            raise LayoutError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
-        return mesh[("dp_replicate", shard)]
+    if backend == "hsdp":  # replicate x shard, a 2-D mesh (cp > 1 is refused above)
+        return mesh[("dp_replicate", "dp_shard")]
     return submesh(mesh, "dp_shard_cp" if backend in SHARDED else "dp_cp")
 
 
