@@ -14,7 +14,8 @@ from tests.conftest import REPO, clean_env, output
 
 CHECK = str(Path(__file__).with_name("pipeline_check.py"))
 ALL = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"]
-HOLDS = re.compile(r"(\w+@\w+) rank (\d+) dp (\d+) holds (\d+) of (\d+) parameters")
+# Lower case only: ranks print concurrently, and a line may follow another's "-> EQUAL" without a newline.
+HOLDS = re.compile(r"([a-z0-9_]+@[a-z]+) rank (\d+) dp (\d+) holds (\d+) of (\d+) parameters")
 EMBEDDING = 65 * 32  # vocab × n_embd: the second copy of the tied weight on the last stage
 
 
