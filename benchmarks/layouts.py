@@ -1,8 +1,12 @@
 """Every parallel layout on the ranks at hand, side by side: speed, memory and traffic per rank.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/layouts.py
-    torchrun --nproc-per-node 4 benchmarks/layouts.py --steps 20 --n-layer 8 --n-embd 256 --dtype bf16
-    torchrun ... benchmarks/layouts.py --layouts ddp: fsdp:tp=2 ddp:pp=2
+    python benchmarks/layouts.py --ranks 4                 # each layout in a job of its own (torchrun)
+    python benchmarks/layouts.py --ranks 4 --steps 20 --n-layer 8 --n-embd 256 --dtype bf16
+    torchrun --nproc-per-node 4 benchmarks/layouts.py --layouts ddp: fsdp:tp=2 ddp:pp=2   # all in one job
+
+Started without a launcher, the script runs every layout as a torchrun job of its own, so that each
+one's peak memory is its own (a CPU process's RSS high-water mark never comes back down); under a
+launcher (or `meshtrain launch`) it runs the layouts one after another in that one job.
 
 Each layout (`backend:key=value,...` over cfg.parallel, as in the trainer) builds the same GPT through
 build_gpt_layout and trains --steps steps of random tokens after --warmup steps, through the layout's own
@@ -11,7 +15,7 @@ ranks differ only under pp, where the table shows the largest stage):
 
     tok/s        tokens per second of the whole job (dp ranks × batch × accum × seq / step time)
     ms/step      median step time
-    peak MiB     peak memory: CUDA max allocated, or the process's peak RSS on CPU (reset per layout)
+    peak MiB     peak memory: CUDA max allocated, or the process's peak RSS on CPU
     params/grads/optim MiB   bytes this rank holds after a step (shards, not the whole)
     comm Melem/step  millions of elements this rank handed to collectives and point-to-point ops in one
                  step (× 4 for bytes in fp32; bf16 casts halve some), read from the torch profiler's
@@ -22,8 +26,12 @@ ranks differ only under pp, where the table shows the largest stage):
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from contextlib import nullcontext
 
@@ -142,20 +150,47 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--vocab", choices=("char", "gpt2"), default="char")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--ranks", type=int, default=4, help="ranks per job when the script launches the jobs")
     args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        return launch_each(args, sys.argv[1:])
     with distributed() as info:
         layouts = args.layouts or DEFAULT_LAYOUTS.get(info.world_size, ["ddp:", "fsdp:"])
         rows = [row for case in layouts if (row := bench(case, args, info)) is not None]
         if info.is_main:
-            print(f"\n{info.world_size} ranks on {info.torch_device} ({info.backend}), GPT {args.n_layer}L/{args.n_head}H/"
-                  f"{args.n_embd}, seq {args.seq}, batch {args.batch}×{args.accum} per dp rank, {args.dtype}, "
-                  f"median of {args.steps} steps")
-            keys = list(rows[0])
-            print("| " + " | ".join(keys) + " |")
-            print("|" + "---|" * len(keys))
             for row in rows:
-                print("| " + " | ".join(f"{row[k]:,.1f}" if isinstance(row[k], float) else str(row[k])
-                                        for k in keys) + " |")
+                print("ROW " + json.dumps(row), flush=True)
+            print_table(rows, args, f"{info.world_size} ranks on {info.torch_device} ({info.backend})")
+
+
+def launch_each(args, argv: list[str]) -> None:
+    """One torchrun job per layout; their rank-0 rows make one table."""
+    layouts = args.layouts or DEFAULT_LAYOUTS.get(args.ranks, ["ddp:", "fsdp:"])
+    passed = [a for a in argv if not a.startswith("--layouts") and a not in layouts]
+    rows = []
+    for case in layouts:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+               __file__, *passed, "--layouts", case]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        found = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+        if out.returncode or not found:
+            print(f"{case}: failed (exit {out.returncode})\n{out.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rows += found
+        print(f"{case}: {found[0]['tok/s']:,.0f} tok/s", file=sys.stderr, flush=True)
+    print_table(rows, args, f"{args.ranks} ranks, one job per layout")
+
+
+def print_table(rows: list[dict], args, where: str) -> None:
+    if not rows:
+        return
+    print(f"\n{where}, GPT {args.n_layer}L/{args.n_head}H/{args.n_embd}, seq {args.seq}, batch {args.batch}×"
+          f"{args.accum} per dp rank, {args.dtype}, median of {args.steps} steps")
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(f"{row[k]:,.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys) + " |")
 
 
 if __name__ == "__main__":
