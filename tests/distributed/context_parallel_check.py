@@ -90,7 +90,7 @@ def check_attention(info, impl: str, cp: int) -> tuple[bool, str]:
     kernels = {"autocast": attend}
     if impl == "ring":
         ring = _Ring(group)
-        kernels["bf16 math"] = lambda q, k, v, p: _RingAttention.apply(q, k, v, ring)
+        kernels["bf16 math"] = lambda q, k, v, p: _RingAttention.apply(q, k, v, ring, True)
     bf16 = {}
     for name, kernel in kernels.items():
         low_in = [t.detach().bfloat16().requires_grad_() for t in local_in]

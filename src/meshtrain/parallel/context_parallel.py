@@ -94,8 +94,9 @@ def _cpu_bf16(t: torch.Tensor) -> bool:
 
 
 # ---- Ulysses ------------------------------------------------------------------------------------------------------
-def ulysses_attention(cp_group_or_mesh):
-    """attend(q, k, v, dropout_p) for the contiguous layout: all-to-all to whole sequences of H/cp heads and back."""
+def ulysses_attention(cp_group_or_mesh, attention=causal_attention):
+    """attend(q, k, v, dropout_p) for the contiguous layout: all-to-all to whole sequences of H/cp heads, the
+    model's own `attention` kernel on them (causal for the GPT, full for the ViT), and back."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     group = _as_group(cp_group_or_mesh)
@@ -118,13 +119,13 @@ def ulysses_attention(cp_group_or_mesh):
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         if cp == 1:
-            return causal_attention(q, k, v, dropout_p)
+            return attention(q, k, v, dropout_p)
         if q.shape[1] % cp:
             raise ContextParallelError(
                 f"Ulysses context parallelism gives each of the cp={cp} ranks whole heads, but this rank has "
                 f"{q.shape[1]} heads: use a cp that divides the head count (per tensor-parallel rank), or impl 'ring'")
         q, k, v = to_heads(torch.stack([q, k, v])).unbind(0)
-        return to_sequence(causal_attention(q, k, v, dropout_p))
+        return to_sequence(attention(q, k, v, dropout_p))
 
     return attend
 
@@ -190,42 +191,55 @@ def _block_backward(q, k, v, dout, lse, delta, scale, causal):
     return (ds @ k).float() * scale, (ds.transpose(-1, -2) @ q).float() * scale, dv.float()
 
 
-class _RingAttention(torch.autograd.Function):
-    """Zigzag ring attention. Local tokens are [early chunk | late chunk], c tokens each.
+def _ring_pair(step: int, ring: _Ring, chunk: int, causal: bool) -> tuple[slice, slice, bool]:
+    """Which of our query rows meet which rows of the K/V held at `step`, and whether that pair needs a mask.
 
-    At step s this rank holds the K/V of cp rank src = r - s. Step 0 (own K/V) is plain causal attention.
-    If src < r: its early chunk precedes both of ours and its late chunk follows both -> all our queries
-    against its early half, unmasked. If src > r: our early chunk precedes both of its chunks and our late
-    chunk follows both -> our late queries against all its keys, unmasked.
+    Not causal: every query sees every key. Causal, zigzag (local tokens are [early chunk | late chunk], `chunk`
+    tokens each; at step s this rank holds the K/V of cp rank src = r - s): step 0 (own K/V) is plain causal
+    attention. If src < r, its early chunk precedes both of ours and its late chunk follows both: all our
+    queries against its early half, unmasked. If src > r, our early chunk precedes both of its chunks and our
+    late chunk follows both: our late queries against all its keys, unmasked.
     """
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if step == 0:
+        return everything, everything, True
+    if (ring.rank - step) % ring.size < ring.rank:
+        return everything, slice(None, chunk), False
+    return slice(chunk, None), everything, False
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention: K/V blocks go round the cp ranks, each folded into our queries' output by online softmax;
+    the backward sends them round again with their gradients, which end on the block's owner."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring):
-        c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    def forward(ctx, q, k, v, ring, causal):
+        chunk, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
         with torch.autocast(q.device.type, enabled=False):
             kv = torch.stack([k, v])
             for step in range(ring.size):
                 if step + 1 < ring.size:  # start the next K/V on its way while this block computes
                     next_kv, kv_transfer = ring.shift(kv, tag=0)
-                if step == 0:
-                    out, lse = _block_forward(q, k, v, scale, causal=True)
-                elif (ring.rank - step) % ring.size < ring.rank:
-                    _merge(out, lse, *_block_forward(q, kv[0, :, :, :c], kv[1, :, :, :c], scale, causal=False))
+                rows, cols, masked = _ring_pair(step, ring, chunk, causal)
+                block = _block_forward(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], scale, masked)
+                if step == 0:  # every pair at step 0 covers all our queries
+                    out, lse = block
                 else:
-                    block = _block_forward(q[:, :, c:], kv[0], kv[1], scale, causal=False)
-                    _merge(out[:, :, c:], lse[:, :, c:], *block)
+                    _merge(out[:, :, rows], lse[:, :, rows], *block)
                 if step + 1 < ring.size:
                     kv_transfer.wait()
                     kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.causal = ring, causal
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
-        c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        chunk, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
         with torch.autocast(q.device.type, enabled=False):
             dout = dout.to(q.dtype).contiguous()
             delta = (dout.float() * out).sum(-1)
@@ -234,18 +248,12 @@ class _RingAttention(torch.autograd.Function):
             for step in range(ring.size):
                 if step + 1 < ring.size:  # start the next K/V on its way while this block computes
                     next_kv, kv_transfer = ring.shift(kv, tag=0)
+                rows, cols, masked = _ring_pair(step, ring, chunk, ctx.causal)
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-                if step == 0:
-                    dq_b, dkv[0], dkv[1] = _block_backward(q, k, v, dout, lse, delta, scale, causal=True)
-                    dq += dq_b
-                elif (ring.rank - step) % ring.size < ring.rank:
-                    dq_b, dkv[0, :, :, :c], dkv[1, :, :, :c] = _block_backward(
-                        q, kv[0, :, :, :c], kv[1, :, :, :c], dout, lse, delta, scale, causal=False)
-                    dq += dq_b
-                else:
-                    dq_b, dkv[0], dkv[1] = _block_backward(
-                        q[:, :, c:], kv[0], kv[1], dout[:, :, c:], lse[:, :, c:], delta[:, :, c:], scale, causal=False)
-                    dq[:, :, c:] += dq_b
+                dq_b, dkv[0, :, :, cols], dkv[1, :, :, cols] = _block_backward(
+                    q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], dout[:, :, rows], lse[:, :, rows],
+                    delta[:, :, rows], scale, masked)
+                dq[:, :, rows] += dq_b
                 if step > 0:  # what the ranks before us added to this block's gradient
                     dkv_transfer.wait()
                     dkv += incoming
@@ -255,28 +263,29 @@ class _RingAttention(torch.autograd.Function):
                     kv_transfer.wait()
                     kv = next_kv
             dkv_transfer.wait()
-        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None
+        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None
 
 
-def ring_attention(cp_group_or_mesh):
-    """attend(q, k, v, dropout_p) for the zigzag layout: K/V go round the ring, merged by online softmax."""
+def ring_attention(cp_group_or_mesh, attention=causal_attention, causal: bool = True):
+    """attend(q, k, v, dropout_p): K/V go round the ring, merged by online softmax. Causal: for the zigzag
+    layout; not causal (the ViT): any contiguous layout. `attention` is the model's kernel, used on one rank."""
     ring = _Ring(_as_group(cp_group_or_mesh))
     cp = ring.size
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         if dropout_p:
             raise ContextParallelError(
-                f"ring attention does not implement attention dropout (dropout_p={dropout_p}): set model.dropout=0 "
-                f"or use impl 'ulysses'")
+                f"ring attention does not implement attention dropout (dropout_p={dropout_p}): set the model's "
+                f"dropout to 0 or use impl 'ulysses'")
         if cp == 1:
-            return causal_attention(q, k, v, 0.0)
-        if q.shape[2] % 2:
+            return attention(q, k, v, 0.0)
+        if causal and q.shape[2] % 2:
             raise ContextParallelError(
                 f"ring attention expects each rank's {q.shape[2]} tokens to be two zigzag chunks (an even count): "
                 f"shard the batch with shard_sequence(..., impl='ring')")
         if _cpu_bf16(q):  # as the model's own kernel: CPU bf16 attention is faster (and exacter) in fp32
-            return _RingAttention.apply(q.float(), k.float(), v.float(), ring).to(torch.bfloat16)
-        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)
+            return _RingAttention.apply(q.float(), k.float(), v.float(), ring, causal).to(torch.bfloat16)
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, causal)
 
     return attend
 

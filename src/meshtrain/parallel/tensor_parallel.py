@@ -89,42 +89,17 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh | None, *, sequence_pa
                         f"pass submesh(mesh, 'tp')")
     if isinstance(model, GPT):  # a pipeline stage was checked as a whole model before it was cut
         check_tensor_parallel(model.config, tp_mesh.size())
-    # parallelize_module only warns about a path that matches nothing, and a block left whole would silently
-    # compute tp times its share: refuse blocks already wrapped (activation checkpointing, compile).
-    wrapped = [name for name, block in model.transformer.h.items() if not isinstance(block, Block)]
-    if wrapped:
-        kind = type(model.transformer.h[wrapped[0]]).__name__
-        raise MeshError(f"apply_tensor_parallel: block {wrapped[0]} is a {kind}, not a Block: apply tensor parallel "
-                        f"before activation checkpointing and compile")
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise MeshError("apply_tensor_parallel: the model already holds DTensor parameters; apply tensor parallel "
-                        "once, to a plain model, before activation checkpointing, compile and fully_shard")
+    refuse_prepared(model, model.transformer.h, Block, "apply_tensor_parallel")
 
-    seq = Shard(1)
-    # The residual stream between sublayers: sequence shards (a DTensor), or the whole of it, the same everywhere.
-    stream, local = (seq, False) if sequence_parallel else (Replicate(), True)
-    plan = {
-        f"{BLOCKS}.attn.q_proj": ColwiseParallel(),
-        f"{BLOCKS}.attn.k_proj": ColwiseParallel(),
-        f"{BLOCKS}.attn.v_proj": ColwiseParallel(),
-        f"{BLOCKS}.attn.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
-        f"{BLOCKS}.mlp.c_fc": ColwiseParallel(),
-        f"{BLOCKS}.mlp.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+    stream, local = stream_layout(sequence_parallel)
+    plan = block_plan(BLOCKS, sequence_parallel) | {
         "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=local),
         "lm_head": ColwiseParallel(input_layouts=stream,
                                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                    use_local_output=not loss_parallel),
     }
     if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        plan |= {
-            "transformer.drop": SequenceParallel(),
-            "transformer.ln_f": SequenceParallel(),
-            f"{BLOCKS}.ln_1": SequenceParallel(),
-            f"{BLOCKS}.ln_2": SequenceParallel(),
-            f"{BLOCKS}.attn": gather,  # one all-gather feeds q, k and v
-            f"{BLOCKS}.mlp": gather,
-        }
+        plan |= {"transformer.drop": SequenceParallel(), "transformer.ln_f": SequenceParallel()}
     # A pipeline stage lacks some of the model's top-level modules; blocks it has (at least one).
     plan = {path: style for path, style in plan.items()
             if path.startswith(BLOCKS) or path in dict(model.named_modules())}
@@ -134,11 +109,11 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh | None, *, sequence_pa
     # parallel, where the gradient's all-gather back to Replicate sums nothing; plain and whole otherwise.
     t = model.transformer
     if "wpe" in t:
-        _replicate(t.wpe, tp_mesh, output=Shard(0) if sequence_parallel else None)
+        replicate_module(t.wpe, tp_mesh, output=Shard(0) if sequence_parallel else None)
     if not sequence_parallel:  # the norms see the whole stream; their parameters become Replicate DTensors too
         blocks = t.h.values()
         for norm in [*([t.ln_f] if "ln_f" in t else []), *(b.ln_1 for b in blocks), *(b.ln_2 for b in blocks)]:
-            _replicate(norm, tp_mesh, output=None)
+            replicate_module(norm, tp_mesh, output=None)
 
     # Each style registered its own new parameter: tie lm_head back to wte (both Shard(0) of one [V, C] matrix).
     if "wte" in t and hasattr(model, "lm_head"):
@@ -149,7 +124,49 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh | None, *, sequence_pa
         model.register_forward_hook(_plain_loss)
 
 
-def _replicate(module: nn.Module, mesh: DeviceMesh, *, output: Shard | None) -> None:
+def refuse_prepared(model: nn.Module, blocks: nn.ModuleDict, block_type: type, who: str) -> None:
+    """Tensor parallelism goes first, on the plain model. parallelize_module only warns about a path that matches
+    nothing, and a block hidden in a wrapper would silently compute tp times its share."""
+    wrapped = [name for name, block in blocks.items() if not isinstance(block, block_type)]
+    if wrapped:
+        kind = type(blocks[wrapped[0]]).__name__
+        raise MeshError(f"{who}: block {wrapped[0]} is a {kind}, not a {block_type.__name__}: apply tensor parallel "
+                        f"before activation checkpointing and compile")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise MeshError(f"{who}: the model already holds DTensor parameters; apply tensor parallel once, to a plain "
+                        f"model, before activation checkpointing, compile and fully_shard")
+
+
+def stream_layout(sequence_parallel: bool) -> tuple:
+    """The residual stream between sublayers: sequence (token) shards as a DTensor, or the whole of it, plain and
+    the same on every tp rank. Returns (placement, use_local_output) for the styles that write it."""
+    return (Shard(1), False) if sequence_parallel else (Replicate(), True)
+
+
+def block_plan(blocks: str, sequence_parallel: bool) -> dict:
+    """The Megatron plan of a pre-LN transformer block with meshtrain's names (attn.q/k/v_proj, attn.c_proj,
+    mlp.c_fc, mlp.c_proj, ln_1, ln_2), for every block matched by the pattern `blocks` (GPT's and ViT's)."""
+    stream, local = stream_layout(sequence_parallel)
+    plan = {
+        f"{blocks}.attn.q_proj": ColwiseParallel(),
+        f"{blocks}.attn.k_proj": ColwiseParallel(),
+        f"{blocks}.attn.v_proj": ColwiseParallel(),
+        f"{blocks}.attn.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+        f"{blocks}.mlp.c_fc": ColwiseParallel(),
+        f"{blocks}.mlp.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+    }
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan |= {
+            f"{blocks}.ln_1": SequenceParallel(),
+            f"{blocks}.ln_2": SequenceParallel(),
+            f"{blocks}.attn": gather,  # one all-gather feeds q, k and v
+            f"{blocks}.mlp": gather,
+        }
+    return plan
+
+
+def replicate_module(module: nn.Module, mesh: DeviceMesh, *, output: Shard | None) -> None:
     """Parameters become Replicate DTensors (rank 0's values); inputs are taken as the whole, the same everywhere.
 
     The output is redistributed to `output`, or returned as a plain tensor when None.

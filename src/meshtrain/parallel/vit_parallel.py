@@ -29,8 +29,8 @@ so only attention talks; it is swapped in as `block.attn.attend`:
              online softmax (running log-sum-exp), and the backward sends the K/V gradients round with their
              blocks. Any head count; score memory is one block pair.
 
-context_parallel.ring_attention is causal with zigzag chunks; this one is non-causal, so every block pair is fully
-visible and no mask exists. That is also why the tokens are cut into contiguous slices, not zigzag: with causal
+Both are context_parallel's kernels with the ViT's full (non-causal) attention: in the ring every block pair is
+fully visible and no mask exists. That is also why the tokens are cut into contiguous slices, not zigzag: with causal
 attention a late slice does more work than an early one, here every query sees all N keys, so equal slices are
 equal work. A contiguous slice of the row-major patch grid is a band of latitude rows, the natural spatial split.
 
@@ -43,18 +43,14 @@ L2 needs each sample's global norms and is refused here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
@@ -63,14 +59,12 @@ from meshtrain.models.vit import Block, ViT, ViTConfig, full_attention, mse_loss
 from meshtrain.parallel.context_parallel import (
     ContextParallelError,
     _as_group,
-    _block_backward,
-    _block_forward,
-    _cpu_bf16,
-    _merge,
-    _Ring,
+    _unwrap,
+    ring_attention,
+    ulysses_attention,
 )
 from meshtrain.parallel.mesh import MeshError
-from meshtrain.parallel.tensor_parallel import _replicate
+from meshtrain.parallel.tensor_parallel import block_plan, refuse_prepared, replicate_module, stream_layout
 
 VIT_CP_IMPLS = ("ulysses", "ring")
 BLOCKS = "blocks.*"  # parallelize_module matches each path token with fnmatch: every block
@@ -102,51 +96,27 @@ def apply_vit_tensor_parallel(model: ViT, tp_mesh: DeviceMesh | None, *, sequenc
         raise MeshError(f"apply_vit_tensor_parallel takes the plain ViT, got a {type(model).__name__}: apply it "
                         f"before DDP, compile and other wrappers")
     check_vit_tensor_parallel(model.config, tp_mesh.size())
-    # A block hidden in a wrapper would not match the plan and would silently compute tp times its share.
-    wrapped = [name for name, block in model.blocks.items() if not isinstance(block, Block)]
-    if wrapped:
-        kind = type(model.blocks[wrapped[0]]).__name__
-        raise MeshError(f"apply_vit_tensor_parallel: block {wrapped[0]} is a {kind}, not a Block: apply tensor "
-                        f"parallel before activation checkpointing and compile")
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise MeshError("apply_vit_tensor_parallel: the model already holds DTensor parameters; apply tensor "
-                        "parallel once, to a plain model, before fully_shard")
+    refuse_prepared(model, model.blocks, Block, "apply_vit_tensor_parallel")
 
-    tokens = Shard(1)
-    stream, local = (tokens, False) if sequence_parallel else (Replicate(), True)
-    plan = {
-        f"{BLOCKS}.attn.q_proj": ColwiseParallel(),
-        f"{BLOCKS}.attn.k_proj": ColwiseParallel(),
-        f"{BLOCKS}.attn.v_proj": ColwiseParallel(),
-        f"{BLOCKS}.attn.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
-        f"{BLOCKS}.mlp.c_fc": ColwiseParallel(),
-        f"{BLOCKS}.mlp.c_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
-    }
+    stream, _ = stream_layout(sequence_parallel)
+    plan = block_plan(BLOCKS, sequence_parallel)
     if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),))
-        plan |= {
-            "pos_drop": SequenceParallel(),
-            "norm": SequenceParallel(),
-            f"{BLOCKS}.ln_1": SequenceParallel(),
-            f"{BLOCKS}.ln_2": SequenceParallel(),
-            f"{BLOCKS}.attn": gather,  # one all-gather feeds q, k and v
-            f"{BLOCKS}.mlp": gather,
-        }
+        plan |= {"pos_drop": SequenceParallel(), "norm": SequenceParallel()}
     parallelize_module(model, tp_mesh, plan)
 
     # embed() adds pos_embed to patch_embed's output: both DTensors, so the sum is one (sliced to this rank's tokens
     # for free under sequence parallel, where the Replicate pos_embed meets a Shard(1) stream).
-    _replicate(model.patch_embed, tp_mesh, output=stream)
+    replicate_module(model.patch_embed, tp_mesh, output=stream)
     model.pos_embed = nn.Parameter(distribute_tensor(model.pos_embed.detach(), tp_mesh, [Replicate()]),
                                    requires_grad=model.pos_embed.requires_grad)
     if sequence_parallel:
-        _replicate(model.head, tp_mesh, output=tokens)  # per token on this rank's tokens, then gather the patches
+        replicate_module(model.head, tp_mesh, output=stream)  # per token on this rank's tokens, then gather the patches
         model.head.register_forward_hook(_whole_output)
     else:
         model.pos_drop.register_forward_pre_hook(_plain_inputs)  # the stream is plain, the same on every rank
         for norm in [model.norm, *(b.ln_1 for b in model.blocks.values()), *(b.ln_2 for b in model.blocks.values())]:
-            _replicate(norm, tp_mesh, output=None)
-        _replicate(model.head, tp_mesh, output=None)
+            replicate_module(norm, tp_mesh, output=None)
+        replicate_module(model.head, tp_mesh, output=None)
 
 
 def _plain_inputs(_module: nn.Module, inputs: tuple) -> tuple:
@@ -188,110 +158,15 @@ def gather_tokens(local: torch.Tensor, cp_mesh) -> torch.Tensor:
 # ---- non-causal attention kernels -----------------------------------------------------------------------------------
 def vit_ulysses_attention(cp_group_or_mesh) -> Callable:
     """attend(q, k, v, dropout_p): all-to-all to whole token sequences of heads/cp heads, full attention, and back."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    group = _as_group(cp_group_or_mesh)
-    cp = dist.get_world_size(group)
-
-    def exchange(t: torch.Tensor) -> torch.Tensor:
-        # all_to_all_single sends slice j of dim 0 to rank j and stacks what rank j sent at position j.
-        return all_to_all_single_autograd(t.contiguous(), None, None, group)
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        if cp == 1:
-            return full_attention(q, k, v, dropout_p)
-        B, H, n, hd = q.shape
-        if H % cp:
-            raise ContextParallelError(
-                f"Ulysses gives each of the cp={cp} ranks whole heads, but this rank has {H} heads: use a cp that "
-                f"divides the head count (per tensor-parallel rank), or impl 'ring'")
-        # [3, B, H, n, hd] -> head group g goes to rank g -> rank i's tokens (the i-th slice) arrive at index i.
-        qkv = torch.stack([q, k, v]).view(3, B, cp, H // cp, n, hd).movedim(2, 0)
-        got = exchange(qkv)  # [cp (token slice), 3, B, H/cp, n, hd]
-        q, k, v = got.movedim(0, 3).reshape(3, B, H // cp, cp * n, hd).unbind(0)
-        y = full_attention(q, k, v, dropout_p)  # [B, H/cp, N, hd]
-        # token slice i goes back to rank i; what arrives at index g is head group g of our own tokens.
-        back = exchange(y.reshape(B, H // cp, cp, n, hd).movedim(2, 0))  # [cp (head group), B, H/cp, n, hd]
-        return back.movedim(0, 1).reshape(B, H, n, hd)
-
-    return attend
-
-
-class _FullRingAttention(torch.autograd.Function):
-    """Non-causal ring attention: at step s this rank holds cp rank (r - s)'s K/V, and all our queries see all of it."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, ring):
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        with torch.autocast(q.device.type, enabled=False):
-            kv, out, lse = torch.stack([k, v]), None, None
-            for step in range(ring.size):
-                more = step + 1 < ring.size
-                if more:  # the next K/V travel while this block computes
-                    next_kv, kv_transfer = ring.shift(kv, tag=0)
-                block_out, block_lse = _block_forward(q, kv[0], kv[1], scale, causal=False)
-                if out is None:
-                    out, lse = block_out, block_lse
-                else:
-                    _merge(out, lse, block_out, block_lse)
-                if more:
-                    kv_transfer.wait()
-                    kv = next_kv
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, 1.0 / math.sqrt(q.shape[-1])
-        with torch.autocast(q.device.type, enabled=False):
-            dout = dout.to(q.dtype).contiguous()
-            delta = (dout.float() * out).sum(-1)
-            dq = torch.zeros_like(out)
-            kv, incoming, dkv_transfer = torch.stack([k, v]), None, None
-            for step in range(ring.size):
-                more = step + 1 < ring.size
-                if more:
-                    next_kv, kv_transfer = ring.shift(kv, tag=0)
-                dq_block, dk, dv = _block_backward(q, kv[0], kv[1], dout, lse, delta, scale, causal=False)
-                dq += dq_block
-                dkv = torch.stack([dk, dv])
-                if dkv_transfer is not None:  # what the ranks before us added to this same block's gradient
-                    dkv_transfer.wait()
-                    dkv += incoming
-                # The gradient travels on with its block; after the last step it lands on the block's owner.
-                incoming, dkv_transfer = ring.shift(dkv, tag=1)
-                if more:
-                    kv_transfer.wait()
-                    kv = next_kv
-            dkv_transfer.wait()
-        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None
+    return ulysses_attention(cp_group_or_mesh, full_attention)
 
 
 def vit_ring_attention(cp_group_or_mesh) -> Callable:
     """attend(q, k, v, dropout_p): non-causal ring attention over the cp group (any head count, no dropout)."""
-    ring = _Ring(_as_group(cp_group_or_mesh))
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        if dropout_p:
-            raise ContextParallelError(f"ring attention does not implement attention dropout (dropout_p={dropout_p}): "
-                                       f"set ViTConfig.dropout=0 or use impl 'ulysses'")
-        if ring.size == 1:
-            return full_attention(q, k, v, 0.0)
-        if _cpu_bf16(q):  # as the model's own kernel: CPU bf16 attention is faster (and exacter) in fp32
-            return _FullRingAttention.apply(q.float(), k.float(), v.float(), ring).to(torch.bfloat16)
-        return _FullRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)
-
-    return attend
+    return ring_attention(cp_group_or_mesh, full_attention, causal=False)
 
 
 # ---- the model ------------------------------------------------------------------------------------------------------
-def _unwrap(model: nn.Module) -> nn.Module:
-    model = getattr(model, "module", model)  # DDP
-    return getattr(model, "_orig_mod", model)  # torch.compile
-
-
 def apply_vit_context_parallel(model: nn.Module, cp_mesh, impl: str = "ulysses") -> None:
     """Make every block's attention a non-causal context-parallel kernel over `cp_mesh` (1-D cp DeviceMesh or its
     process group; None: no-op). Before or after tensor parallel, activation checkpointing, DDP and FSDP (it only
