@@ -41,10 +41,6 @@ class LayoutError(MeshtrainError, ValueError):
     """A combination of parallelisms this version cannot run; the message says which and what to use."""
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 @dataclass
 class GPTLayout:
     model: nn.Module  # this rank's share of the GPT: optimizer groups, checkpoints and byte counts come from it
@@ -148,7 +144,7 @@ class GPTLayout:
                 loss = loss / accum  # the sum of micro-steps is the mean over the whole batch
             with timer("dtb"):
                 scaler.scale(loss).backward()
-        return _plain(loss.detach()).float()
+        return loss.detach().float()  # plain under tp too: tensor_parallel hands the loss out whole
 
     def _set_stage_positions(self, positions: torch.Tensor | None) -> None:
         for part in self.pipeline.parts:
@@ -165,7 +161,7 @@ class GPTLayout:
             return torch.zeros((), device=x.device) if loss is None else loss.float()
         with self._loss_context(), autocast:
             _, loss = self.model(x, y, positions) if positions is not None else self.model(x, y)
-        return _plain(loss).float()
+        return loss.float()
 
     def finish_backward(self) -> None:
         """After the last micro-step: what the backward pass leaves undone (the tied embedding across stages)."""

@@ -226,8 +226,3 @@ def _plain_loss(_module: nn.Module, _inputs: tuple, outputs: tuple):
     if isinstance(loss, DTensor):
         return logits, loss.full_tensor()
     return outputs
-
-
-def local_loss(loss: torch.Tensor) -> torch.Tensor:
-    """The loss as a plain tensor (apply_tensor_parallel already returns it so; this also takes a DTensor)."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
