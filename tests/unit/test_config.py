@@ -56,3 +56,63 @@ def test_round_trip_through_a_saved_dict_and_yaml():
     cfg = load_config(["preset=cpu", "train.seed=7"])
     assert from_dict(to_dict(cfg)) == cfg
     assert "seed: 7" in to_yaml(cfg)
+
+
+# ---- the vit workload ---------------------------------------------------------------------------------------------
+def test_vit_presets_mirror_nersc_and_the_square_root_rule_gives_their_learning_rates():
+    import math
+
+    from meshtrain.train.loop import scaled_learning_rates
+
+    assert {"tiny", "short", "base", "bs64_opt", "bs256_opt", "bs1024_opt", "mp"} <= set(presets("vit"))
+    base, short = load_config(["preset=base"], "vit"), load_config(["preset=short"], "vit")
+    assert (base.model.embed_dim, base.model.depth, base.model.num_heads, base.model.patch_size) == (384, 12, 8, 8)
+    assert (base.data.crop, base.data.global_batch_size, base.optimizer.lr) == ([360, 720], 16, 5e-4)
+    assert (short.data.limit_train, short.data.limit_valid, short.train.max_iters) == (512, 128, 128)
+    assert short.model == base.model  # short extends base (defaults_from)
+    # NERSC's hand-set rates for batches 64, 256 and 1024 are 1e-3, 2e-3 and 4e-3.
+    for name, batch, lr in (("bs64_opt", 64, 1e-3), ("bs256_opt", 256, 2e-3), ("bs1024_opt", 1024, 4e-3)):
+        cfg = load_config([f"preset={name}"], "vit")
+        assert cfg.data.global_batch_size == batch and (cfg.train.compile, cfg.optimizer.fused) == (True, True)
+        assert scaled_learning_rates(cfg, batch)[0] == pytest.approx(lr)
+    mp = load_config(["preset=mp"], "vit")
+    assert (mp.model.embed_dim, mp.parallel.tp, mp.train.backend) == (1024, 4, "fsdp")
+    assert scaled_learning_rates(mp, 64) == pytest.approx((1e-3, 0.0, 2.0))
+    assert scaled_learning_rates(load_config(["preset=tiny"], "vit"), 64)[2] == 1.0  # no base batch: as given
+    assert math.isclose(scaled_learning_rates(base, 32)[0], 5e-4 * math.sqrt(2))
+
+
+def test_vit_takes_nersc_flag_names():
+    cfg = load_config(["preset=tiny", "amp_mode=none", "num_data_workers=4", "enable_fused=true", "enable_jit=true",
+                       "global_batch_size=32", "data=/somewhere/era5"], "vit")
+    assert (cfg.train.dtype, cfg.data.num_workers, cfg.optimizer.fused, cfg.train.compile) == ("fp32", 4, True, True)
+    assert (cfg.data.global_batch_size, cfg.data.root) == (32, "/somewhere/era5")
+    assert load_config(["amp_mode=bf16"], "vit").train.dtype == "bf16"
+    assert from_dict(to_dict(cfg), "vit") == cfg
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.embed_dim=100", "model.num_heads=8"], "model.embed_dim=100 is not divisible by model.num_heads=8"),
+    (["data.crop=[90,180]"], "data.crop=[90, 180]: give [rows, columns], both multiples of model.patch_size=8"),
+    (["parallel.pp=2"], "parallel.pp=2: the ViT has no pipeline split in this version"),
+    (["train.backend=deepspeed"], "train.backend=deepspeed runs the GPT workload only"),
+    (["parallel.cp=2", "model.loss=relative_l2"], "model.loss=relative_l2 with parallel.cp=2"),
+    (["train.cuda_graphs=true"], "train.cuda_graphs=true captures through torch.compile"),
+    (["train.profile=nvprof"], "train.profile='nvprof': choose one of none, torch, nsys"),
+    (["model.n_layer=2"], "unknown key 'model.n_layer'"),
+    (["train.prompt=hi"], "unknown key 'train.prompt'"),
+    (["data.limit_train=0"], "data.limit_train=0: must be at least 1"),
+])
+def test_vit_mistakes_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(["preset=tiny", *overrides], "vit")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_gpt_has_no_epochs_and_presets_cannot_loop(tmp_path):
+    with pytest.raises(ConfigError, match="train.max_epochs is for the vit workload"):
+        load_config(["train.max_epochs=3"])
+    (tmp_path / "a.yaml").write_text(f"defaults_from: {tmp_path / 'b.yaml'}\n")
+    (tmp_path / "b.yaml").write_text(f"defaults_from: {tmp_path / 'a.yaml'}\n")
+    with pytest.raises(ConfigError, match="defaults_from loops"):
+        load_config([f"preset={tmp_path / 'a.yaml'}"])

@@ -1,9 +1,11 @@
 """Metrics sinks: console, JSONL, TensorBoard and W&B (offline) read back; rank 0 only; progress bars."""
 
+import io
 import json
 import logging
 import sys
 
+import numpy as np
 import pytest
 import torch
 from tests.wandb_offline import wandb_history as _wandb_history
@@ -240,3 +242,76 @@ def test_progress_bar_and_track_pass_everything_through(monkeypatch, forced):
         assert handler.stream is sys.stdout  # the log handler got its stream back
     finally:
         logger.removeHandler(handler)
+
+
+# ---------------------------------------------------------------------------------------------- images
+@pytest.fixture
+def png(tmp_path):
+    """A 3 x 5 RGBA PNG with 8-bit colours and a half-transparent pixel; returns (path, its RGB as uint8)."""
+    pytest.importorskip("matplotlib", reason="images are read with matplotlib")
+    from matplotlib.image import imsave
+
+    rgba = np.random.default_rng(0).integers(0, 256, size=(3, 5, 4), dtype=np.uint8)
+    rgba[..., 3] = 255
+    rgba[1, 1, 3] = 128
+    path = tmp_path / "plots" / "forecast_step_7.png"
+    path.parent.mkdir()
+    imsave(path, rgba)
+    return path, rgba[..., :3]
+
+
+def test_console_sink_names_the_image(caplog, png):
+    path, _ = png
+    logger = logging.getLogger("test_sinks.console_image")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        ConsoleSink(logger).log_image(7, "forecast/u10", path)
+    assert caplog.messages == [f"image forecast/u10: {path}"]
+
+
+def test_jsonl_image_record_sits_with_the_metrics(tmp_path, png):
+    path, _ = png
+    with JsonlSink(tmp_path / "metrics.jsonl") as sink:
+        sink.log(7, {"loss": 1.5})
+        sink.log_image(7, "forecast/u10", path)
+        sink.log(8, {"loss": 1.25})
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [7, 7, 8]
+    assert records[1] == {"step": 7, "time": records[1]["time"], "tag": "forecast/u10", "image": str(path)}
+
+
+def test_multisink_hands_the_image_to_every_sink(tmp_path, png):
+    path, _ = png
+    jsonl = JsonlSink(tmp_path / "metrics.jsonl")
+    with MultiSink([MetricsSink(), jsonl]) as sinks:
+        sinks.log_image(3, "forecast", path)
+    assert [(r["step"], r["tag"], r["image"]) for r in read_jsonl(jsonl.path)] == [(3, "forecast", str(path))]
+
+
+def test_tensorboard_image_reads_back_as_its_rgb_pixels(tmp_path, png):
+    pytest.importorskip("tensorboard", reason="TensorBoard sink needs the [tensorboard] extra")
+    from matplotlib.image import imread
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path, rgb = png
+    with TensorBoardSink(tmp_path / "tb") as sink:
+        sink.log_image(7, "forecast/u10", path)
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    assert events.Tags()["images"] == ["forecast/u10"]
+    (image,) = events.Images("forecast/u10")
+    assert (image.step, image.height, image.width) == (7, 3, 5)
+    decoded = imread(io.BytesIO(image.encoded_image_string), format="png")
+    assert decoded.shape == (3, 5, 3)  # alpha dropped
+    np.testing.assert_array_equal(np.round(decoded * 255).astype(np.uint8), rgb)
+
+
+def test_wandb_image_is_logged_as_an_image_file(wandb_offline, png):
+    path, _ = png
+    sink = WandbSink(dir=wandb_offline, mode="offline")
+    sink.log_image(7, "forecast", path)
+    run_id = sink.run.id
+    sink.close()
+    (run_dir,) = (wandb_offline / "wandb").glob(f"offline-run-*-{run_id}*")
+    history, _ = _wandb_history(run_dir)
+    assert history[7]["forecast/_type"] == "image-file"
+    assert (history[7]["forecast/height"], history[7]["forecast/width"]) == (3, 5)

@@ -21,7 +21,9 @@ which process that was; a copy made by fork or pickle opens its own. On file sys
 locks (some Lustre mounts) set HDF5_USE_FILE_LOCKING=FALSE, as NERSC's scripts do.
 
 `era5_loader` shards a dataset over the data-parallel ranks with a DistributedSampler; tp/cp/pp ranks of
-one replica pass the same dp_rank and so read the same batches.
+one replica pass the same dp_rank and so read the same batches. On top of it, what a training loop uses:
+`ERA5Batches`, one dp rank's endless, resumable training stream over epochs, and `eval_batches`, an exact
+evaluation pass in which every rank takes the same number of full batches and padding carries weight 0.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ DEFAULT_CROP = (360, 720)
 MEANS_FILE = "stats/global_means.npy"
 STDS_FILE = "stats/global_stds.npy"
 CHANNELS_FILE = "stats/channels.json"
+CPU = torch.device("cpu")
 
 
 def how_to_fix(root: Path, sentence: bool = False) -> str:
@@ -289,6 +292,15 @@ class ERA5Dataset(Dataset):
         return state
 
 
+def check_sharding(batch_size: int, dp_rank: int, dp_size: int, num_workers: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must lie in [0, dp_size={dp_size}), got {dp_rank}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+
+
 def era5_loader(dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True,
                 seed: int = 0, num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = True,
                 prefetch_factor: int | None = 2, drop_last: bool = True) -> DataLoader:
@@ -304,12 +316,7 @@ def era5_loader(dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size:
     pass pin_memory=True and copy with `x.to(device, non_blocking=True)`: from pinned host memory the
     copy runs asynchronously and overlaps with the previous step's compute.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank must lie in [0, dp_size={dp_size}), got {dp_rank}")
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    check_sharding(batch_size, dp_rank, dp_size, num_workers)
     sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
     worker_options = {}

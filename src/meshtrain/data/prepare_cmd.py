@@ -3,7 +3,7 @@
     meshtrain prepare shakespeare_char            characters of the shipped tiny-Shakespeare
     meshtrain prepare shakespeare                 GPT-2 BPE of the same corpus
     meshtrain prepare text PATH [--tokenizer char|gpt2] [--name NAME]   a text file of your own
-    meshtrain prepare era5-synthetic [--out DIR] [--years 2016 2017 2018] [--samples-per-year 64]
+    meshtrain prepare era5-synthetic [--out DIR] [--years 2011 ... 2018] [--samples-per-year 64]
                                      [--grid 90x180] [--channels 20] [--seed 0] [--dt-hours 6]
                                      [--train-years ... --valid-years ... --test-years ...]
                                   weather fields in NERSC's ERA5 layout (train/ valid/ test/ YEAR.h5, stats/)
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"the dataset directory (default: DATA_ROOT/{ERA5_DIR_NAME})")
     era5.add_argument("--years", type=int, nargs="+", default=None,
                       help="years to write, split by the rule: all but the last two train, the second to last "
-                           "is valid, the last is test; with two: train + valid (default: 2016 2017 2018)")
+                           "is valid, the last is test; with two: train + valid (default: 2011 to 2018)")
     era5.add_argument("--train-years", type=int, nargs="+", default=None,
                       help="choose the splits explicitly instead of --years (with --valid-years, --test-years)")
     era5.add_argument("--valid-years", type=int, nargs="+", default=None)

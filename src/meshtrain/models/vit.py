@@ -16,14 +16,16 @@ Seams for meshtrain.parallel (the same as gpt.py's, so the same plans apply):
     features (whole heads per rank) and attn.c_proj / mlp.c_proj by input features, mlp.c_fc by output features;
   * `block.attn.attend` is the attention kernel (q, k, v, dropout_p) -> y on [B, heads, N, head_dim], here
     non-causal; context parallelism swaps in ring or Ulysses attention;
-  * the forward pass is four public steps, forward(x) = unpatchify(head(forward_tokens(embed(x)))):
+  * the forward pass is four public steps, forward(x) = unpatchify(head(forward_tokens(embed(x)))), and
+    forward(x, token_positions) stops before unpatchify with the patches of those tokens only:
         embed(x, token_positions=None)  patchify, Linear, + position embedding -> tokens [B, N, D]
         forward_tokens(tokens)          the blocks and the final LayerNorm, per token except in attention
         head(tokens)                    Linear per token -> patches [B, N, C_out*p*p]
         unpatchify(patches)             all N patches -> fields [B, C_out, H, W]
-    A context-parallel rank passes its token_positions (any [N_local] long tensor, e.g. the ring's zigzag) to
-    embed, runs forward_tokens and head on its slice, and either gathers the patches before unpatchify or compares
-    them with patchify(target)[:, token_positions]: with equal shards the mean of the ranks' MSEs is the global MSE.
+    A context-parallel rank calls forward(x, its token_positions) (a slice, or any [N_local] long tensor) and
+    either gathers the patches before unpatchify or compares them with patchify(target)[:, token_positions]: with
+    equal shards the mean of the ranks' MSEs is the global MSE. Because it is forward, wrappers (DDP, FSDP2) run
+    their machinery around it as for any call.
   * blocks live in an nn.ModuleDict "0".."depth-1" (`self.blocks`), so a pipeline stage can drop the ones it does
     not own and the rest keep their checkpoint names.
 
@@ -273,8 +275,9 @@ class ViT(nn.Module):
         x = patches.reshape(B, gh, gw, C, p, p).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(B, C, gh * p, gw * p)
 
-    def embed(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Fields [B, C_in, H, W] -> tokens [B, N, D], or only the tokens at token_positions [N_local] (patch indices)."""
+    def embed(self, x: torch.Tensor, token_positions: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """Fields [B, C_in, H, W] -> tokens [B, N, D], or only the tokens at token_positions (patch indices [N_local],
+        or a slice of them)."""
         if x.dim() == 4 and x.shape[1] != self.config.in_channels:
             raise ValueError(f"expected {self.config.in_channels} input channels, got {x.shape[1]} "
                              f"(input shape {list(x.shape)}): set ViTConfig.in_channels to match the data")
@@ -290,9 +293,11 @@ class ViT(nn.Module):
             tokens = block(tokens)
         return self.norm(tokens)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Fields at t [B, C_in, H, W] (normalised) -> predicted fields at t + dt [B, C_out, H, W]."""
-        return self.unpatchify(self.head(self.forward_tokens(self.embed(x))))
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """Fields at t [B, C_in, H, W] (normalised) -> predicted fields at t + dt [B, C_out, H, W]; given
+        token_positions, only those tokens' predicted patches [B, N_local, C_out*p*p] (see the module docstring)."""
+        patches = self.head(self.forward_tokens(self.embed(x, token_positions)))
+        return patches if token_positions is not None else self.unpatchify(patches)
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The configured loss (MSE by default; see the module docstring)."""

@@ -12,13 +12,10 @@ Order of application (each step sees the modules the previous one left):
     pipeline split (pp)  -> tensor + sequence parallel (tp)  -> context parallel attention (cp)
     -> activation checkpointing -> data parallel (ddp over dp×cp, or FSDP2 over dp_shard×cp)
 FSDP must come last: it shards whatever parameters the others left (DTensors on the tp mesh
-included). Context-parallel ranks hold the same weights and see the same batch, each a slice of
-its sequence, so to data parallelism they are replicas whose gradients are averaged: the loss of
-a slice is its tokens' mean and the slices are equal-sized, so their mean is the whole's.
+included); see layout.wrap_data_parallel for why cp ranks are data-parallel replicas.
 
-The loop sees one object whatever the layout: `model` holds this rank's share of the GPT (its
-parameter names are the whole model's, so optimizers and checkpoints need no layout knowledge),
-and the step methods hide whether a forward is a call, a pipeline schedule or a DeepSpeed engine.
+The loop sees one object whatever the layout (parallel/layout.py, shared with the ViT's): the step
+methods hide whether a forward is a call, a pipeline schedule or a DeepSpeed engine.
 """
 
 from __future__ import annotations
@@ -28,81 +25,22 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from meshtrain.errors import MeshtrainError
 from meshtrain.models.gpt import GPT
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
-from meshtrain.parallel.data_parallel import SHARDED, apply_data_parallel, gradient_sync
+from meshtrain.parallel.data_parallel import gradient_sync
+from meshtrain.parallel.layout import Layout, LayoutError, check_data_parallel, wrap_data_parallel
 from meshtrain.parallel.mesh import ParallelDims, submesh
 
 
-class LayoutError(MeshtrainError, ValueError):
-    """A combination of parallelisms this version cannot run; the message says which and what to use."""
-
-
 @dataclass
-class GPTLayout:
-    model: nn.Module  # this rank's share of the GPT: optimizer groups, checkpoints and byte counts come from it
-    dims: ParallelDims
-    mesh: object | None  # the DeviceMesh, None on one process
-    rank: int
-    runnable: nn.Module | None = None  # what a forward calls (wrapped by DDP / compile), when not pipelined
+class GPTLayout(Layout):
     pipeline: object | None = None  # parallel.pipeline.Pipeline, when pp > 1
     sequence_shard: tuple[int, int, str] | None = None  # (cp rank, cp size, cp impl) when cp > 1
     loss_parallel: bool = False
-    parts: list[nn.Module] = field(default_factory=list)  # the modules data parallelism wrapped
     # Split by pipeline stages, lm_head keeps its own copy of the tied embedding; a checkpoint from any
     # layout has the embedding's optimizer state, which the copy's equals (see parallel.state_dict).
     aliases: dict[str, str] = field(default_factory=lambda: {"lm_head.weight": "transformer.wte.weight"})
-    deepspeed: dict | None = None  # train.backend=deepspeed: the engine's settings until attach_optimizer
-    engine: object | None = None  # the DeepSpeed engine, which then owns forward, backward and step
-
-    # ---- the optimizer and checkpoints ---------------------------------------------------------------------
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer the loop sets learning rates on and steps (DeepSpeed wraps it in its engine)."""
-        if self.deepspeed is None:
-            return optimizer
-        from meshtrain.parallel import deepspeed_backend
-
-        self.engine, optimizer = deepspeed_backend.initialize(self.model, optimizer, **self.deepspeed)
-        self.runnable = self.engine
-        return optimizer
-
-    def optimizer_step(self, optimizer, scaler, max_norm: float) -> torch.Tensor | None:
-        """Unscale, clip (if max_norm > 0; returns the norm before clipping) and step."""
-        if self.engine is not None:  # it stepped (and clipped, from its config) at the accumulation boundary
-            return torch.tensor(float(self.engine.get_global_grad_norm() or 0.0)) if max_norm > 0 else None
-        norm = None
-        if max_norm > 0:
-            scaler.unscale_(optimizer)
-            norm = self.clip_grad_norm(max_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        return norm
-
-    def save_checkpoint(self, checkpointer, iteration: int, optimizer, trainer_state: dict):
-        """A checkpoint of this rank's share of model and optimizer (every rank calls it)."""
-        if self.engine is not None:
-            from meshtrain.parallel import deepspeed_backend
-
-            return checkpointer.save_with(iteration, lambda path: deepspeed_backend.save(self.engine, path),
-                                          trainer_state)
-        from meshtrain.parallel.state_dict import model_and_optimizer_state
-
-        return checkpointer.save(iteration, model_and_optimizer_state(self.model, optimizer), trainer_state)
-
-    def load_checkpoint(self, checkpoint_dir, optimizer) -> None:
-        """Load a checkpoint saved under any layout (DeepSpeed's: under deepspeed only)."""
-        if self.engine is not None:
-            from meshtrain.parallel import deepspeed_backend
-
-            return deepspeed_backend.load(self.engine, checkpoint_dir)
-        from meshtrain.parallel.state_dict import load_model_and_optimizer_state
-        from meshtrain.train.checkpoint import dcp_loader
-
-        load_model_and_optimizer_state(self.model, optimizer, dcp_loader(checkpoint_dir), self.aliases)
-        return None
 
     # ---- one micro-step ------------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor, y: torch.Tensor):
@@ -171,14 +109,9 @@ class GPTLayout:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.pipeline is not None:  # over every stage, the tied embedding's two copies counted once
             return self.pipeline.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm)
+        return super().clip_grad_norm(max_norm)
 
     # ---- what the loop reports ------------------------------------------------------------------------------
-    @property
-    def loss_ranks(self) -> int:
-        """How many ranks return a loss: all but those without the last pipeline stage."""
-        return self.dims.world_size // self.dims.pp
-
     def full_state_for_sampling(self) -> dict[str, torch.Tensor] | None:
         """The whole model's tensors on rank 0 (None elsewhere), gathered from every layout. Every rank calls it."""
         from meshtrain.parallel.state_dict import full_model_state
@@ -214,15 +147,10 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
     dims.check_fits(local_world_size, n_head=model.config.n_head,
                     seq_len=model.config.block_size if dims.cp > 1 else None,
                     microbatches=_microbatches(cfg, dims) if dims.pp > 1 else None)
-    if dims.tp > 1 and t.backend in ("ddp", "zero1") and dims.dp_size > 1:
-        raise LayoutError(f"train.backend={t.backend} with parallel.tp={dims.tp} and {dims.dp_size} data-parallel "
-                          "ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use train.backend=fsdp "
-                          "(fsdp x tp) or zero2")
+    check_data_parallel(t.backend, dims)
     if t.backend == "deepspeed" and max(dims.tp, dims.cp, dims.pp) > 1:
         raise LayoutError(f"train.backend=deepspeed with tp={dims.tp} cp={dims.cp} pp={dims.pp}: meshtrain runs "
                           "DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine with tp/cp/pp")
-    if t.backend == "hsdp" and dims.cp > 1:
-        raise LayoutError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
     if dims.pp > 1 and t.dtype == "fp16":
         raise LayoutError("train.dtype=fp16 with parallel.pp > 1: the GradScaler cannot scale a loss inside the "
                           "pipeline schedule; use train.dtype=bf16")
@@ -264,17 +192,7 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
                                 grad_accum=t.grad_accum, grad_clip=cfg.optimizer.grad_clip, dtype=t.dtype)
         layout.runnable = model
         return layout
-    sharded = t.backend in SHARDED
-    dp_mesh = _data_parallel_mesh(mesh, dims, t.backend)
-    dp_ranks = dims.size("dp_cp")
-    wrapped = []
-    for part in parts:
-        wrapped.append(apply_data_parallel(
-            part if sharded or not t.compile else torch.compile(part), t.backend, device, dp_ranks,
-            blocks=part.transformer.h.values(), mesh=dp_mesh, param_dtype=_param_dtype(t.dtype) if sharded else None,
-            cpu_offload=p.cpu_offload))
-    if sharded and t.compile:  # FSDP first, then compile the sharded model
-        wrapped = [torch.compile(w) for w in wrapped]
+    wrapped = wrap_data_parallel(parts, lambda part: part.transformer.h.values(), cfg, dims, mesh, device)
     layout.parts = wrapped
     if layout.pipeline is None:
         layout.runnable = wrapped[0]
@@ -283,19 +201,5 @@ def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, 
     return layout
 
 
-def _data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
-    """What data parallelism spans: dp and cp together (cp ranks are replicas that see other tokens)."""
-    if mesh is None:
-        return None
-    if backend == "hsdp":  # replicate x shard, a 2-D mesh (cp > 1 is refused above)
-        return mesh[("dp_replicate", "dp_shard")]
-    return submesh(mesh, "dp_shard_cp" if backend in SHARDED else "dp_cp")
-
-
-def _param_dtype(dtype: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
-
-
 def _microbatches(cfg, dims: ParallelDims) -> int:
     return cfg.parallel.microbatches or dims.pp * cfg.parallel.virtual_stages  # one per stage: the fewest that fill it
-

@@ -197,50 +197,26 @@ def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, pos
     """This cp rank's MSE: its tokens (`positions`, from shard_tokens) of the prediction for fields `x` [B, C, H, W]
     against the same tokens of `target`. The mean over cp ranks is the MSE of the whole images.
 
-    `model` is the ViT, or it under DDP or FSDP2 (see _call_through for why that matters); a torch.compile'd ViT
-    takes the same path but is untested.
+    `model` is the ViT, or it under DDP, FSDP2 or compile: it is called, so wrappers run their forward machinery.
     """
     vit = _unwrap(model)
     if vit.config.loss != "mse":
         raise ContextParallelError(
             f"context parallel trains on the per-token mean squared error, but ViTConfig.loss={vit.config.loss!r} "
             f"needs each sample's norms over the whole image: set loss='mse'")
-    return _call_through(model, _token_loss, x, target, positions)
-
-
-def cp_forward_patches(model: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """This cp rank's predicted patches [B, N/cp, C_out·p²] of fields `x`, for its tokens `positions`; the whole
-    prediction is model.unpatchify(gather_tokens(patches, cp_mesh)). `model` as for cp_forward_loss."""
-    return _call_through(model, _token_patches, x, positions)
-
-
-def _call_through(model: nn.Module, step: Callable, *args) -> torch.Tensor:
-    """step(vit, *args), called as model(*args): wrappers run their forward machinery on the way (DDP prepares its
-    gradient all-reduce there, FSDP2's root hooks gather the root's parameters), which calling the ViT's methods
-    directly would skip. For the duration of the call the ViT's forward is `step`."""
-    vit = _unwrap(model)
-    if "forward" in vit.__dict__:
-        raise ContextParallelError("the ViT's forward is already replaced: cp_forward_loss / cp_forward_patches "
-                                   "do not nest")
-    vit.forward = lambda *inner: step(vit, *inner)
-    try:
-        return model(*args)
-    finally:
-        del vit.forward
-
-
-def _token_patches(vit: ViT, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return vit.head(vit.forward_tokens(vit.embed(x, _token_index(vit, positions))))
-
-
-def _token_loss(vit: ViT, x: torch.Tensor, target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     index = _token_index(vit, positions)
-    pred = vit.head(vit.forward_tokens(vit.embed(x, index)))
+    pred = model(x, index)
     want = vit.patchify(target)[:, index]
     if pred.shape != want.shape:
         raise ValueError(f"prediction patches {list(pred.shape)} and target patches {list(want.shape)} differ: the "
                          f"target needs ViTConfig.out_channels={vit.config.out_channels} channels")
     return mse_loss(pred, want)
+
+
+def cp_forward_patches(model: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """This cp rank's predicted patches [B, N/cp, C_out·p²] of fields `x`, for its tokens `positions`; the whole
+    prediction is model.unpatchify(gather_tokens(patches, cp_mesh)). `model` as for cp_forward_loss."""
+    return model(x, _token_index(_unwrap(model), positions))
 
 
 def _token_index(vit: ViT, positions: torch.Tensor) -> slice | torch.Tensor:

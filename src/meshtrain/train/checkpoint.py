@@ -172,13 +172,24 @@ def export_model(run_dir: Path, out: Path | None = None) -> Path:
     from meshtrain.models.gpt import GPT
 
     checkpoint_dir = latest_checkpoint(run_dir)
-    trainer_state = load_trainer_state(checkpoint_dir)
+    trainer_state = gpt_trainer_state(checkpoint_dir)
     model = GPT(model_config(from_dict(trainer_state["config"]), trainer_state["meta"]))
     load_whole_model(model, checkpoint_dir)
     out = Path(out) if out else Path(run_dir) / EXPORT
     _atomic_torch_save(out, {"model": model.state_dict(), "config": trainer_state["config"],
                              "meta": trainer_state["meta"], "iteration": trainer_state["iteration"]})
     return out
+
+
+def gpt_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
+    """load_trainer_state, for the commands that rebuild a GPT (export, sample): other workloads are refused."""
+    trainer_state = load_trainer_state(checkpoint_dir)
+    workload = trainer_state.get("workload", "gpt")
+    if workload != "gpt":
+        raise CheckpointError(f"{checkpoint_dir} is a checkpoint of a {workload} run: export and sample rebuild "
+                              f"the GPT only; resume it with `meshtrain train {workload} train.init_from=resume "
+                              f"train.run_dir={Path(checkpoint_dir).parent.parent}`")
+    return trainer_state
 
 
 def load_whole_model(model, checkpoint_dir: Path) -> None:

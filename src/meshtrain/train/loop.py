@@ -1,14 +1,20 @@
-"""The training loop: one loop for every layout (the layout lives in parallel/, never here).
+"""The training loop: one loop for every workload (GPT, ViT) and every layout (the layout lives in parallel/).
 
 Per iteration: `grad_accum` micro-steps (only the last synchronises gradients), clip, step, log.
-Every `eval_interval`: mean train/val loss over `eval_iters` batches on every rank, a sample on
-rank 0, a distributed checkpoint. A checkpoint holds everything a bit-exact resume needs: model,
-optimizer, scaler, iteration, and every rank's RNG and data-sampler states; it loads into any
-other layout too (then the data and RNG streams restart from the seed).
+Every `eval_interval` (with train.max_epochs: every epoch): the workload's evaluation, reduced over
+the ranks, a summary of the interval since the previous one (time, samples/s, mean training loss,
+evaluation time, memory high watermark), what the workload shows (a text sample, a forecast plot)
+and a distributed checkpoint. A checkpoint holds everything a bit-exact resume needs: model,
+optimizer, scaler, iteration, and every rank's RNG and data-stream states; it loads into any other
+layout too (then the data and RNG streams restart from the seed).
+
+A workload (gpt_workload.py, vit_workload.py) supplies the model, its layout, the batch stream, the
+evaluation and what follows it; the loop never asks which one it drives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from contextlib import nullcontext
@@ -18,21 +24,18 @@ from pathlib import Path
 import torch
 
 from meshtrain import config as config_mod
-from meshtrain.config import GPTRunConfig
-from meshtrain.data.text import TokenBatches, load_meta, tokenizer_from_meta
 from meshtrain.dist.log import get_logger, print_rich
 from meshtrain.dist.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.errors import MeshtrainError
-from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.data_parallel import build_optimizer, bytes_held
-from meshtrain.parallel.gpt_layout import build_gpt_layout
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.train import checkpoint, metrics
+from meshtrain.train import checkpoint, metrics, profiling
 from meshtrain.train.optim import learning_rate
-from meshtrain.train.sinks import build_sinks, progress_bar, track
+from meshtrain.train.sinks import build_sinks, progress_bar
 
 log = get_logger("train")
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+RANGES = {"dtf": "forward", "dtb": "backward", "dtfb": "forward_backward"}  # timer section -> profiler range
 
 
 class TrainingDiverged(MeshtrainError, RuntimeError):
@@ -45,100 +48,74 @@ class TrainResult:
     iterations: int
     train_loss: float = math.nan
     val_loss: float = math.nan
-    samples: list[str] = field(default_factory=list)
+    samples: list[str] = field(default_factory=list)  # gpt: the text samples
+    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's row
+    figures: list[Path] = field(default_factory=list)  # vit: the forecast plots
 
 
-class _Batches:
-    """The three samplers of one rank: training windows, and separate ones for evaluation so that
-    evaluating never shifts what training sees next."""
+def make_workload(cfg, info: DistInfo, dims: ParallelDims):
+    if config_mod.workload_of(cfg) == "vit":
+        from meshtrain.train.vit_workload import ViTWorkload
 
-    def __init__(self, data_dir: Path, cfg: GPTRunConfig, dp_rank: int, dp_size: int, device: torch.device):
-        common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=dp_rank,
-                      dp_size=dp_size, device=device)
-        seed = cfg.train.seed
-        self.train = TokenBatches(data_dir, "train", seed=seed, **common)
-        self.eval = {"train": TokenBatches(data_dir, "train", seed=seed + 1, **common),
-                     "val": TokenBatches(data_dir, "val", seed=seed + 2, **common)}
+        return ViTWorkload(cfg, info, dims)
+    from meshtrain.train.gpt_workload import GPTWorkload
 
-    def state_dict(self) -> dict:
-        return {"train": self.train.state_dict(), **{f"eval_{k}": v.state_dict() for k, v in self.eval.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.train.load_state_dict(state["train"])
-        for split, batches in self.eval.items():
-            batches.load_state_dict(state[f"eval_{split}"])
+    return GPTWorkload(cfg, info, dims)
 
 
-def _rank_state(batches: _Batches, device: torch.device) -> dict:
-    state = {"torch_rng": torch.get_rng_state(), "data": batches.state_dict()}
-    if device.type == "cuda":
-        state["cuda_rng"] = torch.cuda.get_rng_state(device)
-    return state
+def scaled_learning_rates(cfg, global_batch: int) -> tuple[float, float, float]:
+    """(lr, min_lr, factor) after the square-root rule lr · sqrt(global_batch / optimizer.base_batch_size)."""
+    o = cfg.optimizer
+    factor = math.sqrt(global_batch / o.base_batch_size) if o.base_batch_size else 1.0
+    return o.lr * factor, o.min_lr * factor, factor
 
 
-def _restore_rank_state(state: dict, batches: _Batches, device: torch.device) -> None:
-    torch.set_rng_state(state["torch_rng"])
-    if "cuda_rng" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda_rng"], device)
-    batches.load_state_dict(state["data"])
-
-
-def _build_model(cfg: GPTRunConfig, vocab_size: int) -> GPT:
-    m = cfg.model
-    if cfg.train.init_from not in ("scratch", "resume"):
-        model = GPT.from_pretrained(cfg.train.init_from, override_args={"dropout": m.dropout})
-        if m.block_size < model.config.block_size:
-            model.crop_block_size(m.block_size)
-        return model
-    return GPT(GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head,
-                         n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, activation=m.activation))
-
-
-def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
+def train(cfg, info: DistInfo) -> TrainResult:
+    name = config_mod.workload_of(cfg)
     t, o = cfg.train, cfg.optimizer
     device = info.torch_device
     if t.dtype == "fp16" and device.type != "cuda":
         raise config_mod.ConfigError(f"train.dtype=fp16 needs a GPU (GradScaler); this rank runs on {device}: "
                                      "use train.dtype=bf16 (or fp32)")
+    profiling.cuda_graphs_check(t.cuda_graphs, device)
 
     resumed = None
     if t.init_from == "resume":
-        run_dir = Path(t.run_dir) if t.run_dir else checkpoint.latest_run(t.out_dir, "gpt", t.backend)
+        run_dir = Path(t.run_dir) if t.run_dir else checkpoint.latest_run(t.out_dir, name, t.backend)
         checkpoint_dir = checkpoint.latest_checkpoint(run_dir)
         resumed = checkpoint.load_trainer_state(checkpoint_dir)
-        cfg = replace(cfg, model=config_mod.from_dict(resumed["config"]).model)  # the saved architecture
+        cfg = replace(cfg, model=config_mod.from_dict(resumed["config"], name).model)  # the saved architecture
     else:
         run_dir = None
         if info.is_main:
-            run_dir = checkpoint.new_run_dir(t.out_dir, "gpt", t.backend)
-            checkpoint.record_run(t.out_dir, "gpt", t.backend, run_dir)
+            run_dir = checkpoint.new_run_dir(t.out_dir, name, t.backend)
+            checkpoint.record_run(t.out_dir, name, t.backend, run_dir)
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, "broadcast of the run directory",
                                         info.timeout_s))
 
-    data_dir = Path(cfg.data.root) / cfg.data.name
-    meta = load_meta(data_dir)
-    tokenizer = tokenizer_from_meta(meta)
-    try:  # the prompt is first used at the first evaluation: find a bad one now
-        prompt_ids = tokenizer.encode(t.prompt)
-    except ValueError as e:
-        raise config_mod.ConfigError(f"train.prompt={t.prompt!r} cannot be encoded for {cfg.data.name}: {e}") from None
-    torch.manual_seed(t.seed)  # the same initial weights on every rank
-    model = _build_model(cfg, meta["vocab_size"]).to(device)
-    model_config, num_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
     p = cfg.parallel
     dims = ParallelDims.resolve(info.world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 pp=p.pp, order=p.order)
-    batches = _Batches(data_dir, cfg, dims.dp_rank(info.rank), dims.dp_size, device)
+    workload = make_workload(cfg, info, dims)
+    cfg = workload.cfg  # with what the data decided (the ViT's local batch from a global one)
+    torch.manual_seed(t.seed)  # the same initial weights on every rank
+    model = workload.build_model().to(device)
+    num_params, flops_per_token = model.num_params(), model.flops_per_token()
+    batches = workload.batches
 
     autocast = (torch.autocast(device_type=device.type, dtype=AUTOCAST[t.dtype]) if AUTOCAST[t.dtype]
                 else nullcontext())
-    layout = build_gpt_layout(model, cfg, dims, device, info.rank, info.local_world_size)
-    model = layout.model  # this rank's share of the GPT
-    # Dropout masks differ where the tokens do (dp and cp ranks); tp ranks must draw the same masks on the stream
+    layout = workload.build_layout(model)
+    model = layout.model  # this rank's share of the model
+    # Dropout masks differ where the data does (dp and cp ranks); tp ranks must draw the same masks on the stream
     # they all hold, and pp ranks hold different layers anyway.
     torch.manual_seed(t.seed + dims.dp_rank(info.rank) * dims.cp + dims.coords(info.rank)["cp"])
+    samples_per_iter = workload.batch_size * t.grad_accum * dims.dp_size
+    lr, min_lr, lr_factor = scaled_learning_rates(cfg, samples_per_iter)
+    fused = {} if o.fused is None else {"fused": o.fused}
     optimizer = layout.attach_optimizer(build_optimizer(model.configure_optimizer_groups(o.weight_decay), device,
-                                                        t.backend, info.world_size, lr=o.lr, betas=(o.beta1, o.beta2)))
+                                                        t.backend, info.world_size, lr=lr, betas=(o.beta1, o.beta2),
+                                                        **fused))
     scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
     checkpointer = checkpoint.Checkpointer(run_dir, is_main=info.is_main, keep=t.keep_checkpoints,
                                            async_save=t.async_checkpoint)
@@ -157,12 +134,14 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                         "seed (the model and optimizer state carry over exactly; the run is not bit-exact)",
                         resumed.get("layout"), _describe(dims))
 
-    decay_iters = o.lr_decay_iters or t.max_iters
-    sample_generator = torch.Generator(device=device)
+    epochs = workload.iters_per_epoch if t.max_epochs else None  # iterations per epoch, when counting epochs
+    max_iters = t.max_epochs * epochs if epochs else t.max_iters
+    eval_interval = epochs or t.eval_interval
+    decay_iters = o.lr_decay_iters or max_iters
     timer = metrics.StepTimer(device)
-
+    profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
+                                      out_dir=run_dir / "profile", rank=info.rank, device=device)
     peak, peak_source = metrics.peak_flops(device, AUTOCAST[t.dtype] or torch.float32, t.peak_flops)
-    tokens_per_iter_per_rank = cfg.model.batch_size * t.grad_accum * cfg.model.block_size
     sinks = build_sinks(run_dir, info.is_main, tensorboard=t.tensorboard,
                         wandb=False if t.wandb == "off" else t.wandb, config=config_mod.to_dict(cfg),
                         resume_step=start_iter if resumed else None)
@@ -170,54 +149,39 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
         (run_dir / "config.yaml").write_text(config_mod.to_yaml(cfg))
         log.info("resolved config:\n%s", config_mod.to_yaml(cfg).rstrip())
         log.info("run directory: %s%s", run_dir, f" (resuming at iteration {start_iter})" if resumed else "")
-        log.info("model: %.2fM parameters, %.3g FLOPs per token (6N + 12·L·H·Q·T); peak %.4g TFLOP/s per device (%s)",
+        log.info("model: %.2fM parameters, %.3g FLOPs per token; peak %.4g TFLOP/s per device (%s)",
                  num_params / 1e6, flops_per_token, peak / 1e12, peak_source)
-        log.info("layout: %s over %d rank(s) (%s); %d data-parallel rank(s) × batch %d × accumulation %d × block %d "
-                 "= %d tokens per iteration", t.backend, info.world_size, _describe(dims), dims.dp_size,
-                 cfg.model.batch_size, t.grad_accum, cfg.model.block_size, tokens_per_iter_per_rank * dims.dp_size)
-        print_rich(metrics.legend_table())
+        log.info("layout: %s over %d rank(s) (%s); %s; %d data-parallel rank(s) × accumulation %d: global batch %d "
+                 "samples (%d tokens) per iteration", t.backend, info.world_size, _describe(dims),
+                 workload.describe(), dims.dp_size, t.grad_accum, samples_per_iter,
+                 samples_per_iter * workload.tokens_per_sample)
+        if o.base_batch_size:
+            log.info("learning rate: %.4g = optimizer.lr %.4g × sqrt(global batch %d / base batch %d) = × %.4f",
+                     lr, o.lr, samples_per_iter, o.base_batch_size, lr_factor)
+        if epochs:
+            log.info("%d epochs of %d iterations: %d iterations, evaluating after each epoch", t.max_epochs, epochs,
+                     max_iters)
+        print_rich(metrics.legend_table([k for k, meaning in metrics.LEGEND.items()
+                                         if not meaning.startswith("vit:") or name == "vit"]))
 
     def mean_loss(value: torch.Tensor, what: str) -> float:
         """The mean over the ranks that hold a loss (under pp, those with the last stage; the others add 0)."""
         return reduce_scalar(value, "sum", what, info.timeout_s) / layout.loss_ranks
 
-    def evaluate() -> dict[str, float]:
+    def evaluate(it: int) -> dict[str, float]:
         model.eval()
-        out = {}
-        for split, split_batches in batches.eval.items():
-            total = torch.zeros((), device=device)
-            for _ in track(range(t.eval_iters), f"eval {split}", is_main=info.is_main):
-                total += layout.eval_loss(*split_batches.next_batch(), autocast)
-            out[f"{split}_loss"] = mean_loss(total / t.eval_iters, f"all_reduce of the {split} loss")
+        started_eval = time.perf_counter()
+        row = workload.evaluate(layout, autocast, it)
+        row["eval_s"] = time.perf_counter() - started_eval
         model.train()
-        return out
+        return row
 
-    sampler = None  # rank 0's whole copy of the model, refreshed from the shards before each sample
-
-    def sample(it: int) -> str:
-        nonlocal sampler
-        with collective("gathering the model for sampling", info.timeout_s):
-            weights = layout.full_state_for_sampling()
-        text = None
-        if info.is_main:
-            if sampler is None:  # built on the meta device: a real init would draw from the RNG that drives dropout
-                with torch.device("meta"):
-                    sampler = GPT(replace(model_config, dropout=0.0)).eval()
-                sampler.to_empty(device=device)
-            sampler.load_state_dict(weights)
-            sample_generator.manual_seed(t.seed + it)
-            prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-            with autocast:
-                tokens = sampler.generate(prompt, t.sample_tokens, temperature=t.temperature, top_k=t.top_k,
-                                          generator=sample_generator)
-            text = tokenizer.decode(tokens[0].tolist())
-        return broadcast_object(text, "broadcast of the sample", info.timeout_s)
-
-    def save(it: int, losses: dict[str, float]) -> None:
-        ranks = gather_objects(_rank_state(batches, device), "all_gather_object of RNG and sampler states for the "
+    def save(it: int, row: dict[str, float]) -> None:
+        ranks = gather_objects(_rank_state(batches, device), "all_gather_object of RNG and data states for the "
                                "checkpoint", info.timeout_s)
         trainer_state = {"scaler": scaler.state_dict(), "iteration": it, "config": config_mod.to_dict(cfg),
-                         "meta": meta, "ranks": ranks, "layout": _describe(dims), **losses}
+                         "workload": name, "ranks": ranks, "layout": _describe(dims), **workload.trainer_state(),
+                         **row}
         with collective("saving the distributed checkpoint", info.timeout_s):
             path = layout.save_checkpoint(checkpointer, it, optimizer, trainer_state)
         log.info("checkpoint: %s (iteration %d)%s", path, it, " writing in the background" if t.async_checkpoint else "")
@@ -229,67 +193,126 @@ def train_gpt(cfg: GPTRunConfig, info: DistInfo) -> TrainResult:
                     f"{_mib(h['optimizer'])}" for r, h in enumerate(held)]
             log.info("what each rank holds after its first step (%s):\n%s", t.backend, "\n".join(rows))
 
+    def ranged(section: str):
+        """A timer section that is also a profiler range (torch trace, NVTX under nsys)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(timer(section))
+        stack.enter_context(profiling.record(RANGES.get(section, section), device))
+        return stack
+
     result = TrainResult(run_dir=run_dir, iterations=start_iter)
     started = time.perf_counter()
+    interval = _Interval(device)
     it = start_iter
-    with progress_bar(t.max_iters - start_iter, "train", is_main=info.is_main) as bar:
+    with progress_bar(max_iters - start_iter, "train", is_main=info.is_main) as bar, contextlib.closing(profiler):
         while True:
-            stop = it >= t.max_iters or _out_of_time(started, t.max_minutes, info)
-            if it % t.eval_interval == 0 or stop:
+            stop = it >= max_iters or _out_of_time(started, t.max_minutes, info)
+            if it % eval_interval == 0 or stop:
                 if not (resumed and it == start_iter):  # that evaluation was done before the checkpoint was written
-                    losses = evaluate()
-                    result.train_loss, result.val_loss = losses["train_loss"], losses["val_loss"]
-                    if not all(map(math.isfinite, losses.values())):
-                        raise TrainingDiverged(f"evaluation at iteration {it} gave {losses}: the model diverged. "
-                                               f"The last good checkpoint in {run_dir} is left as it was; lower "
-                                               "optimizer.lr or raise optimizer.warmup_iters and resume from it")
-                    sinks.log(it, losses)
-                    text = sample(it)  # on every rank: a sharded model gathers its layers for each token
-                    result.samples.append(text)
-                    sinks.log_text(it, "sample", text)
+                    row = {**interval.summary(mean_loss, samples_per_iter, info), **evaluate(it)}
+                    if epochs:
+                        row["epoch"] = it / epochs
+                    _check_finite(row, it, run_dir)
+                    result.train_loss = row.get("train_loss", row.get("avg_loss", math.nan))
+                    result.val_loss, result.metrics = row.get("val_loss", math.nan), row
+                    sinks.log(it, row)
+                    workload.after_eval(it, layout, autocast, sinks, result)
                     if t.save_checkpoints and it > start_iter:
-                        save(it, losses)
+                        save(it, row)
+                interval.restart()
             if stop:
                 break
 
-            lr = learning_rate(it, o.lr, o.min_lr, o.warmup_iters, decay_iters, o.decay_lr)
+            profiler.step(it)
+            lr_now = learning_rate(it, lr, min_lr, o.warmup_iters, decay_iters, o.decay_lr)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr_now
             loss_sum = torch.zeros((), device=device)
             with timer("dt"):
                 for micro in range(t.grad_accum):
-                    x, y = batches.train.next_batch()
+                    x, y = batches.next_batch()
                     with collective("forward and backward (gradient reduction)", info.timeout_s):
                         loss_sum += layout.train_micro_step(x, y, accum=t.grad_accum, sync=micro == t.grad_accum - 1,
-                                                            autocast=autocast, scaler=scaler, timer=timer)
+                                                            autocast=autocast, scaler=scaler, timer=ranged)
                 with collective("the gradient all-reduce of the tied embedding across stages", info.timeout_s):
                     layout.finish_backward()
-                grad_norm = layout.optimizer_step(optimizer, scaler, o.grad_clip)
+                with profiling.record("optimizer", device):
+                    grad_norm = layout.optimizer_step(optimizer, scaler, o.grad_clip)
                 if it == start_iter:
                     log_bytes_held()
                 optimizer.zero_grad(set_to_none=True)
             times = timer.pop()
+            interval.add(loss_sum, times["dt"])
             it += 1
             result.iterations = it
             bar.update()
 
             if it % t.log_interval == 0:
                 loss_value = mean_loss(loss_sum, "all_reduce of the training loss for logging")
-                if not math.isfinite(loss_value):
-                    raise TrainingDiverged(f"training loss is {loss_value} at iteration {it}: the model diverged. The "
-                                           f"last good checkpoint in {run_dir} is left as it was; lower optimizer.lr "
-                                           "or raise optimizer.warmup_iters and resume from it")
-                rates = metrics.throughput(cfg.model.batch_size, t.grad_accum, dims.dp_size, info.world_size,
-                                           cfg.model.block_size, times["dt"])
+                _check_finite({"loss": loss_value}, it, run_dir)
+                rates = metrics.throughput(workload.batch_size, t.grad_accum, dims.dp_size, info.world_size,
+                                           workload.tokens_per_sample, times["dt"])
                 row = {"loss": loss_value, **times, **rates,
-                       "mfu": metrics.mfu(flops_per_token, rates["tps_per_gpu"], peak), "lr": lr,
+                       "mfu": metrics.mfu(flops_per_token, rates["tps_per_gpu"], peak), "lr": lr_now,
                        "mem_gb": metrics.peak_memory_bytes(device) / 2**30}
                 if grad_norm is not None:
                     row["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 sinks.log(it, row)
     checkpointer.wait()
+    batches.close()  # loader workers
     sinks.close()
     return result
+
+
+class _Interval:
+    """What happened since the previous evaluation (an epoch, when counting epochs): training time, iterations,
+    the sum of their losses, and the memory high watermark."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.restart()
+
+    def restart(self) -> None:
+        self.seconds, self.iterations = 0.0, 0
+        self.loss_sum = torch.zeros((), device=self.device)
+        metrics.reset_peak_memory(self.device)
+
+    def add(self, loss: torch.Tensor, seconds: float) -> None:
+        self.loss_sum += loss
+        self.seconds += seconds
+        self.iterations += 1
+
+    def summary(self, mean_loss, samples_per_iter: int, info: DistInfo) -> dict[str, float]:
+        if not self.iterations:
+            return {}
+        peak = reduce_scalar(metrics.peak_memory_bytes(self.device), "max", "all_reduce of the memory high "
+                             "watermark", info.timeout_s, self.device)
+        return {"avg_loss": mean_loss(self.loss_sum / self.iterations, "all_reduce of the interval's training loss"),
+                "train_s": self.seconds, "avg_sps": samples_per_iter * self.iterations / self.seconds,
+                "peak_gb": peak / 2**30}
+
+
+def _check_finite(row: dict[str, float], it: int, run_dir: Path) -> None:
+    bad = {k: v for k, v in row.items() if k.endswith("loss") and not math.isfinite(v)}
+    if bad:
+        what = f"training loss is {bad['loss']}" if "loss" in bad else f"evaluation gave {bad}"
+        raise TrainingDiverged(f"{what} at iteration {it}: the model diverged. The last good checkpoint in {run_dir} "
+                               "is left as it was; lower optimizer.lr or raise optimizer.warmup_iters and resume "
+                               "from it")
+
+
+def _rank_state(batches, device: torch.device) -> dict:
+    state = {"torch_rng": torch.get_rng_state(), "data": batches.state_dict()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _restore_rank_state(state: dict, batches, device: torch.device) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
+    batches.load_state_dict(state["data"])
 
 
 def _describe(dims: ParallelDims) -> str:

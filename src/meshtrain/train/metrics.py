@@ -42,16 +42,26 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "mfu": "model FLOPs utilisation, %: model FLOP/s per device / the device's dense peak FLOP/s",
     "lr": "learning rate of the iteration",
     "grad_norm": "global gradient norm before clipping",
-    "mem_gb": "peak memory, GiB (2^30 bytes): accelerator max allocated, or the CPU process's peak RSS",
+    "mem_gb": "peak memory since the previous evaluation, GiB (2^30 bytes): accelerator max allocated, or the CPU process's peak RSS",
     "dtfb": "forward + backward seconds under a pipeline schedule (they interleave), summed over micro-steps",
     "train_loss": "loss on training batches at evaluation",
     "val_loss": "loss on validation batches at evaluation",
+    "epoch": "epochs done (with train.max_epochs)",
+    "avg_loss": "mean training loss since the previous evaluation (over the epoch, with train.max_epochs)",
+    "train_s": "training seconds since the previous evaluation, evaluation excluded",
+    "avg_sps": "samples per second since the previous evaluation: samples trained / train_s",
+    "eval_s": "seconds the evaluation took",
+    "peak_gb": "memory high watermark since the previous evaluation, GiB, the largest over the ranks",
+    "val_rmse_u10": "vit: RMSE of the u10 forecast in m/s, per sample over the grid, mean over the validation set",
+    "persistence_rmse_u10": "vit: the same RMSE for the persistence forecast (forecast = input): the score to beat",
+    "val_skill_u10": "vit: 1 - val_rmse_u10 / persistence_rmse_u10 (0: no better than persistence, 1: perfect)",
 })
 
-_SIX = {"loss", "dt", "dtf", "dtb", "dtfb", "train_loss", "val_loss"}
+_SIX = {"loss", "dt", "dtf", "dtb", "dtfb", "train_loss", "val_loss", "avg_loss"}
 _RATES = {"sps", "sps_per_gpu", "tps", "tps_per_gpu"}
 _FORMATS = {**dict.fromkeys(_SIX, ".6f"), **dict.fromkeys(_RATES, ".3f"),
-            "mfu": ".2f", "lr": ".3e", "grad_norm": ".4f", "mem_gb": ".3f"}
+            "mfu": ".2f", "lr": ".3e", "grad_norm": ".4f", "mem_gb": ".3f", "peak_gb": ".3f", "avg_sps": ".3f",
+            "train_s": ".3f", "eval_s": ".3f", "epoch": ".2f"}
 
 
 def legend_table(keys: list[str] | None = None):

@@ -39,7 +39,7 @@ def load_model(run: Path, device: torch.device) -> tuple[GPT, dict]:
         model.load_state_dict(weights)
     else:
         checkpoint_dir = checkpoint.latest_checkpoint(run)
-        trainer_state = checkpoint.load_trainer_state(checkpoint_dir)
+        trainer_state = checkpoint.gpt_trainer_state(checkpoint_dir)
         meta = trainer_state["meta"]
         model = GPT(checkpoint.model_config(from_dict(trainer_state["config"]), meta))
         checkpoint.load_whole_model(model, checkpoint_dir)

@@ -51,6 +51,9 @@ class MetricsSink:
     def log_text(self, step: int, tag: str, text: str) -> None:
         pass
 
+    def log_image(self, step: int, tag: str, path: str | os.PathLike) -> None:
+        """An image already saved as a PNG file (a forecast plot, say) under `tag` at `step`."""
+
     def close(self) -> None:
         pass
 
@@ -73,9 +76,13 @@ class ConsoleSink(MetricsSink):
     def log_text(self, step: int, tag: str, text: str) -> None:
         self.logger.info("%s at step %d:\n%s", tag, step, text)
 
+    def log_image(self, step: int, tag: str, path: str | os.PathLike) -> None:
+        self.logger.info("image %s: %s", tag, path)
+
 
 class JsonlSink(MetricsSink):
-    """One JSON object per line: {"step", "time", …metrics} or {"step", "time", "tag", "text"}.
+    """One JSON object per line: {"step", "time", …metrics}, {"step", "time", "tag", "text"} for a text
+    sample, or {"step", "time", "tag", "image": the PNG's path} for an image.
 
     Each line is flushed, so a killed run keeps its history up to its last log; a resumed run appends.
     (No fsync: that guards against a node crash, not a killed process, and costs a round trip on Lustre.)
@@ -98,6 +105,9 @@ class JsonlSink(MetricsSink):
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         self._write({"step": int(step), "time": time.time(), "tag": tag, "text": text})
+
+    def log_image(self, step: int, tag: str, path: str | os.PathLike) -> None:
+        self._write({"step": int(step), "time": time.time(), "tag": tag, "image": str(path)})
 
     def close(self) -> None:
         if not self._file.closed:
@@ -132,7 +142,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 class TensorBoardSink(MetricsSink):
-    """add_scalar per numeric metric, add_text per sample; flushed at each log so a killed run keeps it.
+    """add_scalar per numeric metric, add_text per sample, add_image per PNG; flushed at each log so a
+    killed run keeps it.
     purge_step: on resume, drop events at and after it that a previous attempt wrote."""
 
     def __init__(self, log_dir: str | os.PathLike, purge_step: int | None = None):
@@ -151,6 +162,17 @@ class TensorBoardSink(MetricsSink):
     def log_text(self, step: int, tag: str, text: str) -> None:
         # TensorBoard renders text as markdown; a code block keeps the sample's line breaks and spaces.
         self.writer.add_text(tag, f"```\n{text}\n```", step)
+        self.writer.flush()
+
+    def log_image(self, step: int, tag: str, path: str | os.PathLike) -> None:
+        try:
+            from matplotlib.image import imread
+        except ImportError as err:
+            raise ImportError("images in TensorBoard are read with matplotlib: pip install matplotlib") from err
+        pixels = imread(path)  # a PNG reads as floats in [0, 1]: [H, W] grey, [H, W, 3] RGB or [H, W, 4] RGBA
+        if pixels.ndim == 3 and pixels.shape[2] == 4:
+            pixels = pixels[:, :, :3]  # TensorBoard's RGB; our plots are opaque, so the alpha says nothing
+        self.writer.add_image(tag, pixels, step, dataformats="HWC" if pixels.ndim == 3 else "HW")
         self.writer.flush()
 
     def close(self) -> None:
@@ -202,6 +224,10 @@ class WandbSink(MetricsSink):
             rows.append([step, text])
             self.run.log({tag: self._wandb.Table(columns=["step", "text"], data=list(rows))}, step=step)
 
+    def log_image(self, step: int, tag: str, path: str | os.PathLike) -> None:
+        if self.run is not None:
+            self.run.log({tag: self._wandb.Image(str(path))}, step=step)
+
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
@@ -221,6 +247,10 @@ class MultiSink(MetricsSink):
     def log_text(self, step: int, tag: str, text: str) -> None:
         for sink in self.sinks:
             sink.log_text(step, tag, text)
+
+    def log_image(self, step: int, tag: str, path: str | os.PathLike) -> None:
+        for sink in self.sinks:
+            sink.log_image(step, tag, path)
 
     def close(self) -> None:
         errors = []

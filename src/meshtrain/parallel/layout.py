@@ -1,0 +1,141 @@
+"""What every model's layout shares: the object the training loop drives, whatever the model and mesh.
+
+A layout holds this rank's share of a model (`model`: its parameter names are the whole model's, so optimizers
+and checkpoints need no layout knowledge) and what a forward calls (`runnable`: the model under DDP / FSDP2 /
+compile, or a DeepSpeed engine). Each model's own module builds it and adds the steps that depend on the model:
+gpt_layout.py (pipeline, sequence shards, tied embedding) and vit_layout.py (token shards). The loop calls
+
+    optimizer = layout.attach_optimizer(optimizer)
+    loss = layout.train_micro_step(x, y, accum=, sync=, autocast=, scaler=, timer=)   # per micro-batch
+    layout.finish_backward(); norm = layout.optimizer_step(optimizer, scaler, max_norm)
+    layout.save_checkpoint(checkpointer, it, optimizer, trainer_state) / layout.load_checkpoint(dir, optimizer)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.parallel.data_parallel import SHARDED, apply_data_parallel
+from meshtrain.parallel.mesh import ParallelDims, submesh
+
+
+class LayoutError(MeshtrainError, ValueError):
+    """A combination of parallelisms this version cannot run; the message says which and what to use."""
+
+
+@dataclass
+class Layout:
+    model: nn.Module  # this rank's share of the model: optimizer groups, checkpoints and byte counts come from it
+    dims: ParallelDims
+    mesh: object | None  # the DeviceMesh, None on one process
+    rank: int
+    runnable: nn.Module | None = None  # what a forward calls (wrapped by DDP / compile)
+    parts: list[nn.Module] = field(default_factory=list)  # the modules data parallelism wrapped
+    aliases: dict[str, str] = field(default_factory=dict)  # see parallel.state_dict
+    deepspeed: dict | None = None  # train.backend=deepspeed: the engine's settings until attach_optimizer
+    engine: object | None = None  # the DeepSpeed engine, which then owns forward, backward and step
+
+    # ---- the optimizer and checkpoints ---------------------------------------------------------------------
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the loop sets learning rates on and steps (DeepSpeed wraps it in its engine)."""
+        if self.deepspeed is None:
+            return optimizer
+        from meshtrain.parallel import deepspeed_backend
+
+        self.engine, optimizer = deepspeed_backend.initialize(self.model, optimizer, **self.deepspeed)
+        self.runnable = self.engine
+        return optimizer
+
+    def optimizer_step(self, optimizer, scaler, max_norm: float) -> torch.Tensor | None:
+        """Unscale, clip (if max_norm > 0; returns the norm before clipping) and step."""
+        if self.engine is not None:  # it stepped (and clipped, from its config) at the accumulation boundary
+            return torch.tensor(float(self.engine.get_global_grad_norm() or 0.0)) if max_norm > 0 else None
+        norm = None
+        if max_norm > 0:
+            scaler.unscale_(optimizer)
+            norm = self.clip_grad_norm(max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        return norm
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm)
+
+    def finish_backward(self) -> None:
+        """After the last micro-step: what the backward pass leaves undone (nothing, unless a model says so)."""
+
+    def save_checkpoint(self, checkpointer, iteration: int, optimizer, trainer_state: dict):
+        """A checkpoint of this rank's share of model and optimizer (every rank calls it)."""
+        if self.engine is not None:
+            from meshtrain.parallel import deepspeed_backend
+
+            return checkpointer.save_with(iteration, lambda path: deepspeed_backend.save(self.engine, path),
+                                          trainer_state)
+        from meshtrain.parallel.state_dict import model_and_optimizer_state
+
+        return checkpointer.save(iteration, model_and_optimizer_state(self.model, optimizer), trainer_state)
+
+    def load_checkpoint(self, checkpoint_dir, optimizer) -> None:
+        """Load a checkpoint saved under any layout (DeepSpeed's: under deepspeed only)."""
+        if self.engine is not None:
+            from meshtrain.parallel import deepspeed_backend
+
+            return deepspeed_backend.load(self.engine, checkpoint_dir)
+        from meshtrain.parallel.state_dict import load_model_and_optimizer_state
+        from meshtrain.train.checkpoint import dcp_loader
+
+        load_model_and_optimizer_state(self.model, optimizer, dcp_loader(checkpoint_dir), self.aliases)
+        return None
+
+    @property
+    def loss_ranks(self) -> int:
+        """How many ranks return a loss: all but those without the last pipeline stage."""
+        return self.dims.world_size // self.dims.pp
+
+
+def check_data_parallel(backend: str, dims: ParallelDims) -> None:
+    """Refuse the data-parallel backends that cannot hold what the model parallelisms leave."""
+    if dims.tp > 1 and backend in ("ddp", "zero1") and dims.dp_size > 1:
+        raise LayoutError(f"train.backend={backend} with parallel.tp={dims.tp} and {dims.dp_size} data-parallel "
+                          "ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use train.backend=fsdp "
+                          "(fsdp x tp) or zero2")
+    if backend == "hsdp" and dims.cp > 1:
+        raise LayoutError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
+
+
+def wrap_data_parallel(parts: list[nn.Module], blocks_of, cfg, dims: ParallelDims, mesh, device) -> list[nn.Module]:
+    """Data parallelism (and torch.compile) over each part, last of all: DDP over dp×cp, or FSDP2 per block
+    (`blocks_of(part)`) and then the part over dp_shard×cp. Context-parallel ranks hold the same weights and see
+    the same batch, each a slice of its tokens, so to data parallelism they are replicas whose gradients are
+    averaged: a slice's loss is the mean over its tokens and the slices are equal-sized, so their mean is the
+    whole's."""
+    t, p = cfg.train, cfg.parallel
+    sharded = t.backend in SHARDED
+    dp_mesh = _data_parallel_mesh(mesh, dims, t.backend)
+    compile_options = {"mode": "reduce-overhead"} if t.cuda_graphs else {}  # CUDA graphs through compile
+    wrapped = []
+    for part in parts:
+        wrapped.append(apply_data_parallel(
+            part if sharded or not t.compile else torch.compile(part, **compile_options), t.backend, device,
+            dims.size("dp_cp"), blocks=blocks_of(part), mesh=dp_mesh,
+            param_dtype=_param_dtype(t.dtype) if sharded else None, cpu_offload=p.cpu_offload))
+    if sharded and t.compile:  # FSDP first, then compile the sharded model
+        wrapped = [torch.compile(w, **compile_options) for w in wrapped]
+    return wrapped
+
+
+def _data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
+    """What data parallelism spans: dp and cp together (cp ranks are replicas that see other tokens)."""
+    if mesh is None:
+        return None
+    if backend == "hsdp":  # replicate x shard, a 2-D mesh (cp > 1 is refused by the model's layout)
+        return mesh[("dp_replicate", "dp_shard")]
+    return submesh(mesh, "dp_shard_cp" if backend in SHARDED else "dp_cp")
+
+
+def _param_dtype(dtype: str):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)

@@ -1,0 +1,125 @@
+"""The GPT language model as a workload of the one training loop: token windows in, text samples out.
+
+What the loop asks of a workload (see loop.py): the model, its layout on the mesh, the batch stream, an
+evaluation that returns reduced metrics, and what to show after it (here, a sample from the prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from meshtrain import config as config_mod
+from meshtrain.config import GPTRunConfig
+from meshtrain.data.text import TokenBatches, load_meta, tokenizer_from_meta
+from meshtrain.dist.setup import DistInfo, broadcast_object, collective, reduce_scalar
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel.gpt_layout import build_gpt_layout
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.train.sinks import track
+
+
+class _Batches:
+    """The three samplers of one rank: training windows, and separate ones for evaluation so that
+    evaluating never shifts what training sees next."""
+
+    def __init__(self, data_dir: Path, cfg: GPTRunConfig, dp_rank: int, dp_size: int, device: torch.device):
+        common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=dp_rank,
+                      dp_size=dp_size, device=device)
+        seed = cfg.train.seed
+        self.train = TokenBatches(data_dir, "train", seed=seed, **common)
+        self.eval = {"train": TokenBatches(data_dir, "train", seed=seed + 1, **common),
+                     "val": TokenBatches(data_dir, "val", seed=seed + 2, **common)}
+
+    def next_batch(self):
+        return self.train.next_batch()
+
+    def close(self) -> None:
+        """Nothing to stop: the token windows are read in this process."""
+
+    def state_dict(self) -> dict:
+        return {"train": self.train.state_dict(), **{f"eval_{k}": v.state_dict() for k, v in self.eval.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.train.load_state_dict(state["train"])
+        for split, batches in self.eval.items():
+            batches.load_state_dict(state[f"eval_{split}"])
+
+
+class GPTWorkload:
+    name = "gpt"
+
+    def __init__(self, cfg: GPTRunConfig, info: DistInfo, dims: ParallelDims):
+        self.cfg, self.info, self.dims, self.device = cfg, info, dims, info.torch_device
+        self.data_dir = Path(cfg.data.root) / cfg.data.name
+        self.meta = load_meta(self.data_dir)
+        self.tokenizer = tokenizer_from_meta(self.meta)
+        try:  # the prompt is first used at the first evaluation: find a bad one now
+            self.prompt_ids = self.tokenizer.encode(cfg.train.prompt)
+        except ValueError as e:
+            raise config_mod.ConfigError(f"train.prompt={cfg.train.prompt!r} cannot be encoded for "
+                                         f"{cfg.data.name}: {e}") from None
+        self.batch_size = cfg.model.batch_size
+        self.tokens_per_sample = cfg.model.block_size
+        self.iters_per_epoch = None  # random windows: no epochs
+        self.batches = _Batches(self.data_dir, cfg, dims.dp_rank(info.rank), dims.dp_size, self.device)
+        self.sampler = None  # rank 0's whole copy of the model, refreshed from the shards before each sample
+        self.generator = torch.Generator(device=self.device)
+
+    def build_model(self) -> GPT:
+        m, t = self.cfg.model, self.cfg.train
+        if t.init_from not in ("scratch", "resume"):
+            model = GPT.from_pretrained(t.init_from, override_args={"dropout": m.dropout})
+            if m.block_size < model.config.block_size:
+                model.crop_block_size(m.block_size)
+            return model
+        return GPT(GPTConfig(block_size=m.block_size, vocab_size=self.meta["vocab_size"], n_layer=m.n_layer,
+                             n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
+                             activation=m.activation))
+
+    def build_layout(self, model: GPT):
+        self.model_config = model.config  # the whole model's: a pipeline stage keeps only its part
+        return build_gpt_layout(model, self.cfg, self.dims, self.device, self.info.rank, self.info.local_world_size)
+
+    def trainer_state(self) -> dict:
+        return {"meta": self.meta}
+
+    def evaluate(self, layout, autocast, it: int) -> dict[str, float]:
+        """Mean loss over eval_iters batches of each split, over the ranks that hold a loss."""
+        t = self.cfg.train
+        out = {}
+        for split, split_batches in self.batches.eval.items():
+            total = torch.zeros((), device=self.device)
+            for _ in track(range(t.eval_iters), f"eval {split}", is_main=self.info.is_main):
+                total += layout.eval_loss(*split_batches.next_batch(), autocast)
+            out[f"{split}_loss"] = reduce_scalar(total / t.eval_iters, "sum", f"all_reduce of the {split} loss",
+                                                 self.info.timeout_s) / layout.loss_ranks
+        return out
+
+    def after_eval(self, it: int, layout, autocast, sinks, result) -> None:
+        """A sample from the prompt, generated on rank 0 from the whole model gathered from every layout."""
+        t = self.cfg.train
+        with collective("gathering the model for sampling", self.info.timeout_s):
+            weights = layout.full_state_for_sampling()
+        text = None
+        if self.info.is_main:
+            if self.sampler is None:  # built on the meta device: a real init would draw from the dropout RNG
+                with torch.device("meta"):
+                    self.sampler = GPT(replace(self.model_config, dropout=0.0)).eval()
+                self.sampler.to_empty(device=self.device)
+            self.sampler.load_state_dict(weights)
+            self.generator.manual_seed(t.seed + it)
+            prompt = torch.tensor([self.prompt_ids], dtype=torch.long, device=self.device)
+            with autocast:
+                tokens = self.sampler.generate(prompt, t.sample_tokens, temperature=t.temperature, top_k=t.top_k,
+                                               generator=self.generator)
+            text = self.tokenizer.decode(tokens[0].tolist())
+        text = broadcast_object(text, "broadcast of the sample", self.info.timeout_s)
+        result.samples.append(text)
+        sinks.log_text(it, "sample", text)
+
+    def describe(self) -> list[str]:
+        model = self.cfg.model
+        return [f"batch {model.batch_size} × block {model.block_size} tokens per data-parallel rank and micro-step"]
