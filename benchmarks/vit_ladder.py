@@ -7,6 +7,7 @@ Each rung adds one flag to the one before and trains a fresh run of --steps iter
 
     baseline   fp32, loader in the training process, AdamW's for-each kernel, eager
     workers    data.num_workers=--workers (NERSC's num_data_workers): reading and normalising move off the step
+    DALI       data.loader=dali, where NVIDIA DALI is installed: its pipeline reads, batches and copies to the GPU
     AMP        train.dtype=bf16 (--amp fp16 on a GPU: NERSC's A100 rung, with a GradScaler)
     fused      optimizer.fused=true (NERSC's enable_fused)
     compile    train.compile=true (NERSC's enable_jit)
@@ -14,7 +15,7 @@ Each rung adds one flag to the one before and trains a fresh run of --steps iter
 
 samples/s is the median over the iterations after --warmup (compilation happens in those); the step time
 includes waiting for data, which is what the workers rung removes. NERSC's A100 figures for `short` are
-8.8 (baseline) -> 12.5 (4 workers) -> ~54 (AMP) -> ~55 samples/s (fused + compile).
+8.8 (baseline) -> 12.5 (4 workers) -> 13.2 (DALI) -> ~54 (AMP) -> ~55 samples/s (fused + compile).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import argparse
 
 import torch
 from vit_runs import markdown, median_rate, run_vit
+
+from meshtrain.data.era5_dali import dali_available
 
 
 def main() -> None:
@@ -37,6 +40,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     rungs = [("baseline", ["train.dtype=fp32", "data.num_workers=0", "optimizer.fused=false", "train.compile=false"]),
              ("+ workers", [f"data.num_workers={args.workers}"]),
+             *([("+ DALI", ["data.loader=dali"])] if dali_available() else []),
              (f"+ AMP ({args.amp})", [f"train.dtype={args.amp}"]),
              ("+ fused Adam", ["optimizer.fused=true"]),
              ("+ compile", ["train.compile=true"])]

@@ -157,7 +157,8 @@ class ERA5DataSection:  # data/era5.py
     limit_valid: int | None = None  # NERSC's short: 128
     batch_size: int = 16  # samples per micro-step per data-parallel rank
     global_batch_size: int | None = None  # if set, batch_size = global / (data-parallel ranks x grad_accum)
-    num_workers: int = 0  # DataLoader worker processes per rank (NERSC's num_data_workers)
+    loader: str = "pytorch"  # pytorch (DataLoader) | dali (NVIDIA DALI pipeline, the [dali] extra)
+    num_workers: int = 0  # loader worker processes per rank (NERSC's num_data_workers)
     pin_memory: bool | None = None  # null: on a GPU
     persistent_workers: bool = True
     prefetch_factor: int = 2
@@ -180,6 +181,7 @@ ALIASES = {
     "enable_fused": ("optimizer.fused", None),
     "cuda_graphs": ("train.cuda_graphs", None),
     "num_data_workers": ("data.num_workers", None),
+    "data_loader_config": ("data.loader", None),
     "global_batch_size": ("data.global_batch_size", None),
 }
 
@@ -319,6 +321,8 @@ def _validate_vit(cfg: ViTRunConfig) -> None:
         raise ConfigError(f"data.crop={d.crop}: give [rows, columns], both multiples of model.patch_size="
                           f"{m.patch_size} (e.g. [360, 720] for ERA5 at 0.5 degrees, [80, 160] for the synthetic "
                           "90x180 grid)")
+    if d.loader not in ("pytorch", "dali"):
+        raise ConfigError(f"data.loader={d.loader!r}: choose pytorch or dali")
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers={d.num_workers}: 0 reads in the training process, N > 0 in N workers")
     if p.pp > 1:

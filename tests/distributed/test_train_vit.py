@@ -84,6 +84,17 @@ def test_layout_trains_exactly_as_one_process(ranks, overrides, small_data, refe
     assert "global batch 8 samples" in text
 
 
+def test_dali_loader_trains_exactly_as_the_pytorch_loader(small_data, reference, tmp_path):
+    from meshtrain.data.era5_dali import dali_available
+
+    if not dali_available():
+        pytest.skip("NVIDIA DALI is not installed (pip install 'meshtrain[dali]'); data.loader=dali is optional")
+    run = train(1, small_data, tmp_path, "data.global_batch_size=8", "train.max_iters=4", "train.eval_interval=4",
+                "data_loader_config=dali", "num_data_workers=2")
+    assert run.returncode == 0, output(run)[-4000:]
+    assert losses(rows_of(tmp_path)) == losses(reference)  # the same batches, bit for bit
+
+
 def test_forecaster_beats_persistence_and_reports_it(small_data, tmp_path):
     run = train(1, small_data, tmp_path, "data.batch_size=8", "model.embed_dim=64", "train.max_iters=300",
                 "train.eval_interval=100", "train.eval_iters=4", "train.log_interval=50", "optimizer.warmup_iters=10",

@@ -84,9 +84,9 @@ def test_vit_presets_mirror_nersc_and_the_square_root_rule_gives_their_learning_
 
 def test_vit_takes_nersc_flag_names():
     cfg = load_config(["preset=tiny", "amp_mode=none", "num_data_workers=4", "enable_fused=true", "enable_jit=true",
-                       "global_batch_size=32", "data=/somewhere/era5"], "vit")
+                       "global_batch_size=32", "data=/somewhere/era5", "data_loader_config=dali"], "vit")
     assert (cfg.train.dtype, cfg.data.num_workers, cfg.optimizer.fused, cfg.train.compile) == ("fp32", 4, True, True)
-    assert (cfg.data.global_batch_size, cfg.data.root) == (32, "/somewhere/era5")
+    assert (cfg.data.global_batch_size, cfg.data.root, cfg.data.loader) == (32, "/somewhere/era5", "dali")
     assert load_config(["amp_mode=bf16"], "vit").train.dtype == "bf16"
     assert from_dict(to_dict(cfg), "vit") == cfg
 
@@ -102,6 +102,7 @@ def test_vit_takes_nersc_flag_names():
     (["model.n_layer=2"], "unknown key 'model.n_layer'"),
     (["train.prompt=hi"], "unknown key 'train.prompt'"),
     (["data.limit_train=0"], "data.limit_train=0: must be at least 1"),
+    (["data.loader=ffcv"], "data.loader='ffcv': choose pytorch or dali"),
 ])
 def test_vit_mistakes_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:

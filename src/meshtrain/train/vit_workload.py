@@ -18,6 +18,7 @@ import torch.distributed as dist
 from meshtrain.config import ConfigError, ViTRunConfig
 from meshtrain.data.era5 import ERA5Dataset
 from meshtrain.data.era5_batches import ERA5Batches, eval_batches
+from meshtrain.data.era5_dali import ERA5DaliBatches
 from meshtrain.data.era5_synthetic import channel_units
 from meshtrain.dist.setup import DistInfo, collective
 from meshtrain.models.vit import ViT, ViTConfig
@@ -54,7 +55,8 @@ class ViTWorkload:
         self.tokens_per_sample = (rows // p) * (columns // p)
         loader = dict(batch_size=self.batch_size, dp_rank=dims.dp_rank(info.rank), dp_size=dims.dp_size,
                       device=self.device, num_workers=d.num_workers, pin_memory=d.pin_memory)
-        self.batches = ERA5Batches(self.train_data, seed=cfg.train.seed, persistent_workers=d.persistent_workers,
+        stream = ERA5DaliBatches if d.loader == "dali" else ERA5Batches
+        self.batches = stream(self.train_data, seed=cfg.train.seed, persistent_workers=d.persistent_workers,
                                    prefetch_factor=d.prefetch_factor, **loader)
         self.eval = eval_batches(self.valid_data, **loader)
         self.iters_per_epoch = self.batches.steps_per_epoch // cfg.train.grad_accum
