@@ -57,13 +57,13 @@ class ViTWorkload:
                       device=self.device, num_workers=d.num_workers, pin_memory=d.pin_memory)
         stream = ERA5DaliBatches if d.loader == "dali" else ERA5Batches
         self.batches = stream(self.train_data, seed=cfg.train.seed, persistent_workers=d.persistent_workers,
-                                   prefetch_factor=d.prefetch_factor, **loader)
+                              prefetch_factor=d.prefetch_factor, **loader)
         self.eval = eval_batches(self.valid_data, **loader)
         self.iters_per_epoch = self.batches.steps_per_epoch // cfg.train.grad_accum
         if self.iters_per_epoch < 1:
             raise ConfigError(f"an epoch of {self.batches.steps_per_epoch} batches per rank is less than one "
                               f"iteration of train.grad_accum={cfg.train.grad_accum}: lower grad_accum or the batch")
-        self.figure_dir = None
+        self.first = None  # the first validation sample's u10 (forecast, truth, std, mean, name), for the plot
 
     @staticmethod
     def _local_batch(cfg: ViTRunConfig, dims: ParallelDims) -> int:
