@@ -65,6 +65,8 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, data_root, tmp_path
         assert r["tps"] == pytest.approx(r["sps"] * 32, rel=1e-3)
         assert 0 < r["mfu"] <= 100
     assert "What is an LLM?" in text, "a sample from the prompt is printed at each eval"
+    assert (f"; batch 4 × block 32 tokens per data-parallel rank and micro-step; {world} data-parallel rank(s) × "
+            f"accumulation 1: global batch {4 * world} samples ({4 * world * 32} tokens) per iteration") in text
     assert f"{tmp_path}" in (tmp_path / "checkpoints.log").read_text()
 
 

@@ -120,6 +120,6 @@ class GPTWorkload:
         result.samples.append(text)
         sinks.log_text(it, "sample", text)
 
-    def describe(self) -> list[str]:
+    def describe(self) -> str:
         model = self.cfg.model
-        return [f"batch {model.batch_size} × block {model.block_size} tokens per data-parallel rank and micro-step"]
+        return f"batch {model.batch_size} × block {model.block_size} tokens per data-parallel rank and micro-step"
