@@ -48,3 +48,23 @@ def mpirun(nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | N
 requires_mpirun = pytest.mark.skipif(
     shutil.which("mpirun") is None, reason="mpirun not found: install Debian's openmpi-bin (.ci/run does)"
 )
+
+
+# A parity driver prints one line per case per rank, "CASE rank R: ... -> EQUAL|DIFFERENT". Rank outputs
+# interleave, so each line is parsed wherever it lands.
+VERDICT = re.compile(r"^(\S+) rank (\d+): .* -> (EQUAL|DIFFERENT)$", re.MULTILINE)
+
+
+def assert_driver_equal(script: str | Path, cases: list[str], ranks: int, what: str, timeout: float) -> None:
+    """torchrun the parity driver `script` over `cases` on `ranks` ranks; every rank of every case must be EQUAL
+    (`what` says what EQUAL means, for the failure message)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
+           *cases]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=timeout)
+    text = output(out)
+    assert out.returncode == 0, text[-3000:]
+    seen = {(case, int(rank)): verdict for case, rank, verdict in VERDICT.findall(text)}
+    for case in cases:
+        for rank in range(ranks):
+            assert seen.get((case, rank)) == "EQUAL", f"{case} on rank {rank}: {what}\n" + text[-3000:]
+

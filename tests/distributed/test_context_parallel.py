@@ -1,15 +1,11 @@
 """Context parallelism (Ulysses and ring attention) attends and trains exactly like one process on whole sequences."""
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output
+from tests.conftest import assert_driver_equal
 
 CHECK = str(Path(__file__).with_name("context_parallel_check.py"))
-RESULT = re.compile(r"^(\S+) rank (\d+): .* -> (EQUAL|DIFFERENT)$", re.MULTILINE)
 
 # One launch per world size runs many cases: starting gloo dominates the cost of each.
 LAUNCHES = {
@@ -23,14 +19,5 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("ranks", sorted(LAUNCHES), ids=[f"{r}ranks" for r in sorted(LAUNCHES)])
 def test_context_parallel_equals_one_process(ranks):
-    cases = LAUNCHES[ranks]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", CHECK, *cases]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=180)
-    text = output(out)
-    assert out.returncode == 0, text[-3000:]
-    seen = {(case, int(rank)): verdict for case, rank, verdict in RESULT.findall(text)}
-    for case in cases:
-        for rank in range(ranks):
-            assert seen.get((case, rank)) == "EQUAL", (
-                f"{case} on rank {rank}: outputs, gradients (and for train-*, loss and parameters after 3 SGD "
-                f"steps) within 1e-5 of one process\n" + text[-3000:])
+    assert_driver_equal(CHECK, LAUNCHES[ranks], ranks, "outputs, gradients (and for train-*, loss and parameters "
+                        "after 3 SGD steps) within 1e-5 of one process", timeout=180)

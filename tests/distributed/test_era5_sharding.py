@@ -20,7 +20,8 @@ RANKS, TP, BATCH, LIMIT = 4, 2, 2, 11
 
 
 def run_driver(root: Path) -> None:
-    from meshtrain.data.era5 import ERA5Dataset, era5_loader
+    from meshtrain.data.era5 import ERA5Dataset
+    from meshtrain.data.era5_batches import ERA5Batches
     from meshtrain.dist import distributed
 
     with distributed() as info:
@@ -28,13 +29,13 @@ def run_driver(root: Path) -> None:
         ds = ERA5Dataset(root, "train", limit=LIMIT)
         reference_x = torch.stack([ds[i][0] for i in range(len(ds))])  # this process alone, no loader
         reference_y = torch.stack([ds[i][1] for i in range(len(ds))])
-        loader = era5_loader(ds, batch_size=BATCH, dp_rank=dp_rank, dp_size=dp_size, shuffle=True, seed=5,
-                             num_workers=1, persistent_workers=True, drop_last=True)
+        stream = ERA5Batches(ds, batch_size=BATCH, dp_rank=dp_rank, dp_size=dp_size, seed=5, num_workers=1)
         per_rank = len(ds) // dp_size // BATCH * BATCH  # whole batches of this rank's share
         orders, worst = [], 0.0
         for epoch in (0, 1):
-            loader.sampler.set_epoch(epoch)
-            xs, ys = (torch.cat(parts) for parts in zip(*loader, strict=True))
+            assert stream.epoch == epoch
+            batches = [stream.next_batch() for _ in range(stream.steps_per_epoch)]
+            xs, ys = (torch.cat(parts) for parts in zip(*batches, strict=True))
             assert xs.shape[0] == per_rank, (xs.shape, per_rank)
             gathered_x = [torch.empty_like(xs) for _ in range(info.world_size)]
             gathered_y = [torch.empty_like(ys) for _ in range(info.world_size)]
@@ -56,7 +57,8 @@ def run_driver(root: Path) -> None:
             orders.append(shares)
             print(f"rank {info.rank} epoch {epoch}: dp rank {dp_rank} read {read[info.rank]}; "
                   f"dp shares {shares}", flush=True)
-        assert orders[0] != orders[1], "set_epoch reshuffles"
+        assert orders[0] != orders[1], "each epoch reshuffles"
+        stream.close()
         verdict = "EQUAL" if worst == 0.0 else "DIFFERENT"
         print(f"rank {info.rank}: max |loader - one process| = {worst:.3g} -> {verdict}", flush=True)
 

@@ -1,17 +1,12 @@
 """The weather ViT under tensor parallel (± sequence parallel, ± FSDP2) and context (token) parallel (Ulysses, ring;
 ± data parallel, ± tensor parallel) trains exactly like one process; the non-causal CP kernels equal SDPA."""
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output
+from tests.conftest import assert_driver_equal
 
 CHECK = str(Path(__file__).with_name("vit_parallel_check.py"))
-# Rank outputs interleave: one line per case per rank, parsed wherever it lands.
-RESULT = re.compile(r"^(\S+) rank (\d+): .* -> (EQUAL|DIFFERENT)$", re.MULTILINE)
 
 # One launch per world size runs many cases: starting gloo dominates the cost of each.
 LAUNCHES = {
@@ -29,14 +24,5 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("ranks", sorted(LAUNCHES), ids=[f"{r}ranks" for r in sorted(LAUNCHES)])
 def test_vit_parallel_equals_one_process(ranks):
-    cases = LAUNCHES[ranks]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", CHECK, *cases]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=240)
-    text = output(out)
-    assert out.returncode == 0, text[-3000:]
-    seen = {(case, int(rank)): verdict for case, rank, verdict in RESULT.findall(text)}
-    for case in cases:
-        for rank in range(ranks):
-            assert seen.get((case, rank)) == "EQUAL", (
-                f"{case} on rank {rank}: outputs and gradients (and for training cases loss, gradient norm and "
-                f"parameters after 3 SGD steps) within 1e-5 of one process\n" + text[-3000:])
+    assert_driver_equal(CHECK, LAUNCHES[ranks], ranks, "outputs and gradients (and for training cases loss, "
+                        "gradient norm and parameters after 3 SGD steps) within 1e-5 of one process", timeout=240)

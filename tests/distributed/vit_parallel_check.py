@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.dist import distributed
 from meshtrain.models.vit import ViT, ViTConfig, full_attention
-from meshtrain.parallel.context_parallel import ContextParallelError
+from meshtrain.parallel.context_parallel import ContextParallelError, ring_attention, ulysses_attention
 from meshtrain.parallel.data_parallel import apply_data_parallel
 from meshtrain.parallel.mesh import MeshError, ParallelDims, submesh
 from meshtrain.parallel.vit_parallel import (
@@ -39,14 +39,13 @@ from meshtrain.parallel.vit_parallel import (
     cp_forward_patches,
     gather_tokens,
     shard_tokens,
-    vit_ring_attention,
-    vit_ulysses_attention,
 )
 
 TOL, STEPS, LOCAL_BATCH = 1e-5, 3, 2
 CONFIG = ViTConfig(img_size=(16, 32), patch_size=4, in_channels=3, out_channels=3, embed_dim=32, depth=2,
                    num_heads=4)  # 4 x 8 = 32 tokens
-KERNELS = {"ulysses": vit_ulysses_attention, "ring": vit_ring_attention}
+KERNELS = {"ulysses": lambda cp_mesh: ulysses_attention(cp_mesh, full_attention),  # the ViT's: non-causal
+           "ring": lambda cp_mesh: ring_attention(cp_mesh, full_attention, causal=False)}
 _meshes: dict[tuple[int, int], tuple] = {}
 
 
@@ -192,8 +191,8 @@ def check_errors(info) -> tuple[bool, str]:
             ViT(ViTConfig(**{**CONFIG.__dict__, "num_heads": 3, "embed_dim": 24})), any_mesh),
          MeshError, ["num_heads=3", f"tp={info.world_size}"]),
         ("tokens", lambda: shard_tokens(30, 0, 4), ContextParallelError, ["30 patch tokens", "cp=4"]),
-        ("ulysses heads", lambda: vit_ulysses_attention(any_mesh)(q, q, q, 0.0), ContextParallelError, ["3 heads"]),
-        ("ring dropout", lambda: vit_ring_attention(any_mesh)(q, q, q, 0.1), ContextParallelError, ["dropout_p=0.1"]),
+        ("ulysses heads", lambda: KERNELS["ulysses"](any_mesh)(q, q, q, 0.0), ContextParallelError, ["3 heads"]),
+        ("ring dropout", lambda: KERNELS["ring"](any_mesh)(q, q, q, 0.1), ContextParallelError, ["dropout_p=0.1"]),
         ("relative l2", lambda: cp_forward_loss(relative, x, x, torch.arange(4)), ContextParallelError,
          ["relative_l2"]),
     ]:

@@ -19,9 +19,9 @@ from meshtrain.data.era5 import (
     CHANNEL_NAMES,
     ERA5Dataset,
     denormalise,
-    era5_loader,
     latitude_weights,
 )
+from meshtrain.data.era5_batches import ERA5Batches
 from meshtrain.data.era5_synthetic import SyntheticAtmosphere, generate, split_years
 from meshtrain.data.text import DataError
 
@@ -241,7 +241,7 @@ def test_dataset_reopens_files_after_pickle_and_in_workers(tiny):
     assert copy._handles == {} and torch.equal(copy[0][0], first)
 
     reference = torch.stack([ds[i][0] for i in range(len(ds))])
-    loader = era5_loader(ds, batch_size=2, shuffle=False, num_workers=2, persistent_workers=False, drop_last=False)
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2)
     batches = torch.cat([x for x, _ in loader])  # forked workers, each opening its own handles
     assert torch.equal(batches, reference)
     assert torch.equal(ds[6][1], torch.from_numpy(expected(years[2017], 3, means, stds)))  # parent's still good
@@ -253,38 +253,34 @@ def test_dataset_reopens_files_after_pickle_and_in_workers(tiny):
 
 
 @pytest.mark.parametrize("dp_size", [2, 4])
-@pytest.mark.parametrize("drop_last", [True, False])
-def test_ranks_get_disjoint_shares_that_cover_the_data(synthetic, dp_size, drop_last):
+def test_ranks_get_disjoint_shares_that_cover_the_data(synthetic, dp_size):
     ds = ERA5Dataset(synthetic, "valid")  # 5 samples: divides by neither 2 nor 4
     n = len(ds)
-    shares = [list(era5_loader(ds, batch_size=2, dp_rank=r, dp_size=dp_size, seed=3, drop_last=drop_last).sampler)
-              for r in range(dp_size)]
+    shares = [list(ERA5Batches(ds, batch_size=1, dp_rank=r, dp_size=dp_size, seed=3).sampler) for r in range(dp_size)]
     every = [i for share in shares for i in share]
-    if drop_last:  # each rank n // dp_size samples, none twice; the n % dp_size left over wait for another epoch
-        assert all(len(s) == n // dp_size for s in shares) and len(set(every)) == len(every) == n - n % dp_size
-    else:  # each rank ceil(n / dp_size): all samples, the shortfall padded with repeats
-        assert all(len(s) == -(-n // dp_size) for s in shares)
-        assert set(every) == set(range(n)) and len(every) - n == (-n) % dp_size
+    # each rank n // dp_size samples, none twice; the n % dp_size left over wait for another epoch
+    assert all(len(s) == n // dp_size for s in shares) and len(set(every)) == len(every) == n - n % dp_size
 
 
-def test_set_epoch_reshuffles_reproducibly_and_batches_match(synthetic):
+def test_epochs_reshuffle_reproducibly_and_batches_match(synthetic):
     ds = ERA5Dataset(synthetic, "train", limit=5)
-    loaders = [era5_loader(ds, batch_size=2, dp_rank=r, dp_size=2, seed=3, drop_last=True) for r in range(2)]
+    streams = [ERA5Batches(ds, batch_size=2, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
 
     def orders(epoch):
-        for loader in loaders:
-            loader.sampler.set_epoch(epoch)
-        return [list(loader.sampler) for loader in loaders]
+        for stream in streams:
+            stream.sampler.start_at(epoch, 0)
+        return [list(stream.sampler) for stream in streams]
 
     epoch0, epoch1 = orders(0), orders(1)
     assert epoch0 != epoch1 and orders(1) == epoch1 and orders(0) == epoch0
     assert set(epoch1[0]).isdisjoint(epoch1[1])
-    loaders[1].sampler.set_epoch(1)
-    (x, y), = list(loaders[1])  # 2 samples per rank: one full batch
+    stream = ERA5Batches(ds, batch_size=2, dp_rank=1, dp_size=2, seed=3)
+    stream.next_batch()  # 2 samples per rank: epoch 0 is one full batch
+    x, y = stream.next_batch()
     for row, index in enumerate(epoch1[1]):
         assert torch.equal(x[row], ds[index][0]) and torch.equal(y[row], ds[index][1])
     with pytest.raises(ValueError):
-        era5_loader(ds, batch_size=2, dp_rank=2, dp_size=2)
+        ERA5Batches(ds, batch_size=2, dp_rank=2, dp_size=2)
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -20,10 +20,9 @@ return wrong data. So the dataset opens its files lazily, in the process that re
 which process that was; a copy made by fork or pickle opens its own. On file systems without working
 locks (some Lustre mounts) set HDF5_USE_FILE_LOCKING=FALSE, as NERSC's scripts do.
 
-`era5_loader` shards a dataset over the data-parallel ranks with a DistributedSampler; tp/cp/pp ranks of
-one replica pass the same dp_rank and so read the same batches. On top of it, what a training loop uses:
-`ERA5Batches`, one dp rank's endless, resumable training stream over epochs, and `eval_batches`, an exact
-evaluation pass in which every rank takes the same number of full batches and padding carries weight 0.
+data/era5_batches.py streams it to the training loop, sharded over the data-parallel ranks: `ERA5Batches`,
+one dp rank's endless, resumable training stream over epochs, and `eval_batches`, an exact evaluation pass in
+which every rank takes the same number of full batches and padding carries weight 0.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
 from meshtrain.data.text import DataError
 
@@ -50,7 +49,6 @@ DEFAULT_CROP = (360, 720)
 MEANS_FILE = "stats/global_means.npy"
 STDS_FILE = "stats/global_stds.npy"
 CHANNELS_FILE = "stats/channels.json"
-CPU = torch.device("cpu")
 
 
 def how_to_fix(root: Path, sentence: bool = False) -> str:
@@ -290,37 +288,3 @@ class ERA5Dataset(Dataset):
         state = self.__dict__.copy()
         state.update(_handles={}, _files_open=[], _inherited=[], _owner_pid=None)
         return state
-
-
-def check_sharding(batch_size: int, dp_rank: int, dp_size: int, num_workers: int) -> None:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank must lie in [0, dp_size={dp_size}), got {dp_rank}")
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-
-
-def era5_loader(dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True,
-                seed: int = 0, num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = True,
-                prefetch_factor: int | None = 2, drop_last: bool = True) -> DataLoader:
-    """A DataLoader over this dp rank's share of `dataset`; call `loader.sampler.set_epoch(epoch)` each epoch.
-
-    The DistributedSampler deals the (shuffled, by seed + epoch) indices round-robin over dp_size ranks.
-    drop_last=True: the tail that does not divide evenly is dropped (each rank gets len // dp_size samples,
-    none twice) and so is a last short batch, so every rank takes the same number of equal steps.
-    drop_last=False: the sampler pads with indices from the start (some samples are seen twice) to give
-    every rank ceil(len / dp_size) samples, and the last batch may be short: fine for evaluation.
-
-    prefetch_factor and persistent_workers apply only with worker processes (num_workers > 0). On a GPU
-    pass pin_memory=True and copy with `x.to(device, non_blocking=True)`: from pinned host memory the
-    copy runs asynchronously and overlaps with the previous step's compute.
-    """
-    check_sharding(batch_size, dp_rank, dp_size, num_workers)
-    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last)
-    worker_options = {}
-    if num_workers > 0:
-        worker_options = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor}
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=drop_last, **worker_options)

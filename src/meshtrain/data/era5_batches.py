@@ -14,8 +14,18 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from meshtrain.data.era5 import CPU, check_sharding
 from meshtrain.data.text import DataError
+
+CPU = torch.device("cpu")
+
+
+def check_sharding(batch_size: int, dp_rank: int, dp_size: int, num_workers: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must lie in [0, dp_size={dp_size}), got {dp_rank}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
 
 
 def _describe(dataset: Dataset) -> str:

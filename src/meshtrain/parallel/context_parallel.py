@@ -296,31 +296,34 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "_orig_mod", model)  # torch.compile
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    modules = []
-    for block in _unwrap(model).transformer.h.values():
-        block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing's wrapper
-        modules.append(block.attn)
-    return modules
-
-
 def apply_context_parallel(model: nn.Module, cp_mesh, impl: str) -> None:
     """Make every block's attention context-parallel over `cp_mesh` (1-D cp DeviceMesh or group; None: no-op).
 
     Works before or after activation checkpointing and FSDP (it only sets an attribute); feed the model
     batches cut by shard_sequence(..., impl) with the same impl.
     """
+    gpt = _unwrap(model)
+    blocks = gpt.transformer.h.values() if cp_mesh is not None else ()
+    set_attention(blocks, cp_mesh, impl, getattr(getattr(gpt, "config", None), "n_head", None))
+
+
+def set_attention(blocks, cp_mesh, impl: str, num_heads: int | None, attention=causal_attention,
+                  causal: bool = True) -> None:
+    """Every block's `attn.attend` becomes the `impl` kernel over `cp_mesh` around the model's own `attention`
+    (causal for the GPT, full for the ViT); a block under activation checkpointing's wrapper is found inside it.
+    cp_mesh None: nothing to do. num_heads None: not checked here (Ulysses' kernel checks it per call)."""
     if impl not in CP_IMPLS:
         raise ContextParallelError(f"context parallel impl {impl!r}: choose one of {', '.join(CP_IMPLS)}")
     if cp_mesh is None:
         return
     group = _as_group(cp_mesh)
     cp = dist.get_world_size(group)
-    n_head = getattr(getattr(_unwrap(model), "config", None), "n_head", None)
-    if impl == "ulysses" and n_head is not None and n_head % cp:
+    if impl == "ulysses" and num_heads is not None and num_heads % cp:
         raise ContextParallelError(
-            f"Ulysses gives each of the cp={cp} ranks whole heads, but model.n_head={n_head} is not divisible by "
-            f"{cp}: pick a cp that divides {n_head}, or impl 'ring'")
-    attend = ulysses_attention(group) if impl == "ulysses" else ring_attention(group)
-    for attn in _attention_modules(model):
-        attn.attend = attend
+            f"Ulysses gives each of the cp={cp} ranks whole heads, but the model's {num_heads} heads are not "
+            f"divisible by {cp}: pick a cp that divides {num_heads}, or impl 'ring'")
+    attend = (ulysses_attention(group, attention) if impl == "ulysses"
+              else ring_attention(group, attention, causal=causal))
+    for block in blocks:
+        block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing's wrapper
+        block.attn.attend = attend

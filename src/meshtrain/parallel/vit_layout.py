@@ -29,7 +29,7 @@ from meshtrain.parallel.mesh import ParallelDims, submesh
 @dataclass
 class ViTLayout(Layout):
     vit: ViT | None = None  # the plain model under every wrapper: patchify / unpatchify / loss
-    token_band: slice | None = None  # this cp rank's patch tokens, when cp > 1
+    token_band: torch.Tensor | None = None  # this cp rank's patch tokens (shard_tokens), when cp > 1
     cp_group: object | None = None
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -37,10 +37,7 @@ class ViTLayout(Layout):
             return self.vit.loss(self.runnable(x), y)
         from meshtrain.parallel.vit_parallel import cp_forward_loss
 
-        return cp_forward_loss(self.runnable, x, y, self._positions(x.device))
-
-    def _positions(self, device) -> torch.Tensor:
-        return torch.arange(self.token_band.start, self.token_band.stop, device=device)
+        return cp_forward_loss(self.runnable, x, y, self.token_band)
 
     def train_micro_step(self, x, y, *, accum: int, sync: bool, autocast, scaler, timer) -> torch.Tensor:
         """Forward and backward of one micro-batch of fields, gradients scaled for an accumulation of `accum`.
@@ -61,7 +58,7 @@ class ViTLayout(Layout):
                 return self.runnable(x).float()
             from meshtrain.parallel.vit_parallel import cp_forward_patches, gather_tokens
 
-            patches = cp_forward_patches(self.runnable, x, self._positions(x.device))
+            patches = cp_forward_patches(self.runnable, x, self.token_band)
         return self.vit.unpatchify(gather_tokens(patches.float(), self.cp_group))
 
 
@@ -82,8 +79,8 @@ def build_vit_layout(model: ViT, cfg, dims: ParallelDims, device: torch.device, 
 
         cp_mesh = submesh(mesh, "cp")
         apply_vit_context_parallel(model, cp_mesh, p.cp_impl)
-        band = shard_tokens(model.config.num_patches, dims.coords(rank)["cp"], dims.cp)
-        layout.token_band, layout.cp_group = slice(int(band[0]), int(band[-1]) + 1), cp_mesh.get_group()
+        layout.token_band = shard_tokens(model.config.num_patches, dims.coords(rank)["cp"], dims.cp, device)
+        layout.cp_group = cp_mesh.get_group()
     apply_activation_checkpointing(model.blocks, t.activation_checkpointing, t.ac_every)
     layout.parts = wrap_data_parallel([model], lambda part: part.blocks.values(), cfg, dims, mesh, device)
     layout.runnable = layout.parts[0]

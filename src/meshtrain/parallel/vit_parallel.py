@@ -43,8 +43,6 @@ L2 needs each sample's global norms and is refused here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,13 +58,11 @@ from meshtrain.parallel.context_parallel import (
     ContextParallelError,
     _as_group,
     _unwrap,
-    ring_attention,
-    ulysses_attention,
+    set_attention,
 )
 from meshtrain.parallel.mesh import MeshError
 from meshtrain.parallel.tensor_parallel import block_plan, refuse_prepared, replicate_module, stream_layout
 
-VIT_CP_IMPLS = ("ulysses", "ring")
 BLOCKS = "blocks.*"  # parallelize_module matches each path token with fnmatch: every block
 
 
@@ -155,42 +151,22 @@ def gather_tokens(local: torch.Tensor, cp_mesh) -> torch.Tensor:
     return all_gather(local.contiguous(), gather_dim=1, group=group)
 
 
-# ---- non-causal attention kernels -----------------------------------------------------------------------------------
-def vit_ulysses_attention(cp_group_or_mesh) -> Callable:
-    """attend(q, k, v, dropout_p): all-to-all to whole token sequences of heads/cp heads, full attention, and back."""
-    return ulysses_attention(cp_group_or_mesh, full_attention)
-
-
-def vit_ring_attention(cp_group_or_mesh) -> Callable:
-    """attend(q, k, v, dropout_p): non-causal ring attention over the cp group (any head count, no dropout)."""
-    return ring_attention(cp_group_or_mesh, full_attention, causal=False)
-
-
 # ---- the model ------------------------------------------------------------------------------------------------------
 def apply_vit_context_parallel(model: nn.Module, cp_mesh, impl: str = "ulysses") -> None:
     """Make every block's attention a non-causal context-parallel kernel over `cp_mesh` (1-D cp DeviceMesh or its
     process group; None: no-op). Before or after tensor parallel, activation checkpointing, DDP and FSDP (it only
     sets an attribute); then train with cp_forward_loss on shard_tokens' positions."""
-    if impl not in VIT_CP_IMPLS:
-        raise ContextParallelError(f"context parallel impl {impl!r}: choose one of {', '.join(VIT_CP_IMPLS)}")
     if cp_mesh is None:
-        return
-    group = _as_group(cp_mesh)
-    cp = dist.get_world_size(group)
-    config = _unwrap(model).config
+        return set_attention((), None, impl, None)  # checks impl only
+    cp = dist.get_world_size(_as_group(cp_mesh))
+    vit = _unwrap(model)
+    config = vit.config
     if config.num_patches % cp:
         shard_tokens(config.num_patches, 0, cp)  # raises, naming the numbers
-    if impl == "ulysses" and config.num_heads % cp:
-        raise ContextParallelError(
-            f"Ulysses gives each of the cp={cp} ranks whole heads, but num_heads={config.num_heads} is not divisible "
-            f"by {cp}: pick a cp that divides {config.num_heads}, or impl 'ring'")
     if impl == "ring" and config.dropout:
         raise ContextParallelError(f"ring attention does not implement attention dropout (ViTConfig.dropout="
                                    f"{config.dropout}): set it to 0 or use impl 'ulysses'")
-    attend = vit_ulysses_attention(group) if impl == "ulysses" else vit_ring_attention(group)
-    for block in _unwrap(model).blocks.values():
-        block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing's wrapper
-        block.attn.attend = attend
+    set_attention(vit.blocks.values(), cp_mesh, impl, config.num_heads, full_attention, causal=False)
 
 
 def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,6 @@ class TrainResult:
     train_loss: float = math.nan
     val_loss: float = math.nan
     samples: list[str] = field(default_factory=list)  # gpt: the text samples
-    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's row
-    figures: list[Path] = field(default_factory=list)  # vit: the forecast plots
 
 
 def make_workload(cfg, info: DistInfo, dims: ParallelDims):
@@ -214,7 +212,7 @@ def train(cfg, info: DistInfo) -> TrainResult:
                         row["epoch"] = it / epochs
                     _check_finite(row, it, run_dir)
                     result.train_loss = row.get("train_loss", row.get("avg_loss", math.nan))
-                    result.val_loss, result.metrics = row.get("val_loss", math.nan), row
+                    result.val_loss = row.get("val_loss", math.nan)
                     sinks.log(it, row)
                     workload.after_eval(it, layout, autocast, sinks, result)
                     if t.save_checkpoints and it > start_iter:

@@ -89,7 +89,7 @@ class ViTWorkload:
         return build_vit_layout(model, self.cfg, self.dims, self.device, self.info.rank, self.info.local_world_size)
 
     def trainer_state(self) -> dict:
-        return {"channels": self.channel_names, "img_size": list(self.train_data.img_size)}
+        return {}  # the config names the data; nothing else is needed to resume
 
     def describe(self) -> str:
         rows, columns = self.train_data.img_size
@@ -144,5 +144,4 @@ class ViTWorkload:
         path = save_forecast_png(Path(result.run_dir) / "figures" / f"{channel}_step{it:07d}.png",
                                  to_physical(pred), to_physical(truth), lat=self.valid_data.lat,
                                  title=f"{channel} at t + dt, iteration {it}", channel=channel, units=channel_units([channel])[0])
-        result.figures.append(path)
         sinks.log_image(it, f"forecast/{channel}", path)
