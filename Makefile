@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: train test lint venv clean
+.PHONY: train test test-fast lint venv clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The unit tier alone: no test that starts a process (torchrun, mpirun, a subprocess), nothing marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit -m "not distributed and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -1,7 +1,7 @@
 """nanoGPT's CPU recipe (4L/4H/128, block 64, batch 12, 2000 iterations) under meshtrain, measured.
 
     python benchmarks/gpt_cpu_recipe.py                      # preset=cpu: 1 process and 2-rank DDP
-    python benchmarks/gpt_cpu_recipe.py --runs 1 --extra train.dtype=fp32
+    python benchmarks/gpt_cpu_recipe.py --runs 2 --dtypes auto,fp32,bf16   # the dtypes side by side
 
 Prints, per run: median ms/iter, tokens/s, MFU, val loss at the end, wall time, and the time at which
 val loss first reached --target (evaluated every --eval-interval iterations, so that time is coarse).
@@ -42,11 +42,13 @@ def run_once(ranks: int, overrides: list[str], data_root: Path, out_dir: Path, e
     if proc.returncode != 0:
         sys.exit(f"run failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     run_dir = Path((out_dir / "gpt" / "ddp" / "latest").read_text().strip())
+    dtype = next(line.split(":")[1].strip() for line in (run_dir / "config.yaml").read_text().splitlines()
+                 if line.strip().startswith("dtype:"))  # what train.dtype=auto resolved to
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "dt" in r]
     steady = steps[len(steps) // 10:] or steps  # the first tenth warms caches and allocators
     evals = [r for r in rows if "val_loss" in r]
-    return {"ms_iter": 1e3 * statistics.median(r["dt"] for r in steady),
+    return {"dtype": dtype, "ms_iter": 1e3 * statistics.median(r["dt"] for r in steady),
             "tps": statistics.median(r["tps"] for r in steady),
             "mfu": statistics.median(r["mfu"] for r in steady), "val": evals[-1]["val_loss"],
             "steps": evals[-1]["step"], "wall": wall, "evals": [(r["step"], r["time"] - started, r["val_loss"])
@@ -57,6 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="1,2", help="rank counts to run (default 1,2)")
     parser.add_argument("--preset", default="cpu")
+    parser.add_argument("--dtypes", default="auto",
+                        help="train.dtype values to run side by side, comma-separated (default auto)")
     parser.add_argument("--extra", nargs="*", default=[], help="more KEY=VALUE overrides for every run")
     parser.add_argument("--target", type=float, default=1.88, help="val loss whose first time is reported")
     parser.add_argument("--eval-interval", type=int, default=100)
@@ -79,10 +83,12 @@ def main() -> None:
                                     str(data_root / "shakespeare_char")], capture_output=True, text=True, check=True)
             baseline = json.loads(plain.stdout.strip().splitlines()[-1])
         for ranks in (int(r) for r in args.runs.split(",")):
-            overrides = [f"preset={args.preset}", *args.extra]
-            result = run_once(ranks, overrides, data_root, Path(tmp) / f"out{ranks}", args.eval_interval,
-                              args.log_interval)
-            results.append((f"{ranks} rank{'s' if ranks > 1 else ''} ({' '.join(overrides)})", result))
+            for dtype in args.dtypes.split(","):
+                overrides = [f"preset={args.preset}", f"train.dtype={dtype}", *args.extra]
+                result = run_once(ranks, overrides, data_root, Path(tmp) / f"out{ranks}{dtype}", args.eval_interval,
+                                  args.log_interval)
+                name = f"{ranks} rank{'s' if ranks > 1 else ''} ({' '.join(overrides)})"
+                results.append((name + (f" -> {result['dtype']}" if dtype == "auto" else ""), result))
 
     table = Table(title=f"GPT CPU recipe on {os.cpu_count()} cores", title_justify="left")
     for column in ("run", "ms/iter", "tokens/s", "vs nanoGPT", "vs plain loop", "MFU %", "iters", "val loss", "wall s",

@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.driver_results import ENV as RESULTS_ENV
+from tests.distributed.driver_results import read_results
 
 REPO = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[\d;]*m")
@@ -29,20 +34,27 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    """`torchrun --standalone --nproc-per-node nproc ARGS` as an argv (this interpreter's torch.distributed.run)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
     """`torchrun --standalone --nproc-per-node nproc -m meshtrain ARGS`; returns the CompletedProcess."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "meshtrain", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=REPO)
+    return subprocess.run(torchrun_cmd(nproc, "-m", "meshtrain", *args), capture_output=True, text=True,
+                          timeout=timeout, env=env or clean_env(), cwd=REPO)
+
+
+def mpirun_cmd(nproc: int, *argv: str) -> list[str]:
+    """`mpirun -n nproc ARGV` as an argv (Open MPI flags; runs as root in CI)."""
+    return ["mpirun", "-n", str(nproc), "--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else []),
+            *argv]
 
 
 def mpirun(nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
-    """`mpirun -n nproc python -m meshtrain ARGS` (Open MPI flags; runs as root in CI)."""
-    cmd = ["mpirun", "-n", str(nproc), "--oversubscribe"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    cmd += [sys.executable, "-m", "meshtrain", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=REPO)
+    """`mpirun -n nproc python -m meshtrain ARGS`; returns the CompletedProcess."""
+    return subprocess.run(mpirun_cmd(nproc, sys.executable, "-m", "meshtrain", *args), capture_output=True, text=True,
+                          timeout=timeout, env=env or clean_env(), cwd=REPO)
 
 
 requires_mpirun = pytest.mark.skipif(
@@ -50,21 +62,76 @@ requires_mpirun = pytest.mark.skipif(
 )
 
 
-# A parity driver prints one line per case per rank, "CASE rank R: ... -> EQUAL|DIFFERENT". Rank outputs
-# interleave, so each line is parsed wherever it lands.
-VERDICT = re.compile(r"^(\S+) rank (\d+): .* -> (EQUAL|DIFFERENT)$", re.MULTILINE)
+def run_driver(script: str | Path, ranks: int, *args: str, timeout: float = 180) -> dict[int, dict[str, dict]]:
+    """torchrun the test driver `script ARGS` on `ranks` ranks; it must exit 0. Returns what its ranks recorded
+    through tests/distributed/driver_results.py: {rank: {case: fields}}, read from a fresh folder after the job.
+
+    On a timeout the whole job (torchrun and its ranks, one process group) is killed, so no orphaned rank keeps
+    loading the box for the tests after it; either failure shows the end of the job's output."""
+    __tracebackhide__ = True
+    with tempfile.TemporaryDirectory(prefix="meshtrain-results-") as folder:
+        proc = subprocess.Popen(torchrun_cmd(ranks, str(script), *args), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=clean_env(**{RESULTS_ENV: folder}), cwd=REPO,
+                                start_new_session=True)
+        try:
+            text, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+            pytest.fail(f"{Path(script).name} {' '.join(args)} ran past {timeout} s:\n{ANSI.sub('', text)[-4000:]}")
+        results = read_results(folder)
+    text = ANSI.sub("", text)
+    if proc.returncode != 0:
+        unequal = [f"  {case} on rank {rank}: worst={fields.get('worst')}" for rank, cases in sorted(results.items())
+                   for case, fields in cases.items() if fields.get("equal") is False]
+        pytest.fail(f"{Path(script).name} {' '.join(args)} exited {proc.returncode}\n"
+                    + "".join(f"{line}\n" for line in ["not equal:", *unequal] if unequal) + text[-4000:])
+    return results
 
 
-def assert_driver_equal(script: str | Path, cases: list[str], ranks: int, what: str, timeout: float) -> None:
-    """torchrun the parity driver `script` over `cases` on `ranks` ranks; every rank of every case must be EQUAL
-    (`what` says what EQUAL means, for the failure message)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
-           *cases]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=timeout)
-    text = output(out)
-    assert out.returncode == 0, text[-3000:]
-    seen = {(case, int(rank)): verdict for case, rank, verdict in VERDICT.findall(text)}
+class SharedLaunches:
+    """One launch of a driver per rank count, shared by the tests that check its cases: `launches(ranks)` runs
+    `script` over every case of `cases[ranks]` the first time it is asked for, then hands back the same results
+    (or raises the same failure) to every later test. Meant for a module-scoped fixture."""
+
+    def __init__(self, script: str | Path, cases: dict[int, list[str]], timeout: float = 180):
+        self.script, self.cases, self.timeout = script, cases, timeout
+        self._done: dict[int, dict | BaseException] = {}
+
+    def __call__(self, ranks: int) -> dict[int, dict[str, dict]]:
+        __tracebackhide__ = True
+        if ranks not in self._done:
+            try:
+                self._done[ranks] = run_driver(self.script, ranks, *self.cases[ranks], timeout=self.timeout)
+            except (AssertionError, pytest.fail.Exception) as failure:
+                self._done[ranks] = failure
+        done = self._done[ranks]
+        if isinstance(done, BaseException):
+            raise done
+        return done
+
+
+def assert_all_equal(results: dict[int, dict[str, dict]], cases: list[str], ranks: int, what: str) -> None:
+    """Every one of `ranks` ranks recorded equal=True for every case (`what` says what equal means); a failure
+    names the case and shows each rank's worst differences."""
+    __tracebackhide__ = True
+    assert sorted(results) == list(range(ranks)), f"results from ranks {sorted(results)}, expected 0..{ranks - 1}"
     for case in cases:
-        for rank in range(ranks):
-            assert seen.get((case, rank)) == "EQUAL", f"{case} on rank {rank}: {what}\n" + text[-3000:]
+        mine = {rank: results[rank].get(case) for rank in range(ranks)}
+        missing = [rank for rank, fields in mine.items() if fields is None]
+        assert not missing, f"{case}: no result from rank(s) {missing}"
+        if not all(fields.get("equal") is True for fields in mine.values()):
+            figures = "\n".join(f"  rank {rank}: equal={fields.get('equal')} worst={fields.get('worst')}"
+                                 + (f" {fields['problems']}" if fields.get("problems") else "")
+                                 for rank, fields in mine.items())
+            pytest.fail(f"{case}: {what}\n{figures}")
 
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    """`distributed` on every test under tests/distributed (each starts processes); `slow` is set beside the long
+    tests themselves. Selected with -m (`make test-fast` runs -m "not distributed and not slow")."""
+    distributed_dir = REPO / "tests" / "distributed"
+    for item in items:
+        if distributed_dir in item.path.parents:
+            item.add_marker(pytest.mark.distributed)

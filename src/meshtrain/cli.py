@@ -60,6 +60,15 @@ SUBCOMMANDS = {
         "with its config and tokenizer description to one file (torch.load(weights_only=True) reads it).",
         False,
     ),
+    "machine": (
+        "meshtrain.machine.command",
+        "measure and print what this machine can do: matmul peak per dtype, memory, bandwidth, collectives",
+        "Measure this device once and cache it (~/.cache/meshtrain/machine.json): instruction set or compute "
+        "capability, whether bf16 is native and the dtype train.dtype=auto picks, matmul peak per dtype (best of "
+        "several timings, load average recorded), host and device memory, memory bandwidth; with --ranks N also "
+        "collective latency and bus bandwidth per message size. Training reads the same profile for MFU.",
+        False,
+    ),
     "collectives": (
         "meshtrain.dist.collectives",
         "show each collective at work (--demo) or measure their bandwidth (--bench)",

@@ -1,6 +1,6 @@
 """Typed run configuration: dataclass defaults <- a YAML preset <- dotted command-line overrides.
 
-    meshtrain train gpt preset=shakespeare_char data=shakespeare train.dtype=bf16 model.n_layer=6
+    meshtrain train gpt preset=shakespeare_char data=shakespeare train.dtype=fp32 model.n_layer=6
     meshtrain train vit preset=tiny parallel.tp=2 amp_mode=bf16 num_data_workers=2
 
 `preset=NAME` merges `configs/<workload>/NAME.yaml` (shipped with the package) or a YAML path;
@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from meshtrain.errors import MeshtrainError
 
 PRESET_DIR = Path(__file__).parent / "configs"
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # machine/precision.py
 BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp", "deepspeed")  # parallel/data_parallel.py, deepspeed_backend.py
 PROFILERS = ("none", "torch", "nsys")  # train/profiling.py
 CP_IMPLS = ("ring", "ulysses")  # parallel/context_parallel.py
@@ -73,7 +73,7 @@ class OptimizerSection:
 @dataclass
 class TrainSection:
     backend: str = "ddp"
-    dtype: str = "bf16"  # fp32 | bf16 (autocast) | fp16 (autocast + GradScaler, GPU only)
+    dtype: str = "auto"  # auto (what the device computes natively) | fp32 | bf16 (autocast) | fp16 (+ GradScaler, GPU)
     compile: bool = False
     activation_checkpointing: str = "none"  # none | full | selective (every ac_every-th block)
     ac_every: int = 2

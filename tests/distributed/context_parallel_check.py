@@ -12,8 +12,8 @@
 
 One launch runs several cases (starting the process group is the slow part). The mesh is meshtrain's
 ParallelDims(world_size, cp=CP).build_mesh(...); gradients are averaged by DDP over the flattened dp_cp
-group (which is the cp group when dp = 1), exactly as the training loop averages them. Every rank prints
-"<case> rank R: ... -> EQUAL" or "-> DIFFERENT" per case and exits non-zero if any case differs.
+group (which is the cp group when dp = 1), exactly as the training loop averages them. Every rank records
+per case (driver_results.record) its verdict and worst differences, and exits non-zero if any case differs.
 """
 
 import sys
@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from driver_results import record
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.dist import distributed
@@ -61,7 +62,7 @@ def gather_in_order(local: torch.Tensor, group, positions: list[torch.Tensor], s
     return whole
 
 
-def check_attention(info, impl: str, cp: int) -> tuple[bool, str]:
+def check_attention(info, impl: str, cp: int) -> tuple[bool, dict]:
     dims, mesh = mesh_for(info, cp)
     cp_mesh, dev = submesh(mesh, "cp"), info.torch_device
     cp_rank, group = cp_mesh.get_local_rank(), cp_mesh.get_group()
@@ -98,15 +99,14 @@ def check_attention(info, impl: str, cp: int) -> tuple[bool, str]:
             low = kernel(*low_in, 0.0)
         (low.float() * dy[:, :, mine]).sum().backward()
         if low.dtype != torch.bfloat16:
-            return False, f"{name}: bf16 in, {low.dtype} out"
+            return False, {"worst": diffs, "problems": f"{name}: bf16 in, {low.dtype} out"}
         pairs = [(low, ref_out[:, :, mine])] + [(t.grad, r.grad[:, :, mine]) for t, r in zip(low_in, ref_in, strict=True)]
         bf16[name] = max(((a.float() - b).abs().max() / b.abs().max()).item() for a, b in pairs)
     ok = max(diffs.values()) < TOL and max(bf16.values()) < 2e-2
-    return ok, (" ".join(f"{k} diff {v:.3g}" for k, v in diffs.items()) + "; bf16 relative diff "
-                + ", ".join(f"{k} {v:.3g}" for k, v in bf16.items()))
+    return ok, {"worst": diffs | {f"bf16 {k} (relative)": v for k, v in bf16.items()}}
 
 
-def check_training(info, impl: str, cp: int, ac: bool) -> tuple[bool, str]:
+def check_training(info, impl: str, cp: int, ac: bool) -> tuple[bool, dict]:
     dims, mesh = mesh_for(info, cp)
     cp_mesh, dp_cp_mesh, dev = submesh(mesh, "cp"), submesh(mesh, "dp_cp"), info.torch_device
     cp_rank, dp_rank = cp_mesh.get_local_rank(), dims.dp_rank(info.rank)
@@ -149,11 +149,10 @@ def check_training(info, impl: str, cp: int, ac: bool) -> tuple[bool, str]:
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             worst["param"] = max(worst["param"], (p.detach() - q.detach()).abs().max().item())
     ok = max(worst.values()) < TOL
-    return ok, (f"dp={dims.dp_size} cp={cp}: loss diff {worst['loss']:.3g}, relative grad diff {worst['grad']:.3g}, "
-                f"param diff {worst['param']:.3g} after {STEPS} steps")
+    return ok, {"worst": worst, "dp": dims.dp_size, "cp": cp}  # grad: relative
 
 
-def check_errors(info) -> tuple[bool, str]:
+def check_errors(info) -> tuple[bool, dict]:
     _, mesh = mesh_for(info, 2)
     cp_mesh = submesh(mesh, "cp")
     q = torch.zeros(1, 4, 8, 8, device=info.torch_device)
@@ -168,10 +167,10 @@ def check_errors(info) -> tuple[bool, str]:
         except ContextParallelError as e:
             if needle not in str(e):
                 problems.append(f"{what}: message lacks {needle!r}: {e}")
-    return not problems, "; ".join(problems) or "clear errors raised"
+    return not problems, {"problems": problems}
 
 
-def run_case(info, case: str) -> tuple[bool, str]:
+def run_case(info, case: str) -> tuple[bool, dict]:
     kind, *rest = case.split("-")
     if kind == "attn":
         return check_attention(info, rest[0], int(rest[1]))
@@ -185,10 +184,8 @@ def run_case(info, case: str) -> tuple[bool, str]:
 with distributed() as info:
     failed = 0
     for case in sys.argv[1:]:
-        ok, detail = run_case(info, case)
+        ok, fields = run_case(info, case)
         failed += not ok
-        # One write per line: the ranks share the launcher's stdout, and print() may split a line in two writes.
-        sys.stdout.write(f"{case} rank {info.rank}: {detail} -> {'EQUAL' if ok else 'DIFFERENT'}\n")
-        sys.stdout.flush()
+        record(case, equal=ok, **fields)
     exit_code = 1 if failed else 0
 sys.exit(exit_code)

@@ -1,46 +1,51 @@
 """Under torchrun: a data-parallel backend must train exactly like one process on the whole batch.
 
-    python -m torch.distributed.run --nproc-per-node N data_parallel_check.py BACKEND [--cpu-offload] [--ac=full]
+    python -m torch.distributed.run --nproc-per-node N data_parallel_check.py CASE [CASE ...]
 
-Every rank builds the same global batch and a single-process reference; the parallel model sees only
-this rank's share, in ACCUM micro-steps of which only the last synchronises (the loop's
-apply_data_parallel + build_optimizer + gradient_sync). Loss, gradients and parameters are compared
-after each of STEPS steps; sharded ones (FSDP's DTensors) are gathered first.
+CASE is BACKEND[:OPTION,...], OPTION cpu-offload or ac=full (activation checkpointing), e.g. fsdp:cpu-offload.
+One launch runs several cases (starting the processes is the slow part). For each, every rank builds the same
+global batch and a single-process reference; the parallel model sees only this rank's share, in ACCUM
+micro-steps of which only the last synchronises (the loop's apply_data_parallel + build_optimizer +
+gradient_sync). Loss, gradients and parameters are compared after each of STEPS steps; sharded ones (FSDP's
+DTensors) are gathered first. Each rank records per case (driver_results.record) its verdict, the worst
+differences and the bytes of parameters, gradients and optimizer state it holds and the whole model's.
 """
 
 import sys
 
 import torch
 import torch.distributed as dist
+from driver_results import full, record
 
 from meshtrain.dist import distributed
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.data_parallel import apply_data_parallel, build_optimizer, bytes_held, gradient_sync
 
-ACCUM, MICRO, STEPS = 2, 3, 3
-backend, cpu_offload = sys.argv[1], "--cpu-offload" in sys.argv
-activation_checkpointing = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--ac=")), "none")
+ACCUM, MICRO, STEPS, TOL = 2, 3, 3, 1e-5
+CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+_hsdp_mesh = None
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-with distributed() as info:
-    config = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+def check(case: str, info) -> bool:
+    global _hsdp_mesh
+    backend, _, options = case.partition(":")
+    options = set(filter(None, options.split(",")))
+    activation_checkpointing = "full" if "ac=full" in options else "none"
     torch.manual_seed(0)
-    reference = GPT(config)
+    reference = GPT(CONFIG)
     torch.manual_seed(0)
-    model = GPT(config)
+    model = GPT(CONFIG)
     apply_activation_checkpointing(model.transformer.h, activation_checkpointing)
     mesh = None
     if backend == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, info.world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        if _hsdp_mesh is None:  # built once (collective)
+            _hsdp_mesh = init_device_mesh("cpu", (2, info.world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        mesh = _hsdp_mesh
     parallel = apply_data_parallel(model, backend, info.torch_device, info.world_size,
-                                   blocks=model.transformer.h.values(), mesh=mesh, cpu_offload=cpu_offload)
+                                   blocks=model.transformer.h.values(), mesh=mesh, cpu_offload="cpu-offload" in options)
     # SGD is linear in the gradients; Adam's first steps divide by |g| and would magnify rounding noise in
     # near-zero gradients into differences that say nothing about the parallel layout.
     sgd = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -69,14 +74,17 @@ with distributed() as info:
             worst["grad"] = max(worst["grad"], ((full(p.grad).cpu() - q.grad).abs().max() / scale).item())
         ref_opt.step()
         opt.step()
-        mine, whole = bytes_held(model, opt), bytes_held(reference, ref_opt)  # with gradients and optimizer state
+        held, whole = bytes_held(model, opt), bytes_held(reference, ref_opt)  # with gradients and optimizer state
         ref_opt.zero_grad()
         opt.zero_grad()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             worst["param"] = max(worst["param"], (full(p.detach()).cpu() - q.detach()).abs().max().item())
-    print(f"{backend} rank {info.rank} holds " + " ".join(f"{k}={mine[k]}/{whole[k]}" for k in mine), flush=True)
-    ok = worst["loss"] < 1e-5 and worst["grad"] < 1e-5 and worst["param"] < 1e-5
-    print(f"{backend} rank {info.rank}: loss diff {worst['loss']:.3g}, relative grad diff {worst['grad']:.3g}, "
-          f"param diff {worst['param']:.3g} after {STEPS} steps -> {'EQUAL' if ok else 'DIFFERENT'}", flush=True)
-    exit_code = 0 if ok else 1
+    ok = worst["loss"] < TOL and worst["grad"] < TOL and worst["param"] < TOL
+    record(case, equal=ok, worst=worst, held=held, whole=whole)  # worst grad: relative
+    return ok
+
+
+with distributed() as info:
+    results = [check(case, info) for case in sys.argv[1:]]
+    exit_code = 0 if all(results) else 1
 sys.exit(exit_code)

@@ -6,7 +6,8 @@ CASE is `backend:key=value,...` over cfg.parallel (and `ac=full|selective`), e.g
 `ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
 layout's micro-step, tied-embedding, clipping and eval methods — for STEPS steps of ACCUM micro-steps on
 the same global batches as a single-process reference, and compares loss, every gradient (gathered) and
-every parameter after each step, then the eval loss, printing "CASE -> EQUAL" per rank.
+every parameter after each step, then the eval loss; each rank records per case its verdict and the worst
+differences (driver_results.record).
 
 --save DIR: after the last case, write a distributed checkpoint of it to DIR (parallel.state_dict +
 train.checkpoint.Checkpointer). --load DIR: for each case, load DIR into the fresh layout and write the
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from driver_results import full, record
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from meshtrain.config import GPTRunConfig
@@ -53,10 +55,6 @@ def parse(case: str) -> GPTRunConfig:
         value = int(value) if key in INTS else (value == "true" if value in ("true", "false") else value)
         setattr(cfg.parallel, key, value)
     return cfg
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def worst(mine: dict, ref: dict) -> float:
@@ -139,9 +137,8 @@ def run_case(case: str, info) -> tuple:
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         diffs["param"] = max(diffs["param"], worst(whole_parameters(layout), ref_params))
     ok = max(diffs.values()) <= TOL and (len(grads) > 0 or layout.engine is not None)
-    owned = sorted(n for n, _ in layout.model.named_parameters())
-    print(f"{case} rank {info.rank}: owns {len(owned)} tensors; max diff " +
-          " ".join(f"{k}={v:.2e}" for k, v in diffs.items()) + (" -> EQUAL" if ok else " -> DIFFERENT"), flush=True)
+    owned = sum(1 for _ in layout.model.named_parameters())
+    record(case, equal=ok, worst=diffs, owns=owned)  # grad, param, norm: relative
     return layout, optimizer
 
 

@@ -4,13 +4,14 @@
         tp=2,dp_shard=2 dp_replicate=2,dp_shard=2
 
 Each argument is one layout (comma-separated ParallelDims fields; the world size comes from the job).
-Every rank prints "MESH OK <layout>" or "MESH MISMATCH <layout>: ..." per layout.
+Every rank records per layout (driver_results.record) equal=True when the groups match, else the problems.
 """
 
 import sys
 
 import torch
 import torch.distributed as dist
+from driver_results import record
 
 from meshtrain.dist.setup import collective, distributed
 from meshtrain.parallel.mesh import DIMS, FLATTENED, ParallelDims, submesh
@@ -53,9 +54,7 @@ def main():
     with distributed() as info:
         for arg in sys.argv[1:]:
             problems = check(info, arg)
-            verdict = "MESH OK" if not problems else "MESH MISMATCH"
-            print(f"[rank {info.rank}] {verdict} {arg}" + (": " + "; ".join(problems) if problems else ""),
-                  flush=True)
+            record(arg, equal=not problems, problems=problems)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ compares the loss (last stage), the clipping norm, and the gradient and value of
 by full-model name (lm_head.weight and transformer.wte.weight both against the reference's one tied
 weight); before the last step it compares eval_loss, through the schedule's eval() and through the plain
 forward pass of older torch, so the last step also checks that training still matches after an eval.
+Each rank records per case (driver_results.record) its verdict, worst differences, dp rank and how many
+parameters it holds; with --errors, per layout ("errors@LAYOUT") the message each bad layout fails with.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from driver_results import full, record
 
 from meshtrain.dist import distributed
 from meshtrain.models.gpt import GPT, GPTConfig
@@ -31,10 +34,6 @@ parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="+", help="SCHEDULE@LAYOUT, LAYOUT one of pp, fsdp, ddp")
 parser.add_argument("--errors", action="store_true")
 args = parser.parse_args()
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def batch(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,13 +129,10 @@ def check(schedule: str, layout: str, mesh, info) -> bool:
                 worst["param"] = max(worst["param"], (full(p.detach()).cpu() - q.detach()).abs().max().item())
 
     ref_held = sum(p.numel() for p in reference.parameters())
-    print(f"{schedule}@{layout} rank {info.rank} dp {dp_rank} holds {held} of {ref_held} parameters", flush=True)
     ok = keys_ok and all(v < TOL for v in worst.values()) and min(norms) > MAX_NORM
-    print(f"{schedule}@{layout} rank {info.rank} (pp rank {dist.get_rank(pp_mesh.get_group())}, stages "
-          f"{pipeline.stage_indices}, first={pipeline.is_first}, last={pipeline.is_last}): "
-          + ", ".join(f"{k} diff {v:.3g}" for k, v in worst.items())
-          + f", reference norms {', '.join(f'{n:.3f}' for n in norms)} (clipped to {MAX_NORM}), keys "
-          + f"{'ok' if keys_ok else 'WRONG'} after {STEPS} steps -> {'EQUAL' if ok else 'DIFFERENT'}", flush=True)
+    record(f"{schedule}@{layout}", equal=ok, worst=worst, dp=dp_rank, held=held, whole=ref_held,
+           pp_rank=dist.get_rank(pp_mesh.get_group()), stages=list(pipeline.stage_indices), first=pipeline.is_first,
+           last=pipeline.is_last, reference_norms=norms, keys_ok=keys_ok)
     return ok
 
 
@@ -152,8 +148,7 @@ def errors(mesh, layout: str, info) -> None:
             message = "no error"
         except PipelineError as e:
             message = str(e)
-        if info.rank == 0:
-            print(f"error ddp: {message}", flush=True)
+        record("errors@ddp", ddp=message)
         return
     cases = {
         "microbatches": dict(schedule="1f1b", microbatches=1),
@@ -167,8 +162,7 @@ def errors(mesh, layout: str, info) -> None:
             message = "no error"
         except PipelineError as e:
             message = str(e)
-        if info.rank == 0:
-            print(f"error {what}: {message}", flush=True)
+        record(f"errors@{layout}", **{what: message})
     pipeline = build_pipeline(GPT(CONFIG), pp_mesh, schedule="gpipe", microbatches=4, device=info.torch_device)
     x, y = batch(0, 6)
     try:
@@ -176,8 +170,7 @@ def errors(mesh, layout: str, info) -> None:
         message = "no error"
     except PipelineError as e:
         message = str(e)
-    if info.rank == 0:
-        print(f"error batch: {message}", flush=True)
+    record(f"errors@{layout}", batch=message)
 
 
 with distributed() as info:

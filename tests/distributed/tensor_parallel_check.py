@@ -1,10 +1,11 @@
 """Under torchrun: a tensor-parallel GPT must train exactly like one process on the whole batch.
 
-    python -m torch.distributed.run --nproc-per-node N tensor_parallel_check.py CASE [--ac=full]
+    python -m torch.distributed.run --nproc-per-node N tensor_parallel_check.py CASE[:ac=full] [CASE ...]
 
 CASE is tp (plain tensor parallel), tp-sp-lp (with sequence and loss parallel) or fsdp-tp (a 2 × N/2 mesh:
 FSDP2 over dp_shard on top of tp, with sequence and loss parallel); tp-sp and tp-lp are the other two mixes.
---ac=full wraps the blocks in activation checkpointing after tensor parallel (the order the loop uses).
+:ac=full wraps the blocks in activation checkpointing after tensor parallel (the order the loop uses). One launch
+runs several cases (starting the processes is the slow part).
 
 Every rank builds the same global batch and a single-process reference from the same seed; the parallel model
 sees its data-parallel rank's rows (all of them without FSDP), in ACCUM micro-steps. Loss, gradients (DTensors
@@ -12,8 +13,8 @@ gathered), the clipped gradient norm and the parameters are compared after each 
 logits and greedy samples of a 5-token prompt (a length tp does not divide) and an evaluation loss outside
 loss_parallel_context. The vocabulary is 65, which no tp > 1 divides. Also checked: the activations have the
 promised layout, the tie survives, each rank holds its exact share of the block matrices and embedding rows
-(printed for the pytest), a head count tp does not divide is refused, and with dropout the replicated
-parameters stay identical across the tp group.
+(recorded for the test with the verdict and worst differences, driver_results.record), a head count tp does not
+divide is refused, and with dropout the replicated parameters stay identical across the tp group.
 """
 
 import math
@@ -21,6 +22,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from driver_results import full, record
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtrain.dist import distributed
@@ -34,21 +36,15 @@ ACCUM, MICRO, STEPS, VOCAB = 2, 2, 3, 65
 CASES = {"tp": dict(sp=False, lp=False, fsdp=False), "tp-sp-lp": dict(sp=True, lp=True, fsdp=False),
          "fsdp-tp": dict(sp=True, lp=True, fsdp=True),
          "tp-sp": dict(sp=True, lp=False, fsdp=False), "tp-lp": dict(sp=False, lp=True, fsdp=False)}
-case = CASES[sys.argv[1]]
-activation_checkpointing = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--ac=")), "none")
 MATRICES = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "attn.c_proj.weight",
             "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def tiny_gpt(tp_mesh, dropout: float = 0.0) -> GPT:
+def tiny_gpt(case: dict, tp_mesh, dropout: float = 0.0) -> GPT:
     config = GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, dropout=dropout, bias=True)
     torch.manual_seed(0)
     model = GPT(config)
@@ -57,7 +53,7 @@ def tiny_gpt(tp_mesh, dropout: float = 0.0) -> GPT:
     return model
 
 
-def check_holds(model: GPT, tp: int, tp_rank: int) -> str:
+def check_holds(model: GPT, tp: int, tp_rank: int) -> dict:
     """Exact shard sizes: block matrices 1/tp each; the tied [65, C] matrix in torch.chunk's uneven rows."""
     c = model.config
     block = sum(local(p).numel() for n, p in model.named_parameters() if n.endswith(MATRICES))
@@ -66,7 +62,7 @@ def check_holds(model: GPT, tp: int, tp_rank: int) -> str:
     rows = local(model.transformer.wte.weight).shape[0]
     chunk = math.ceil(VOCAB / tp)
     assert rows == max(0, min(chunk, VOCAB - tp_rank * chunk)), (rows, tp_rank)
-    return f"block_matrices={block}/{whole} wte_rows={rows}/{VOCAB}"
+    return {"block_matrices": block, "whole_block_matrices": whole, "wte_rows": rows}
 
 
 def watch_layout(model: GPT) -> dict:
@@ -84,7 +80,7 @@ def watch_layout(model: GPT) -> dict:
     return seen
 
 
-def check_layout(seen: dict, tp: int) -> None:
+def check_layout(case: dict, seen: dict, tp: int) -> None:
     stream, q, logits = seen["stream"], seen["q"], seen["logits"]
     if case["sp"]:
         assert isinstance(stream, DTensor) and stream.placements == (Shard(1),), "residual stream sequence-sharded"
@@ -108,10 +104,10 @@ def check_bad_heads(tp_mesh) -> None:
     raise AssertionError("n_head=3 was accepted")
 
 
-def check_dropout_keeps_replicas_equal(tp_mesh) -> None:
+def check_dropout_keeps_replicas_equal(case: dict, tp_mesh) -> None:
     """dropout > 0 trains (no parity: masks differ from one process) and replicated parameters stay replicas."""
     torch.manual_seed(1)  # the same on every tp rank, as the loop seeds them
-    model = tiny_gpt(tp_mesh, dropout=0.2)
+    model = tiny_gpt(case, tp_mesh, dropout=0.2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
     with loss_parallel_context(case["lp"]):
@@ -129,15 +125,23 @@ def check_dropout_keeps_replicas_equal(tp_mesh) -> None:
             assert all(torch.equal(replicas[0], r) for r in replicas), f"{name} replicas diverged"
 
 
-with distributed() as info:
+_meshes: dict[int, tuple] = {}
+
+
+def check(label: str, info) -> bool:
+    kind, _, options = label.partition(":")
+    case = CASES[kind]
+    activation_checkpointing = "full" if options == "ac=full" else "none"
     tp = info.world_size // 2 if case["fsdp"] else info.world_size
-    dims = ParallelDims(world_size=info.world_size, tp=tp)
-    mesh = dims.build_mesh("cpu")
+    if tp not in _meshes:  # built once per tp size, in the same order on every rank (collective)
+        dims = ParallelDims(world_size=info.world_size, tp=tp)
+        _meshes[tp] = dims, dims.build_mesh("cpu")
+    dims, mesh = _meshes[tp]
     tp_mesh, dp_mesh = submesh(mesh, "tp"), submesh(mesh, "dp")
     tp_rank, dp_rank, dp = dims.coords(info.rank)["tp"], dims.dp_rank(info.rank), dims.dp_size
-    reference, model = tiny_gpt(None), tiny_gpt(tp_mesh)
+    reference, model = tiny_gpt(case, None), tiny_gpt(case, tp_mesh)
     assert model.lm_head.weight is model.transformer.wte.weight, "the tie survives parallelize_module"
-    print(f"{sys.argv[1]} rank {info.rank} tp_rank {tp_rank} holds {check_holds(model, tp, tp_rank)}", flush=True)
+    holds = check_holds(model, tp, tp_rank)
     check_bad_heads(tp_mesh)
     apply_activation_checkpointing(model.transformer.h, activation_checkpointing)  # after TP, before FSDP
     if case["fsdp"]:
@@ -166,7 +170,7 @@ with distributed() as info:
             assert type(loss) is torch.Tensor, f"the loss is a plain tensor, got {type(loss)}"
             loss_sum += loss.detach() / ACCUM
         if step == 0:
-            check_layout(seen, tp)
+            check_layout(case, seen, tp)
         if dp > 1:
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
         worst["loss"] = max(worst["loss"], abs(float(loss_sum) / dp - ref_loss.item()))
@@ -201,11 +205,13 @@ with distributed() as info:
         greedy = dict(max_new_tokens=4, temperature=0)
         same_samples = torch.equal(model.generate(prompt, **greedy), reference.generate(prompt, **greedy))
     if not case["fsdp"]:
-        check_dropout_keeps_replicas_equal(tp_mesh)
+        check_dropout_keeps_replicas_equal(case, tp_mesh)
     ok = max(worst.values()) < 1e-5 and same_samples
-    print(f"{sys.argv[1]} rank {info.rank}: loss diff {worst['loss']:.3g}, relative grad diff {worst['grad']:.3g}, "
-          f"grad norm diff {worst['norm']:.3g}, param diff {worst['param']:.3g} after {STEPS} steps; "
-          f"sampling logits diff {worst['logits']:.3g}, eval loss diff {worst['eval']:.3g}, "
-          f"greedy samples {'equal' if same_samples else 'differ'} -> {'EQUAL' if ok else 'DIFFERENT'}", flush=True)
-    exit_code = 0 if ok else 1
+    record(label, equal=ok, worst=worst, same_samples=same_samples, tp_rank=tp_rank, **holds)  # grad: relative
+    return ok
+
+
+with distributed() as info:
+    results = [check(label, info) for label in sys.argv[1:]]
+    exit_code = 0 if all(results) else 1
 sys.exit(exit_code)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from tests.conftest import ANSI, REPO, clean_env, mpirun, requires_mpirun, torchrun
+from tests.conftest import ANSI, REPO, clean_env, mpirun, requires_mpirun, torchrun, torchrun_cmd
 
 from meshtrain.dist.collectives import (
     BENCH_OPS,
@@ -107,8 +107,8 @@ def test_demo_fails_when_a_rank_gets_a_wrong_answer(tmp_path):
         collectives._demo_case = corrupted
         sys.exit(cli.main(["collectives", "--demo"]))
     """))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env(), cwd=REPO)
+    result = subprocess.run(torchrun_cmd(2, str(script)), capture_output=True, text=True, timeout=120, env=clean_env(),
+                            cwd=REPO)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "collectives demo: 11/12 passed on 2 ranks (gloo); wrong: all_to_all on rank(s) 1" in out

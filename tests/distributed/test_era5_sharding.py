@@ -4,12 +4,12 @@ ranks of one replica (tp here) read the same ones, each sample exactly as one pr
 The file is both the pytest test and, run as a script under torchrun, the driver:
     python -m torch.distributed.run --nproc-per-node 4 test_era5_sharding.py DATA_DIR
 4 ranks = dp 2 x tp 2 (dp_rank = rank // 2). Each rank loads 2 epochs with one worker process, gathers
-what every rank read, and matches each sample against the whole dataset read by this process alone.
+what every rank read, and matches each sample against the whole dataset read by this process alone; it records
+(driver_results.record) whether every sample equals one process's exactly, and which samples each dp rank read.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +19,9 @@ import torch.distributed as dist
 RANKS, TP, BATCH, LIMIT = 4, 2, 2, 11
 
 
-def run_driver(root: Path) -> None:
+def drive(root: Path) -> None:
+    from driver_results import record
+
     from meshtrain.data.era5 import ERA5Dataset
     from meshtrain.data.era5_batches import ERA5Batches
     from meshtrain.dist import distributed
@@ -55,27 +57,26 @@ def run_driver(root: Path) -> None:
             every = [i for share in shares for i in share]
             assert len(set(every)) == len(every) == dp_size * per_rank, (epoch, shares)  # disjoint across dp
             orders.append(shares)
-            print(f"rank {info.rank} epoch {epoch}: dp rank {dp_rank} read {read[info.rank]}; "
-                  f"dp shares {shares}", flush=True)
+            record(f"epoch {epoch}", dp_rank=dp_rank, read=read[info.rank], dp_shares=shares)
         assert orders[0] != orders[1], "each epoch reshuffles"
         stream.close()
-        verdict = "EQUAL" if worst == 0.0 else "DIFFERENT"
-        print(f"rank {info.rank}: max |loader - one process| = {worst:.3g} -> {verdict}", flush=True)
+        record("samples", equal=worst == 0.0, worst={"|loader - one process|": worst})
 
 
 def test_dp_ranks_read_disjoint_samples_and_tp_ranks_the_same(tmp_path):
-    from tests.conftest import REPO, clean_env, output
+    from tests.conftest import assert_all_equal, run_driver
 
     from meshtrain.data.era5_synthetic import generate
 
     generate(tmp_path / "era5", years=[2016, 2017, 2018, 2019], samples_per_year=7, grid=(8, 16), seed=0)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", __file__,
-           str(tmp_path / "era5")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
-    text = output(proc)
-    assert proc.returncode == 0, text[-3000:]
-    assert text.count("-> EQUAL") == RANKS, text[-3000:]
+    results = run_driver(__file__, RANKS, str(tmp_path / "era5"), timeout=120)
+    assert_all_equal(results, ["samples"], RANKS, "every sample a rank read equals the one this process reads alone")
+    for epoch in ("epoch 0", "epoch 1"):  # as the driver asserts: tp ranks of a replica read the same, dp ranks not
+        reads = [results[rank][epoch]["read"] for rank in range(RANKS)]
+        assert all(reads[rank] == reads[rank - rank % TP] for rank in range(RANKS)), (epoch, reads)
+        every = [i for replica in reads[::TP] for i in replica]
+        assert len(set(every)) == len(every) > 0, (epoch, reads)
 
 
 if __name__ == "__main__":
-    run_driver(Path(sys.argv[1]))
+    drive(Path(sys.argv[1]))

@@ -1,37 +1,26 @@
 """Every composed layout the trainer builds equals one process, and checkpoints move between layouts.
 
-Each launch runs several layouts in turn (starting the processes is the slow part); layout_check.py
-prints one "-> EQUAL" line per layout per rank when loss, gathered gradients, the clipped norm,
-parameters after each step and the eval loss are within 1e-5 of a single-process reference.
+Each launch runs several layouts in turn (starting the processes is the slow part); every rank of
+layout_check.py records per layout whether loss, gathered gradients, the clipped norm, parameters after each
+step and the eval loss are within 1e-5 of a single-process reference.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import REPO, clean_env, output
+from tests.conftest import assert_all_equal, run_driver
 
-CHECK = str(Path(__file__).with_name("layout_check.py"))
-
-
-def launch(ranks: int, *args: str, timeout: float = 420) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", CHECK, *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=timeout)
-    text = output(out)
-    assert out.returncode == 0, text[-4000:]
-    return text
+CHECK = Path(__file__).with_name("layout_check.py")
+EQUAL = "loss, gathered gradients, clipped norm, parameters and eval loss within 1e-5 of one process"
 
 
-def assert_equal(text: str, cases: list[str], ranks: int) -> None:
-    for case in cases:  # ranks print concurrently: a verdict may share a line with another rank's
-        verdicts = dict(re.findall(rf"{re.escape(case)} rank (\d+): [^>]*-> (EQUAL|DIFFERENT)", text))
-        assert sorted(map(int, verdicts)) == list(range(ranks)), f"{case}: {verdicts}"
-        assert set(verdicts.values()) == {"EQUAL"}, [m for m in text.splitlines() if case in m]
+def launch(ranks: int, cases: list[str], *flags: str, timeout: float = 420) -> dict[int, dict[str, dict]]:
+    return run_driver(CHECK, ranks, *cases, *flags, timeout=timeout)
 
 
 LAYOUTS = {
@@ -41,39 +30,49 @@ LAYOUTS = {
         "ddp:pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=full",
         "ddp:cp=2,cp_impl=ring",
         "ddp:cp=2,cp_impl=ulysses"],
-    4: ["fsdp:tp=2",  # fsdp 2 x tp 2
-        "ddp:pp=2,pp_schedule=gpipe",  # dp 2 x pp 2
+    4: ["ddp:pp=2,pp_schedule=gpipe",  # dp 2 x pp 2
         "fsdp:pp=2,pp_schedule=1f1b",  # fsdp 2 x pp 2
         "ddp:tp=2,pp=2,pp_schedule=1f1b",  # tp 2 x pp 2
         "ddp:cp=2,cp_impl=ring",  # dp 2 x cp 2
         "fsdp:cp=2,cp_impl=ulysses",  # fsdp 2 x cp 2
-        "fsdp:tp=2,cp=2,cp_impl=ring,ac=selective"],  # tp 2 x cp 2, activation checkpointing
+        "fsdp:tp=2,cp=2,cp_impl=ring,ac=selective",  # tp 2 x cp 2, activation checkpointing
+        "fsdp:tp=2"],  # fsdp 2 x tp 2, last: the launch saves its checkpoint for the resharding test
     8: ["fsdp:tp=2,pp=2,pp_schedule=1f1b",  # 3-D: fsdp 2 x tp 2 x pp 2
         "hsdp:dp_replicate=2,tp=2",  # 3-D: replicate 2 x shard 2 x tp 2
         "fsdp:tp=2,cp=2,pp=2,pp_schedule=gpipe"],  # 4-D: tp 2 x cp 2 x pp 2 (dp 1)
 }
 
 
-@pytest.mark.parametrize("ranks", sorted(LAYOUTS))
-def test_layouts_equal_one_process(ranks):
-    text = launch(ranks, *LAYOUTS[ranks])
-    assert_equal(text, LAYOUTS[ranks], ranks)
+SAVED_UNDER = LAYOUTS[4][-1]
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> tuple[dict[int, dict[str, dict]], Path]:
+    """The 4-rank layouts, one launch, which then saves a checkpoint of the last (its results, the folder)."""
+    saved = tmp_path_factory.mktemp("checkpoint")
+    return launch(4, LAYOUTS[4], "--save", str(saved)), saved
+
+
+@pytest.mark.parametrize("ranks", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # 8: ~50 s on 2 cores
+def test_layouts_equal_one_process(ranks, request):
+    results = request.getfixturevalue("four_ranks")[0] if ranks == 4 else launch(ranks, LAYOUTS[ranks])
+    assert_all_equal(results, LAYOUTS[ranks], ranks, EQUAL)
+
+
+@pytest.mark.slow  # ~40 s where DeepSpeed first builds its shared-memory op, ~18 s after
 def test_deepspeed_zero_stages_equal_one_process():
     pytest.importorskip("deepspeed", reason="needs the [deepspeed] extra")
     cases = ["deepspeed:zero_stage=1", "deepspeed:zero_stage=2", "deepspeed:zero_stage=3"]
-    assert_equal(launch(2, *cases), cases, 2)  # loss, DeepSpeed's clip norm, parameters (gathered under ZeRO-3)
+    assert_all_equal(launch(2, cases), cases, 2, EQUAL)  # loss, DeepSpeed's clip norm, parameters (gathered under ZeRO-3)
 
 
-def test_checkpoint_reshards_between_layouts(tmp_path):
+def test_checkpoint_reshards_between_layouts(four_ranks):
     # Saved under fsdp 2 x tp 2 (4 ranks) after two steps ...
-    saved_under = "fsdp:tp=2"
-    text = launch(4, saved_under, "--save", str(tmp_path))
-    assert_equal(text, [saved_under], 4)
+    results, saved = four_ranks
+    assert_all_equal(results, [SAVED_UNDER], 4, EQUAL)
     # ... loaded under ddp 2, pp 2 and tp 2 + fsdp 1 (2 ranks), and by one process reading every shard.
     loaded_under = ["ddp:", "ddp:pp=2,pp_schedule=1f1b", "fsdp:tp=2"]
-    launch(2, *loaded_under, "--load", str(tmp_path))
+    launch(2, loaded_under, "--load", str(saved))
 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -87,13 +86,13 @@ def test_checkpoint_reshards_between_layouts(tmp_path):
 
     one = GPT(CONFIG)
     optimizer = build_optimizer(one.configure_optimizer_groups(0.1), torch.device("cpu"), **SGD)
-    load_model_and_optimizer_state(one, optimizer, checkpoint.dcp_loader(checkpoint.latest_checkpoint(tmp_path)))
+    load_model_and_optimizer_state(one, optimizer, checkpoint.dcp_loader(checkpoint.latest_checkpoint(saved)))
     model_state = one.state_dict()
     momentum = {n: s["momentum_buffer"] for n, s in get_optimizer_state_dict(one, optimizer)["state"].items()}
     assert len(momentum) == len(list(one.parameters())), "the optimizer state was saved and loaded"
     assert not torch.equal(model_state["transformer.h.0.mlp.c_fc.weight"], GPT(CONFIG).transformer.h["0"].mlp.c_fc.weight)
     for case in loaded_under:
-        got = torch.load(tmp_path / f"gathered-{re.sub('[:,]', '_', case)}.pt", weights_only=True)
+        got = torch.load(saved / f"gathered-{re.sub('[:,]', '_', case)}.pt", weights_only=True)
         assert set(got["model"]) == set(model_state), case
         for name, value in model_state.items():
             assert torch.equal(got["model"][name], value), f"{case}: {name} differs after resharding"

@@ -8,7 +8,16 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, mpirun, output, requires_mpirun, torchrun
+from tests.conftest import (
+    REPO,
+    clean_env,
+    mpirun,
+    mpirun_cmd,
+    output,
+    requires_mpirun,
+    torchrun,
+    torchrun_cmd,
+)
 
 DRIVER = str(Path(__file__).with_name("fault_driver.py"))
 ITER_LINE = re.compile(r"iter=(\d+) loss=([\d.]+) dt=([\d.]+) dtf=([\d.]+) dtb=([\d.]+)")
@@ -49,9 +58,9 @@ def test_launch_runs_torchrun_locally():
 def run_faulty(mode: str, launcher=torchrun, timeout_s: int = 10):
     start = time.monotonic()
     if launcher is torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", DRIVER]
+        cmd = torchrun_cmd(2, DRIVER)
     else:
-        cmd = ["mpirun", "-n", "2", "--oversubscribe", "--allow-run-as-root", sys.executable, DRIVER]
+        cmd = mpirun_cmd(2, sys.executable, DRIVER)
     out = subprocess.run([*cmd, mode, "1", "--iters", "5", "--timeout", str(timeout_s)], capture_output=True,
                          text=True, env=clean_env(), cwd=REPO, timeout=120)
     return out, time.monotonic() - start
@@ -116,7 +125,7 @@ def test_mpi_broadcast_rendezvous_when_nothing_is_shared():
     # Hide every shared job id so the ranks must agree over MPI: rank 0's host and port, broadcast.
     code = ("import meshtrain.dist.env as e, sys; e._job_key = lambda env, launch: None; "
             "from meshtrain.cli import main; sys.exit(main(['test-dist', '--iters', '2']))")
-    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--allow-run-as-root", sys.executable, "-c", code]
+    cmd = mpirun_cmd(2, sys.executable, "-c", code)
     out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
     assert_test_dist_passed(out, 2, 2, "openmpi")
     assert "broadcast from rank 0 over MPI" in out.stdout

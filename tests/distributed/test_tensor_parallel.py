@@ -2,15 +2,12 @@
 promised, and refuses what it cannot do with the numbers."""
 
 import math
-import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.conftest import REPO, clean_env, output
+from tests.conftest import SharedLaunches, assert_all_equal
 
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.tensor_parallel import (
@@ -19,31 +16,35 @@ from meshtrain.parallel.tensor_parallel import (
     loss_parallel_context,
 )
 
-CHECK = str(Path(__file__).with_name("tensor_parallel_check.py"))
-HOLDS = re.compile(r"rank (\d+) tp_rank (\d+) holds block_matrices=(\d+)/(\d+) wte_rows=(\d+)/65")
+CHECK = Path(__file__).with_name("tensor_parallel_check.py")
 TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32)
 
-# case, ranks, tp, flags: (a) plain tp=2, (b) tp=2 + sequence + loss parallel, (c) the same on tp=4, under
-# activation checkpointing too, (d) fsdp 2 × tp 2 with sequence + loss parallel
-CASES = [("tp", 2, 2, []), ("tp-sp-lp", 2, 2, []), ("tp-sp-lp", 4, 4, ["--ac=full"]), ("fsdp-tp", 4, 2, [])]
+# case, ranks, tp: (a) plain tp=2, (b) tp=2 + sequence + loss parallel, (c) the same on tp=4, under activation
+# checkpointing too, (d) fsdp 2 × tp 2 with sequence + loss parallel
+CASES = [("tp", 2, 2), ("tp-sp-lp", 2, 2), ("tp-sp-lp:ac=full", 4, 4), ("fsdp-tp", 4, 2)]
+# One launch per world size runs all of its cases: starting the processes dominates the cost of each.
+LAUNCHES = {ranks: [case for case, r, _ in CASES if r == ranks] for ranks in sorted({c[1] for c in CASES})}
 
 
-@pytest.mark.parametrize("case,ranks,tp,flags", CASES, ids=[f"{c[0]}{''.join(c[3])}-{c[1]}ranks" for c in CASES])
-def test_tensor_parallel_equals_one_process_and_shards_exactly(case, ranks, tp, flags):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", CHECK, case,
-           *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=180)
-    text = output(out)
-    assert out.returncode == 0, text[-4000:]
-    assert text.count("-> EQUAL") == ranks, "loss, gradients, norm, parameters and sampling within 1e-5 of one process"
-    holds = {int(m[1]): tuple(int(g) for g in m.groups()[1:]) for m in HOLDS.finditer(text)}
-    assert sorted(holds) == list(range(ranks))
+@pytest.fixture(scope="module")
+def launches() -> SharedLaunches:
+    return SharedLaunches(CHECK, LAUNCHES, timeout=240)
+
+
+@pytest.mark.parametrize("case,ranks,tp", CASES, ids=[f"{c[0]}-{c[1]}ranks" for c in CASES])
+def test_tensor_parallel_equals_one_process_and_shards_exactly(launches, case, ranks, tp):
+    results = launches(ranks)
+    assert_all_equal(results, [case], ranks, "loss, gradients, norm, parameters and sampling within 1e-5 of one "
+                     "process")
     whole = 2 * 12 * 32 ** 2  # q, k, v, attn.c_proj (4·C²) + mlp.c_fc, mlp.c_proj (8·C²) per block
     # 65 vocab rows over the tp ranks the way torch.chunk splits them: no padding, the last rank short.
     chunk = math.ceil(65 / tp)
     rows_of = {tp_rank: min(chunk, 65 - tp_rank * chunk) for tp_rank in range(tp)}
     assert sum(rows_of.values()) == 65
-    for tp_rank, block, total, rows in holds.values():
+    for rank in range(ranks):
+        holds = results[rank][case]
+        tp_rank, block, total, rows = (holds[k] for k in ("tp_rank", "block_matrices", "whole_block_matrices",
+                                                          "wte_rows"))
         assert total == whole and block == whole // tp, "each tp rank holds exactly 1/tp of the block matrices"
         assert rows == rows_of[tp_rank], f"tp rank {tp_rank} holds {rows} of the 65 embedding rows"
 

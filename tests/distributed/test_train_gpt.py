@@ -70,6 +70,7 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, data_root, tmp_path
     assert f"{tmp_path}" in (tmp_path / "checkpoints.log").read_text()
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_continues_bit_exactly(data_root, tmp_path):
     import os
     import signal
@@ -232,6 +233,7 @@ def test_init_from_a_local_hugging_face_gpt2(tmp_path):
     assert evals[0]["val_loss"] == pytest.approx(10.8, abs=0.3), "a random GPT-2 starts near ln(50257)"
 
 
+@pytest.mark.slow
 def test_compile_trains_like_eager(data_root, tmp_path):
     common = ["train.max_iters=4", "train.eval_interval=4", "train.log_interval=1", "model.dropout=0.0"]
     runs = {}
@@ -244,9 +246,10 @@ def test_compile_trains_like_eager(data_root, tmp_path):
 
 
 @pytest.mark.parametrize("backend,world,extra", [
-    ("ddp", 2, []), ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []), ("hsdp", 4, ["parallel.dp_replicate=2"]),
+    ("ddp", 2, []), ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []),
+    pytest.param("hsdp", 4, ["parallel.dp_replicate=2"], marks=pytest.mark.slow),
     ("fsdp", 2, ["parallel.cpu_offload=true", "train.activation_checkpointing=selective"]),
-    ("deepspeed", 2, ["parallel.zero_stage=3"]),
+    pytest.param("deepspeed", 2, ["parallel.zero_stage=3"], marks=pytest.mark.slow),
 ], ids=["ddp", "zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload-selective-ac", "deepspeed-zero3"])
 def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_root, tmp_path):
     if backend == "deepspeed":
@@ -271,6 +274,7 @@ def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_r
     assert after == {step: full[step] for step in range(21, 31)}, "the resumed run repeats the uninterrupted one"
 
 
+@pytest.mark.slow
 def test_model_parallel_layouts_train_resume_across_layouts_and_export(data_root, tmp_path):
     # tp 2 (sequence + loss parallel) trains 20 iterations, saving in the background; pp 2 resumes that to 30;
     # cp 2 (ring) resumes it to 40; export consolidates the last checkpoint, which sample reads.

@@ -143,6 +143,7 @@ def test_epochs_set_the_schedule_and_the_learning_rate_follows_the_global_batch(
     assert len(lrs) == 10 and all(lr == pytest.approx(2e-3, rel=1e-12) for lr in lrs)
 
 
+@pytest.mark.slow
 def test_resume_continues_bit_exactly(small_data, tmp_path):
     common = ["data.batch_size=4", "train.eval_interval=3", "optimizer.lr_decay_iters=9", "data.limit_train=30"]
     full = train(2, small_data, tmp_path / "full", "train.max_iters=9", *common)

@@ -15,8 +15,8 @@
 Each training case builds a single-process reference from the same seed, trains STEPS SGD steps (lr 0.1, momentum
 0.9) on the same global batch of random [B, C, H, W] fields, and compares loss, every gradient (gathered, relative to
 max(|ref|, 1e-2)), the gradient norm and every parameter, within 1e-5. CP cases also gather the prediction of the
-whole image (gather_tokens) after training and compare it with the reference's. Every rank prints
-"CASE rank R: ... -> EQUAL" or "-> DIFFERENT" per case (one write per line) and exits non-zero if any differs.
+whole image (gather_tokens) after training and compare it with the reference's. Every rank records per case
+(driver_results.record) its verdict and worst differences, and exits non-zero if any differs.
 """
 
 import sys
@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from driver_results import full, record
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -57,11 +58,7 @@ def mesh_for(info, tp: int = 1, cp: int = 1):
     return _meshes[tp, cp]
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def check_attention(info, impl: str) -> tuple[bool, str]:
+def check_attention(info, impl: str) -> tuple[bool, dict]:
     cp = info.world_size
     _, mesh = mesh_for(info, cp=cp)
     cp_mesh = submesh(mesh, "cp")
@@ -81,11 +78,11 @@ def check_attention(info, impl: str) -> tuple[bool, str]:
     # gather_tokens gathers dim 1; attention tensors hold tokens in dim 2
     diffs = {name: (gather_tokens(mine_.transpose(1, 2), cp_mesh).transpose(1, 2) - ref).abs().max().item()
              for name, (mine_, ref) in pairs.items()}
-    return max(diffs.values()) < TOL, " ".join(f"{k} diff {v:.3g}" for k, v in diffs.items())
+    return max(diffs.values()) < TOL, {"worst": diffs}
 
 
 def check_training(info, *, tp: int = 1, cp: int = 1, impl: str = "ulysses", sp: bool = False,
-                   fsdp: bool = False) -> tuple[bool, str]:
+                   fsdp: bool = False) -> tuple[bool, dict]:
     dims, mesh = mesh_for(info, tp=tp, cp=cp)
     tp_mesh, cp_mesh, dp_mesh = submesh(mesh, "tp"), submesh(mesh, "cp"), submesh(mesh, "dp")
     dp_cp_mesh, dp_shard_cp_mesh = submesh(mesh, "dp_cp"), submesh(mesh, "dp_shard_cp")
@@ -99,7 +96,7 @@ def check_training(info, *, tp: int = 1, cp: int = 1, impl: str = "ulysses", sp:
         apply_vit_context_parallel(model, cp_mesh, impl)
     layout = check_layout(model, tp, cp, sp)
     if layout:
-        return False, layout
+        return False, {"problems": layout}
     parallel = model
     if fsdp:  # over dp (fsdp-tp) or over dp_shard x cp (tp-cp): cp ranks' gradients are averaged like dp ranks'
         shard_mesh = dp_shard_cp_mesh if cp > 1 else dp_mesh
@@ -151,7 +148,7 @@ def check_training(info, *, tp: int = 1, cp: int = 1, impl: str = "ulysses", sp:
             whole = model.unpatchify(gather_tokens(local, cp_mesh))
             worst["predict"] = (whole - reference(x[rows])).abs().max().item()
     shape = f"dp={dims.dp_size} tp={tp} cp={cp}" + (f" {impl}" if cp > 1 else "") + (" sp" if sp else "")
-    return max(worst.values()) < TOL, f"{shape}: max diff " + " ".join(f"{k}={v:.2e}" for k, v in worst.items())
+    return max(worst.values()) < TOL, {"worst": worst, "shape": shape}  # grad and norm: relative
 
 
 def check_layout(model: ViT, tp: int, cp: int, sp: bool) -> str:
@@ -179,7 +176,7 @@ def check_layout(model: ViT, tp: int, cp: int, sp: bool) -> str:
     return "; ".join(problems)
 
 
-def check_errors(info) -> tuple[bool, str]:
+def check_errors(info) -> tuple[bool, dict]:
     _, mesh = mesh_for(info, cp=info.world_size)
     any_mesh = submesh(mesh, "cp")
     q = torch.zeros(1, 3, 8, 8)
@@ -201,7 +198,7 @@ def check_errors(info) -> tuple[bool, str]:
             problems.append(f"{what}: no error")
         except error as e:
             problems += [f"{what}: message lacks {n!r}: {e}" for n in needles if n not in str(e)]
-    return not problems, "; ".join(problems) or "clear errors raised"
+    return not problems, {"problems": problems}
 
 
 CASES = {
@@ -220,10 +217,8 @@ CASES = {
 with distributed() as info:
     failed = 0
     for case in sys.argv[1:]:
-        ok, detail = CASES[case](info)
+        ok, fields = CASES[case](info)
         failed += not ok
-        # One write per line: the ranks share the launcher's stdout, and print() may split a line in two writes.
-        sys.stdout.write(f"{case} rank {info.rank}: {detail} -> {'EQUAL' if ok else 'DIFFERENT'}\n")
-        sys.stdout.flush()
+        record(case, equal=ok, **fields)
     exit_code = 1 if failed else 0
 sys.exit(exit_code)

@@ -39,7 +39,7 @@ def test_preset_from_a_yaml_path(tmp_path):
     (["model.n_layer=abc"], "model.n_layer=abc: Value 'abc'"),
     (["model.n_head=5"], "model.n_embd=128 is not divisible by model.n_head=5"),
     (["train.grad_accum=0"], "train.grad_accum=0: must be at least 1"),
-    (["train.dtype=fp8"], "train.dtype='fp8': choose one of fp32, bf16, fp16"),
+    (["train.dtype=fp8"], "train.dtype='fp8': choose one of auto, fp32, bf16, fp16"),
     (["preset=nope"], "preset=nope: no such preset"),
     (["max_iters"], "overrides are key=value"),
     (["optimizer.min_lr=1"], "need 0 <= min_lr <= lr"),
@@ -80,6 +80,14 @@ def test_vit_presets_mirror_nersc_and_the_square_root_rule_gives_their_learning_
     assert scaled_learning_rates(mp, 64) == pytest.approx((1e-3, 0.0, 2.0))
     assert scaled_learning_rates(load_config(["preset=tiny"], "vit"), 64)[2] == 1.0  # no base batch: as given
     assert math.isclose(scaled_learning_rates(base, 32)[0], 5e-4 * math.sqrt(2))
+
+
+def test_no_preset_hard_codes_bf16_the_hardware_chooses():
+    dtypes = {(w, name): load_config([f"preset={name}"], w).train.dtype for w in ("gpt", "vit") for name in presets(w)}
+    # NERSC's baseline rungs are fp32 by definition; everything else leaves the choice to the hardware
+    assert {key for key, dtype in dtypes.items() if dtype != "auto"} == {("vit", "base"), ("vit", "short")}
+    assert load_config([], "gpt").train.dtype == load_config([], "vit").train.dtype == "auto"
+    assert load_config(["preset=bs256_opt", "amp_mode=fp16"], "vit").train.dtype == "fp16"  # NERSC's flag overrides
 
 
 def test_vit_takes_nersc_flag_names():

@@ -89,6 +89,7 @@ def _cli(*args, env):
     return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env)
 
 
+@pytest.mark.distributed  # starts `python -m meshtrain`
 def test_dry_run_cli_under_slurm_prints_the_srun_line():
     env = clean_env(SLURM_JOB_ID="9", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2")
     out = _cli("launch", "--dry-run", "--", "python", "-m", "meshtrain", "test-dist", env=env)
@@ -97,6 +98,7 @@ def test_dry_run_cli_under_slurm_prints_the_srun_line():
     assert out.stdout.split()[-3:] == ["-m", "meshtrain", "test-dist"]
 
 
+@pytest.mark.distributed  # starts `python -m meshtrain`
 def test_dry_run_cli_under_pbs_prints_the_mpiexec_line(tmp_path):
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("h1\nh2\nh3\n")
@@ -107,6 +109,7 @@ def test_dry_run_cli_under_pbs_prints_the_mpiexec_line(tmp_path):
     assert words[:7] == ["mpiexec", "-n", "12", "--ppn", "4", "--hostfile", str(nodefile)]
 
 
+@pytest.mark.distributed  # starts `python -m meshtrain`
 def test_cli_error_is_one_clear_line(tmp_path):
     env = clean_env(PBS_JOBID="3.pbs", PBS_NODEFILE=str(tmp_path / "missing"))
     out = _cli("launch", "--dry-run", "--", "python", "x.py", env=env)

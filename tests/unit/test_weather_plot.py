@@ -74,6 +74,7 @@ def test_bad_input_is_refused_and_no_file_is_written(tmp_path, forecast_shape, t
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.distributed  # starts a fresh interpreter
 def test_plotting_never_imports_pyplot(tmp_path):
     # In a fresh interpreter, since this one's tests may have imported pyplot already.
     script = ("import sys, numpy as np; from meshtrain.train.weather_plot import save_forecast_png; "

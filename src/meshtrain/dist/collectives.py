@@ -174,6 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--time-per-size", type=float, default=0.5,
                        help="seconds of warm-up, and again of timing, to aim for per size (default 0.5)")
     bench.add_argument("--dtype", choices=list(DTYPES), default="float32", help="element type (default float32)")
+    bench.add_argument("--record", action="store_true",
+                       help="store the figures in the machine profile (what `meshtrain machine --ranks N` runs), "
+                            "where cost models read latency and bus bandwidth per message size")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -436,6 +439,7 @@ def _bench(info: DistInfo, args: argparse.Namespace, native: dict[str, bool]) ->
         ops.remove(op)
     log.info("%d rank(s), %s on %s, %s; %s", n, info.backend, info.device, args.dtype, SIZE_CONVENTION)
     peaks = {}  # op -> (busbw, algbw, bytes) of its best size
+    points: dict[str, list[tuple[int, float, float]]] = {}  # op -> (bytes, seconds, busbw GB/s) per size
     for op in ops:
         factor = bus_bandwidth_factor(op, n)
         rule = {"all_reduce": "2(n-1)/n", "broadcast": "1", "reduce": "1"}.get(op, "(n-1)/n")
@@ -453,6 +457,7 @@ def _bench(info: DistInfo, args: argparse.Namespace, native: dict[str, bool]) ->
             table.add_row(human_bytes(nbytes), str(count), str(iters), fmt_sig(seconds * 1e6),
                           fmt_sig(algbw), fmt_sig(busbw))
             peaks[op] = max(peaks.get(op, (0.0, 0.0, 0)), (busbw, algbw, nbytes))
+            points.setdefault(op, []).append((nbytes, seconds, busbw))
         if info.is_main:
             print_rich(table)
     for op, (busbw, algbw, nbytes) in peaks.items():
@@ -460,4 +465,9 @@ def _bench(info: DistInfo, args: argparse.Namespace, native: dict[str, bool]) ->
                  fmt_sig(algbw))
     log.info("collectives bench: %d op(s) × %d size(s) on %d rank(s) (%s) in %.1f s", len(ops), len(sizes), n,
              info.backend, time.perf_counter() - started)
+    if args.record and info.is_main:
+        from meshtrain.machine import profile
+
+        key = profile.collectives_key(info.backend, info.torch_device, n, info.num_nodes)
+        log.info("recorded in the machine profile %s as %s", profile.record_collectives(key, args.dtype, points), key)
     return 0

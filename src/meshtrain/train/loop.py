@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from meshtrain import config as config_mod
+from meshtrain import machine
 from meshtrain.dist.log import get_logger, print_rich
 from meshtrain.dist.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.errors import MeshtrainError
@@ -74,8 +75,13 @@ def train(cfg, info: DistInfo) -> TrainResult:
     device = info.torch_device
     if t.dtype == "fp16" and device.type != "cuda":
         raise config_mod.ConfigError(f"train.dtype=fp16 needs a GPU (GradScaler); this rank runs on {device}: "
-                                     "use train.dtype=bf16 (or fp32)")
+                                     "use train.dtype=auto (or bf16, fp32)")
     profiling.cuda_graphs_check(t.cuda_graphs, device)
+    # Rank 0 chooses for all: nodes of different kinds must still compute in one dtype.
+    precision = machine.choose(t.dtype, device) if info.is_main else None
+    dtype = broadcast_object(precision and precision.dtype, "broadcast of the training dtype", info.timeout_s)
+    cfg = replace(cfg, train=replace(t, dtype=dtype))
+    t = cfg.train
 
     resumed = None
     if t.init_from == "resume":
@@ -139,7 +145,10 @@ def train(cfg, info: DistInfo) -> TrainResult:
     timer = metrics.StepTimer(device)
     profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
                                       out_dir=run_dir / "profile", rank=info.rank, device=device)
-    peak, peak_source = metrics.peak_flops(device, AUTOCAST[t.dtype] or torch.float32, t.peak_flops)
+    if info.is_main:  # MFU is rank 0's figure: only it needs the peak (and only it measures one)
+        peak = machine.peak_flops(device, AUTOCAST[t.dtype] or torch.float32, t.peak_flops)
+        mfu_meter = metrics.MFUMeter(flops_per_token, peak, remeasure=(
+            lambda: machine.measured_peak(device, peak.label, again=True)) if peak.kind == "measured" else None)
     sinks = build_sinks(run_dir, info.is_main, tensorboard=t.tensorboard,
                         wandb=False if t.wandb == "off" else t.wandb, config=config_mod.to_dict(cfg),
                         resume_step=start_iter if resumed else None)
@@ -147,8 +156,11 @@ def train(cfg, info: DistInfo) -> TrainResult:
         (run_dir / "config.yaml").write_text(config_mod.to_yaml(cfg))
         log.info("resolved config:\n%s", config_mod.to_yaml(cfg).rstrip())
         log.info("run directory: %s%s", run_dir, f" (resuming at iteration {start_iter})" if resumed else "")
+        log.info("precision: %s (%s)", t.dtype, precision.reason)
+        if precision.warning:
+            log.warning("%s", precision.warning)
         log.info("model: %.2fM parameters, %.3g FLOPs per token; peak %.4g TFLOP/s per device (%s)",
-                 num_params / 1e6, flops_per_token, peak / 1e12, peak_source)
+                 num_params / 1e6, flops_per_token, peak.flops / 1e12, peak.source)
         log.info("layout: %s over %d rank(s) (%s); %s; %d data-parallel rank(s) × accumulation %d: global batch %d "
                  "samples (%d tokens) per iteration", t.backend, info.world_size, _describe(dims),
                  workload.describe(), dims.dp_size, t.grad_accum, samples_per_iter,
@@ -250,12 +262,14 @@ def train(cfg, info: DistInfo) -> TrainResult:
                 _check_finite({"loss": loss_value}, it, run_dir)
                 rates = metrics.throughput(workload.batch_size, t.grad_accum, dims.dp_size, info.world_size,
                                            workload.tokens_per_sample, times["dt"])
-                row = {"loss": loss_value, **times, **rates,
-                       "mfu": metrics.mfu(flops_per_token, rates["tps_per_gpu"], peak), "lr": lr_now,
+                mfu, impossible = mfu_meter(rates["tps_per_gpu"]) if info.is_main else (None, None)
+                row = {"loss": loss_value, **times, **rates, "mfu": mfu, "lr": lr_now,
                        "mem_gb": metrics.peak_memory_bytes(device) / 2**30}
                 if grad_norm is not None:
                     row["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 sinks.log(it, row)
+                if impossible:
+                    log.warning("%s", impossible)
     checkpointer.wait()
     batches.close()  # loader workers
     sinks.close()

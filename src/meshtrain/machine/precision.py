@@ -1,0 +1,60 @@
+"""The training dtype: `train.dtype=auto` picks what the device computes natively, and says why.
+
+    bf16  where the hardware computes it: CUDA sm80+ (and ROCm parts with bf16 units), Intel GPUs, MPS
+          where macOS accepts it, a CPU with avx512_bf16, AMX or Arm's BF16 extension;
+    fp16  with a GradScaler on a CUDA GPU without bf16 (V100, T4);
+    fp32  everywhere else, e.g. an AVX2-only CPU, where a bf16 matmul runs ~45-100× slower than fp32.
+
+An explicit dtype is kept as given; bf16 on a device that only emulates it also gets one warning that
+quotes the measured bf16 / fp32 matmul ratio, so the cost of the choice is in the log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshtrain.machine import profile
+from meshtrain.machine.hardware import Hardware, describe
+
+CHOICES = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: str  # fp32 | bf16 | fp16
+    reason: str
+    warning: str | None = None
+
+
+def auto_dtype(hw: Hardware) -> Precision:
+    if hw.bf16:
+        return Precision("bf16", f"auto: {hw.name} computes bf16 natively ({hw.why_bf16})")
+    if hw.kind == "cuda":
+        return Precision("fp16", f"auto: {hw.name} has no bf16 units ({hw.why_bf16}), so fp16 autocast with a "
+                                 "GradScaler")
+    return Precision("fp32", f"auto: {hw.name} has no native bf16 ({hw.why_bf16}: torch would emulate it through "
+                             "fp32), so fp32")
+
+
+def bf16_cost(device: torch.device) -> str:
+    """'bf16 matmuls run at X against Y in fp32 here (r×)', from the machine profile (measured once)."""
+    bf16, fp32 = (profile.measured(device, label)["flops"] for label in ("bf16", "fp32"))
+    return (f"bf16 matmuls run at {profile.format_flops(bf16)} against {profile.format_flops(fp32)} in fp32 "
+            f"here ({bf16 / fp32:.3g}×)")
+
+
+def choose(requested: str, device: torch.device | str, hw: Hardware | None = None) -> Precision:
+    """The dtype to train in for `requested` (train.dtype) on `device`, with the reason to log."""
+    if requested not in CHOICES:
+        raise ValueError(f"train.dtype={requested!r}: choose one of {', '.join(CHOICES)}")
+    device = torch.device(device)
+    hw = hw or describe(device)
+    if requested == "auto":
+        return auto_dtype(hw)
+    warning = None
+    if requested == "bf16" and not hw.bf16 and hw.kind in ("cpu", "cuda"):
+        warning = (f"train.dtype=bf16 on {hw.name}, which has no native bf16 ({hw.why_bf16}): {bf16_cost(device)}; "
+                   f"train.dtype=auto would pick {auto_dtype(hw).dtype}")
+    return Precision(requested, f"train.dtype={requested} as set", warning)
