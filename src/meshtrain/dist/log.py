@@ -28,14 +28,16 @@ class _RankFormatter(logging.Formatter):
         return text
 
 
-def configure_logging(rank: int = 0, world_size: int = 1, all_ranks: bool | None = None) -> logging.Logger:
-    """(Re)configure the `meshtrain` logger for this rank; safe to call again after init."""
+def configure_logging(rank: int = 0, world_size: int = 1, all_ranks: bool | None = None,
+                      stream=None) -> logging.Logger:
+    """(Re)configure the `meshtrain` logger for this rank; safe to call again after init. Lines go to stdout, or to
+    `stream` (a command whose stdout is data, such as `meshtrain machine --json`, logs to stderr)."""
     if all_ranks is None:
         all_ranks = os.environ.get("MESHTRAIN_LOG_ALL_RANKS", "0").lower() in ("1", "true", "yes")
     logger = logging.getLogger(ROOT)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(_RankFormatter(rank, world_size))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from meshtrain.dist.log import get_logger, print_rich
+from meshtrain.dist.log import configure_logging, get_logger, print_rich
 from meshtrain.machine import datasheet, profile
 from meshtrain.machine.hardware import Hardware, describe
 from meshtrain.machine.precision import auto_dtype
@@ -124,8 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = pick_device(0, args.device)
     if args.json:  # stdout is the JSON alone; log lines go to stderr
-        for handler in get_logger().handlers:
-            handler.setStream(sys.stderr)
+        configure_logging(stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.ranks:
