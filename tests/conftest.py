@@ -90,12 +90,16 @@ def run_driver(script: str | Path, ranks: int, *args: str, timeout: float = 180)
 
 
 class SharedLaunches:
-    """One launch of a driver per rank count, shared by the tests that check its cases: `launches(ranks)` runs
-    `script` over every case of `cases[ranks]` the first time it is asked for, then hands back the same results
-    (or raises the same failure) to every later test. Meant for a module-scoped fixture."""
+    """One launch of a driver per rank count, shared by the tests that check its cases (starting the processes
+    dominates the cost of each): `cases` are (case, ranks, ...) rows, and `launches(ranks)` runs `script` over
+    every case of that rank count the first time it is asked for, then hands back the same results (or raises the
+    same failure) to every later test. Meant for a module-scoped fixture."""
 
-    def __init__(self, script: str | Path, cases: dict[int, list[str]], timeout: float = 180):
-        self.script, self.cases, self.timeout = script, cases, timeout
+    def __init__(self, script: str | Path, cases: list[tuple], timeout: float = 180):
+        self.script, self.timeout = script, timeout
+        self.cases: dict[int, list[str]] = {}
+        for case, ranks, *_ in cases:
+            self.cases.setdefault(ranks, []).append(case)
         self._done: dict[int, dict | BaseException] = {}
 
     def __call__(self, ranks: int) -> dict[int, dict[str, dict]]:

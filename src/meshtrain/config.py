@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from meshtrain.errors import MeshtrainError
 
 PRESET_DIR = Path(__file__).parent / "configs"
-DTYPES = ("auto", "fp32", "bf16", "fp16")  # machine/precision.py
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: machine/precision.py chooses
 BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp", "deepspeed")  # parallel/data_parallel.py, deepspeed_backend.py
 PROFILERS = ("none", "torch", "nsys")  # train/profiling.py
 CP_IMPLS = ("ring", "ulysses")  # parallel/context_parallel.py

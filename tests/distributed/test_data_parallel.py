@@ -19,13 +19,11 @@ CASES = [
     ("hsdp", 4, {"params": 2, "grads": 2, "optimizer": 2}),  # 2 replicas x 2 shards
     ("fsdp:ac=full", 2, {"params": 2, "grads": 2, "optimizer": 2}),  # activation checkpointing composes
 ]
-# One launch per world size runs all of its cases: starting the processes dominates the cost of each.
-LAUNCHES = {ranks: [case for case, r, _ in CASES if r == ranks] for ranks in sorted({c[1] for c in CASES})}
 
 
 @pytest.fixture(scope="module")
 def launches() -> SharedLaunches:
-    return SharedLaunches(CHECK, LAUNCHES, timeout=240)
+    return SharedLaunches(CHECK, CASES, timeout=240)
 
 
 @pytest.mark.parametrize("case,ranks,sharded", CASES, ids=[f"{c[0]}-{c[1]}ranks" for c in CASES])

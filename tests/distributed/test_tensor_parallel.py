@@ -22,13 +22,11 @@ TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_embd=32)
 # case, ranks, tp: (a) plain tp=2, (b) tp=2 + sequence + loss parallel, (c) the same on tp=4, under activation
 # checkpointing too, (d) fsdp 2 × tp 2 with sequence + loss parallel
 CASES = [("tp", 2, 2), ("tp-sp-lp", 2, 2), ("tp-sp-lp:ac=full", 4, 4), ("fsdp-tp", 4, 2)]
-# One launch per world size runs all of its cases: starting the processes dominates the cost of each.
-LAUNCHES = {ranks: [case for case, r, _ in CASES if r == ranks] for ranks in sorted({c[1] for c in CASES})}
 
 
 @pytest.fixture(scope="module")
 def launches() -> SharedLaunches:
-    return SharedLaunches(CHECK, LAUNCHES, timeout=240)
+    return SharedLaunches(CHECK, CASES, timeout=240)
 
 
 @pytest.mark.parametrize("case,ranks,tp", CASES, ids=[f"{c[0]}-{c[1]}ranks" for c in CASES])

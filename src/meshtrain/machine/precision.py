@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtrain.config import DTYPES
 from meshtrain.machine import profile
 from meshtrain.machine.hardware import Hardware, describe
-
-CHOICES = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -47,8 +46,8 @@ def bf16_cost(device: torch.device) -> str:
 
 def choose(requested: str, device: torch.device | str, hw: Hardware | None = None) -> Precision:
     """The dtype to train in for `requested` (train.dtype) on `device`, with the reason to log."""
-    if requested not in CHOICES:
-        raise ValueError(f"train.dtype={requested!r}: choose one of {', '.join(CHOICES)}")
+    if requested not in DTYPES:
+        raise ValueError(f"train.dtype={requested!r}: choose one of {', '.join(DTYPES)}")
     device = torch.device(device)
     hw = hw or describe(device)
     if requested == "auto":
