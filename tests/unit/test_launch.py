@@ -91,7 +91,9 @@ def _cli(*args, env):
 
 @pytest.mark.distributed  # starts `python -m meshtrain`
 def test_dry_run_cli_under_slurm_prints_the_srun_line():
-    env = clean_env(SLURM_JOB_ID="9", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2")
+    # A CPU node, so the tasks per node come from SLURM (on a GPU node they are its GPUs: CUDA hidden here).
+    env = clean_env(SLURM_JOB_ID="9", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2",
+                    CUDA_VISIBLE_DEVICES="")
     out = _cli("launch", "--dry-run", "--", "python", "-m", "meshtrain", "test-dist", env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:4] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]

@@ -25,6 +25,7 @@ import torch
 
 from meshtrain import config as config_mod
 from meshtrain import machine
+from meshtrain.dist.device import synchronize
 from meshtrain.dist.log import get_logger, print_rich
 from meshtrain.dist.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.errors import MeshtrainError
@@ -234,6 +235,9 @@ def train(cfg, info: DistInfo) -> TrainResult:
                 break
 
             profiler.step(it)
+            # Synchronising the device stalls its queue: a GPU step of a few ms then waits on the CPU's launches.
+            # Only the iterations whose times are logged (or profiled) pay for exact section times.
+            timer.sync = (it + 1) % t.log_interval == 0 or profiler.active
             lr_now = learning_rate(it, lr, min_lr, o.warmup_iters, decay_iters, o.decay_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
@@ -252,7 +256,7 @@ def train(cfg, info: DistInfo) -> TrainResult:
                     log_bytes_held()
                 optimizer.zero_grad(set_to_none=True)
             times = timer.pop()
-            interval.add(loss_sum, times["dt"])
+            interval.add(loss_sum)
             it += 1
             result.iterations = it
             bar.update()
@@ -277,30 +281,34 @@ def train(cfg, info: DistInfo) -> TrainResult:
 
 
 class _Interval:
-    """What happened since the previous evaluation (an epoch, when counting epochs): training time, iterations,
-    the sum of their losses, and the memory high watermark."""
+    """What happened since the previous evaluation (an epoch, when counting epochs): training time (wall time
+    between two synchronised ends, so unsynchronised iterations count in full), iterations, the sum of their
+    losses, and the memory high watermark."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.restart()
 
     def restart(self) -> None:
-        self.seconds, self.iterations = 0.0, 0
+        self.iterations = 0
         self.loss_sum = torch.zeros((), device=self.device)
         metrics.reset_peak_memory(self.device)
+        synchronize(self.device)
+        self.started = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, seconds: float) -> None:
+    def add(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss
-        self.seconds += seconds
         self.iterations += 1
 
     def summary(self, mean_loss, samples_per_iter: int, info: DistInfo) -> dict[str, float]:
         if not self.iterations:
             return {}
+        synchronize(self.device)
+        seconds = time.perf_counter() - self.started
         peak = reduce_scalar(metrics.peak_memory_bytes(self.device), "max", "all_reduce of the memory high "
                              "watermark", info.timeout_s, self.device)
         return {"avg_loss": mean_loss(self.loss_sum / self.iterations, "all_reduce of the interval's training loss"),
-                "train_s": self.seconds, "avg_sps": samples_per_iter * self.iterations / self.seconds,
+                "train_s": seconds, "avg_sps": samples_per_iter * self.iterations / seconds,
                 "peak_gb": peak / 2**30}
 
 

@@ -1,0 +1,99 @@
+"""GPT-2 124M (block 1024) on BPE Shakespeare on one GPU: tokens/s, MFU and memory per training feature.
+
+    python benchmarks/gpt2_gpu_features.py                       # every row, 30 iterations each
+    python benchmarks/gpt2_gpu_features.py --rows bf16+compile,fp16 --iters 50
+
+Each row is a fresh `meshtrain train gpt preset=gpt2` process with batch 12 x accumulation --accum, changing one
+thing against the first row: bf16 + compile (the goal: MFU >= 50% on an H100), eager, fp16 with a GradScaler,
+activation checkpointing of every block, FSDP2 with parameters and optimizer state in pinned host memory
+(one NCCL rank under torchrun), and checkpoints every 5 iterations written synchronously or in the background.
+
+tokens/s and MFU (against the run's own peak: the datasheet's, for a GPU in the table) are medians over the
+logged iterations after the first third (compilation happens in those); memory is the CUDA allocator's high
+watermark (max_memory_allocated). For the checkpoint rows, "train s" is the wall time from the first to the last
+logged iteration, which a synchronous save stalls and a background one should not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROWS = {
+    "bf16+compile": ["train.dtype=bf16", "train.compile=true"],
+    "bf16 eager": ["train.dtype=bf16"],
+    "fp16+scaler+compile": ["train.dtype=fp16", "train.compile=true"],
+    "bf16+compile+AC full": ["train.dtype=bf16", "train.compile=true", "train.activation_checkpointing=full"],
+    "FSDP2 cpu offload (bf16)": ["train.dtype=bf16", "train.backend=fsdp", "parallel.cpu_offload=true"],
+    "sync checkpoint /5 it": ["train.dtype=bf16", "train.compile=true", "train.save_checkpoints=true",
+                              "train.eval_interval=5"],
+    "async checkpoint /5 it": ["train.dtype=bf16", "train.compile=true", "train.save_checkpoints=true",
+                               "train.eval_interval=5", "train.async_checkpoint=true"],
+}
+
+
+def run(name: str, overrides: list[str], data_root: Path, iters: int, accum: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="gpt2-gpu-") as out:
+        args = ["-m", "meshtrain", "train", "gpt", "preset=gpt2", f"data.root={data_root}", f"train.out_dir={out}",
+                f"train.max_iters={iters}", f"train.grad_accum={accum}", "train.log_interval=1",
+                f"train.eval_interval={iters}", "train.eval_iters=5", "train.save_checkpoints=false",
+                "optimizer.warmup_iters=10", "train.sample_tokens=16", *overrides]
+        backend = next((o.split("=")[1] for o in overrides if o.startswith("train.backend=")), "ddp")
+        if backend != "ddp":  # FSDP2 needs a process group: one rank under torchrun
+            args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *args]
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                              env={**os.environ, "MESHTRAIN_PROGRESS": "0"})
+        if proc.returncode:
+            return {"name": name, "error": (proc.stdout + proc.stderr)[-1500:]}
+        run_dir = Path(next(Path(out, "gpt").glob("*/latest")).read_text().strip())
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "dt" in r]
+    steady = steps[len(steps) // 3:]
+    return {"name": name, "tps": statistics.median(r["tps"] for r in steady),
+            "mfu": statistics.median(r["mfu"] for r in steady), "mem": max(r["mem_gb"] for r in steps),
+            "ms": statistics.median(r["dt"] for r in steady) * 1e3, "train_s": steps[-1]["time"] - steps[0]["time"],
+            "loss": steps[-1]["loss"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--accum", type=int, default=4, help="micro-steps of 12 x 1024 tokens per iteration")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark is for a GPU: GPT-2 124M at block 1024 takes hours per iteration batch on a CPU")
+    names = args.rows.split(",")
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        sys.exit(f"unknown row(s) {unknown}: choose from {', '.join(ROWS)}")
+    with tempfile.TemporaryDirectory(prefix="gpt2-data-") as data_root:
+        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare", "--data-root", data_root],
+                       check=True, capture_output=True)
+        results = []
+        for name in names:
+            results.append(run(name, ROWS[name], Path(data_root), args.iters, args.accum))
+            print(json.dumps(results[-1]), flush=True)
+    print(f"\nGPT-2 124M, block 1024, batch 12 x accumulation {args.accum}, {args.iters} iterations, one "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| row | ms/iter | tokens/s | × first | MFU | max memory allocated | train s | last loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    first = next((r for r in results if "tps" in r), None)
+    for r in results:
+        if "error" in r:
+            print(f"| {r['name']} | failed: {r['error'].splitlines()[-1]} |||||||")
+            continue
+        print(f"| {r['name']} | {r['ms']:.1f} | {r['tps']:,.0f} | {r['tps'] / first['tps']:.2f}× | {r['mfu']:.1f}% | "
+              f"{r['mem']:.2f} GiB | {r['train_s']:.1f} | {r['loss']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
