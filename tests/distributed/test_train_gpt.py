@@ -64,6 +64,10 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, data_root, tmp_path
         assert r["sps"] == pytest.approx(4 * 1 * world / r["dt"], rel=1e-3)
         assert r["tps"] == pytest.approx(r["sps"] * 32, rel=1e-3)
         assert 0 < r["mfu"] <= 100
+    for e in evals[1:]:  # each evaluation sums up the 30 iterations since the one before, in wall time
+        logged = sum(r["dt"] for r in logs if e["step"] - 30 < r["step"] <= e["step"])
+        assert logged < e["train_s"] < 60, "train_s covers every iteration, not only the logged ones"
+        assert e["avg_sps"] == pytest.approx(4 * world * 30 / e["train_s"], rel=1e-6)
     assert "What is an LLM?" in text, "a sample from the prompt is printed at each eval"
     assert (f"; batch 4 × block 32 tokens per data-parallel rank and micro-step; {world} data-parallel rank(s) × "
             f"accumulation 1: global batch {4 * world} samples ({4 * world * 32} tokens) per iteration") in text
