@@ -42,10 +42,11 @@ from meshtrain.config import GPTRunConfig
 from meshtrain.dist import distributed
 from meshtrain.dist.device import synchronize
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.data_parallel import build_optimizer, bytes_held
+from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.gpt_layout import build_gpt_layout
 from meshtrain.parallel.mesh import MeshError, ParallelDims
 from meshtrain.train import metrics
+from meshtrain.train.optim import build_optimizer
 
 DEFAULT_LAYOUTS = {
     1: ["ddp:"],

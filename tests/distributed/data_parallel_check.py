@@ -20,7 +20,8 @@ from driver_results import full, record
 from meshtrain.dist import distributed
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
-from meshtrain.parallel.data_parallel import apply_data_parallel, build_optimizer, bytes_held, gradient_sync
+from meshtrain.parallel.data_parallel import apply_data_parallel, bytes_held, gradient_sync
+from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, TOL = 2, 3, 3, 1e-5
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from meshtrain.config import GPTRunConfig
 from meshtrain.dist import distributed
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.data_parallel import build_optimizer
 from meshtrain.parallel.gpt_layout import build_gpt_layout
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.state_dict import (
@@ -36,6 +35,7 @@ from meshtrain.parallel.state_dict import (
 )
 from meshtrain.train import checkpoint
 from meshtrain.train.metrics import StepTimer
+from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, TOL = 2, 4, 2, 1e-5
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=True)

@@ -28,9 +28,10 @@ from torch.distributed.tensor import DTensor, Shard
 from meshtrain.dist import distributed
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
-from meshtrain.parallel.data_parallel import apply_data_parallel, build_optimizer, gradient_sync
+from meshtrain.parallel.data_parallel import apply_data_parallel, gradient_sync
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.tensor_parallel import apply_tensor_parallel, loss_parallel_context
+from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, VOCAB = 2, 2, 3, 65
 CASES = {"tp": dict(sp=False, lp=False, fsdp=False), "tp-sp-lp": dict(sp=True, lp=True, fsdp=False),

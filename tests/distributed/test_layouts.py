@@ -77,9 +77,9 @@ def test_checkpoint_reshards_between_layouts(four_ranks):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from meshtrain.models.gpt import GPT
-    from meshtrain.parallel.data_parallel import build_optimizer
     from meshtrain.parallel.state_dict import load_model_and_optimizer_state
     from meshtrain.train import checkpoint
+    from meshtrain.train.optim import build_optimizer
 
     sys.path.insert(0, str(Path(CHECK).parent))
     from layout_check import CONFIG, SGD

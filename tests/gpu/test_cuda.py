@@ -14,8 +14,8 @@ import torch
 
 from tests.conftest import REPO, clean_env, output, torchrun_cmd
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                   reason="needs a CUDA GPU (run on a GPU machine; see README)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed,  # each test starts meshtrain processes
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine; see README)")]
 
 # Dropout off and fixed seeds, so runs on different devices or paths can be compared step by step.
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.batch_size=8",

@@ -62,7 +62,7 @@ def test_round_trip_through_a_saved_dict_and_yaml():
 def test_vit_presets_mirror_nersc_and_the_square_root_rule_gives_their_learning_rates():
     import math
 
-    from meshtrain.train.loop import scaled_learning_rates
+    from meshtrain.train.optim import scaled_learning_rates
 
     assert {"tiny", "short", "base", "bs64_opt", "bs256_opt", "bs1024_opt", "mp"} <= set(presets("vit"))
     base, short = load_config(["preset=base"], "vit"), load_config(["preset=short"], "vit")

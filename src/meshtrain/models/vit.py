@@ -49,17 +49,6 @@ import torch.nn.functional as F
 LOSSES = ("mse", "relative_l2")
 LAYER_NORM_EPS = 1e-6  # NERSC's (timm's ViT) value; torch's default is 1e-5
 
-# Presets as plain dicts, expanded by vit_config(name, **overrides).
-PRESETS: dict[str, dict] = {
-    # CPU-sized; (80, 160) fits inside the synthetic ERA5 default grid (90 x 180) and gives 10 x 20 = 200 tokens.
-    "tiny": dict(img_size=(80, 160), patch_size=8, embed_dim=64, depth=2, num_heads=4),
-    # NERSC dl-at-scale-training config/ViT.yaml `base`: 45 x 90 = 4050 tokens.
-    "base": dict(img_size=(360, 720), patch_size=8, embed_dim=384, depth=12, num_heads=8),
-    # NERSC's `mp` (model-parallel) config only widens base: embed_dim 1024, depth and heads unchanged (their 2025
-    # edition, dl4sci25, uses 1536).
-    "mp": dict(img_size=(360, 720), patch_size=8, embed_dim=1024, depth=12, num_heads=8),
-}
-
 
 @dataclass
 class ViTConfig:
@@ -115,13 +104,6 @@ class ViTConfig:
 def _check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def vit_config(name: str, **overrides) -> ViTConfig:
-    """The preset `name` (tiny, base, mp), with any ViTConfig field overridden."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown ViT preset {name!r}: choose one of {', '.join(PRESETS)}")
-    return ViTConfig(**{**PRESETS[name], **overrides})
 
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:

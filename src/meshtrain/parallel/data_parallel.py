@@ -6,8 +6,8 @@
     fsdp    FSDP2, parameters re-sharded after forward (= zero3): the least memory, the most traffic
     hsdp    FSDP2 on a 2-D mesh: shard within dp_shard, replicate across dp_replicate
 
-The loop asks three things of this module: wrap the model, build its optimizer, and say whether a
-micro-step synchronises gradients (only the last of an accumulation does).
+The loop asks two things of this module: wrap the model, and say whether a micro-step synchronises
+gradients (only the last of an accumulation does). zero1's optimizer is built in train/optim.py.
 """
 
 from __future__ import annotations
@@ -59,24 +59,6 @@ def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, wo
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model
-
-
-def build_optimizer(param_groups: list[dict], device: torch.device, backend: str = "ddp", world_size: int = 1,
-                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **hyper) -> torch.optim.Optimizer:
-    """`optimizer_class` over prepared groups (AdamW: the fused kernel on CUDA and CPU); under zero1 each
-    rank keeps and updates only its share of the optimizer state (ZeroRedundancyOptimizer)."""
-    if optimizer_class is torch.optim.AdamW:
-        hyper.setdefault("fused", device.type in ("cuda", "cpu"))
-    if backend == "zero1" and world_size > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        first, *rest = param_groups
-        optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=optimizer_class,
-                                            **{**hyper, **{k: v for k, v in first.items() if k != "params"}})
-        for group in rest:  # it takes further groups one at a time
-            optimizer.add_param_group(dict(group))
-        return optimizer
-    return optimizer_class(param_groups, **hyper)
 
 
 def gradient_sync(model: nn.Module, sync: bool):

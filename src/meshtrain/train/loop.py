@@ -29,10 +29,10 @@ from meshtrain.dist.device import synchronize
 from meshtrain.dist.log import get_logger, print_rich
 from meshtrain.dist.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.errors import MeshtrainError
-from meshtrain.parallel.data_parallel import build_optimizer, bytes_held
+from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.train import checkpoint, metrics, profiling
-from meshtrain.train.optim import learning_rate
+from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
 from meshtrain.train.sinks import build_sinks, progress_bar
 
 log = get_logger("train")
@@ -61,13 +61,6 @@ def make_workload(cfg, info: DistInfo, dims: ParallelDims):
     from meshtrain.train.gpt_workload import GPTWorkload
 
     return GPTWorkload(cfg, info, dims)
-
-
-def scaled_learning_rates(cfg, global_batch: int) -> tuple[float, float, float]:
-    """(lr, min_lr, factor) after the square-root rule lr · sqrt(global_batch / optimizer.base_batch_size)."""
-    o = cfg.optimizer
-    factor = math.sqrt(global_batch / o.base_batch_size) if o.base_batch_size else 1.0
-    return o.lr * factor, o.min_lr * factor, factor
 
 
 def train(cfg, info: DistInfo) -> TrainResult:

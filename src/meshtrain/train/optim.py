@@ -1,8 +1,36 @@
-"""The learning-rate schedule: linear warm-up, then cosine decay (the optimizer is built in parallel/)."""
+"""The optimizer (AdamW, or ZeroRedundancyOptimizer under zero1), the square-root learning-rate rule, and
+the schedule: linear warm-up, then cosine decay."""
 
 from __future__ import annotations
 
 import math
+
+import torch
+
+
+def build_optimizer(param_groups: list[dict], device: torch.device, backend: str = "ddp", world_size: int = 1,
+                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **hyper) -> torch.optim.Optimizer:
+    """`optimizer_class` over prepared groups (AdamW: the fused kernel on CUDA and CPU); under zero1 each
+    rank keeps and updates only its share of the optimizer state (ZeroRedundancyOptimizer)."""
+    if optimizer_class is torch.optim.AdamW:
+        hyper.setdefault("fused", device.type in ("cuda", "cpu"))
+    if backend == "zero1" and world_size > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        first, *rest = param_groups
+        optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=optimizer_class,
+                                            **{**hyper, **{k: v for k, v in first.items() if k != "params"}})
+        for group in rest:  # it takes further groups one at a time
+            optimizer.add_param_group(dict(group))
+        return optimizer
+    return optimizer_class(param_groups, **hyper)
+
+
+def scaled_learning_rates(cfg, global_batch: int) -> tuple[float, float, float]:
+    """(lr, min_lr, factor) after the square-root rule lr · sqrt(global_batch / optimizer.base_batch_size)."""
+    o = cfg.optimizer
+    factor = math.sqrt(global_batch / o.base_batch_size) if o.base_batch_size else 1.0
+    return o.lr * factor, o.min_lr * factor, factor
 
 
 def learning_rate(it: int, lr: float, min_lr: float, warmup_iters: int, decay_iters: int, decay: bool = True) -> float:
