@@ -34,6 +34,15 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def prepare_data(root: Path, name: str = "shakespeare_char", env: dict[str, str] | None = None) -> Path:
+    """`meshtrain prepare NAME --data-root ROOT`, which must succeed; returns ROOT."""
+    __tracebackhide__ = True
+    out = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", name, "--data-root", str(root)],
+                         capture_output=True, text=True, env=env or clean_env(), cwd=REPO, timeout=120)
+    assert out.returncode == 0, output(out)
+    return root
+
+
 def torchrun_cmd(nproc: int, *args: str) -> list[str]:
     """`torchrun --standalone --nproc-per-node nproc ARGS` as an argv (this interpreter's torch.distributed.run)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]

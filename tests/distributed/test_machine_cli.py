@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output
+from tests.conftest import REPO, clean_env, output, prepare_data
 
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=32", "model.batch_size=8",
@@ -27,10 +27,7 @@ def meshtrain(*args: str, cache: Path, timeout: float = 240, **env: str) -> subp
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    out = meshtrain("prepare", "shakespeare_char", "--data-root", str(root), cache=root / "cache")
-    assert out.returncode == 0, output(out)
-    return root
+    return prepare_data(tmp_path_factory.mktemp("data"))
 
 
 def profile_json(cache: Path, *args: str, **env: str) -> dict:

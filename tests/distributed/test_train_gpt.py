@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, torchrun
+from tests.conftest import REPO, clean_env, output, prepare_data, torchrun
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=4",
         "model.dropout=0.1", "train.eval_iters=4", "train.dtype=fp32", "optimizer.warmup_iters=5"]
@@ -16,11 +16,7 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_siz
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    out = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root", str(root)],
-                         capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
-    assert out.returncode == 0, output(out)
-    return root
+    return prepare_data(tmp_path_factory.mktemp("data"))
 
 
 def train(world: int, data_root: Path, out_dir: Path, *overrides: str):
@@ -224,10 +220,7 @@ def test_init_from_a_local_hugging_face_gpt2(tmp_path):
     hf_dir = tmp_path / "tiny-gpt2"
     transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64,
                                                          vocab_size=50257)).save_pretrained(hf_dir)
-    root = tmp_path / "data"
-    prep = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare", "--data-root", str(root)],
-                          capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
-    assert prep.returncode == 0, output(prep)
+    root = prepare_data(tmp_path / "data", "shakespeare")
     out = train(1, root, tmp_path / "out", "data=shakespeare", f"train.init_from={hf_dir}", "train.max_iters=4",
                 "train.eval_interval=4", "train.log_interval=2", "model.block_size=32")
     text = output(out)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, clean_env, output, torchrun_cmd
+from tests.conftest import REPO, clean_env, output, prepare_data, torchrun_cmd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed,  # each test starts meshtrain processes
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine; see README)")]
@@ -29,11 +29,7 @@ def env(device: str = "cuda", **extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    out = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root", str(root)],
-                         capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
-    assert out.returncode == 0, output(out)
-    return root
+    return prepare_data(tmp_path_factory.mktemp("data"), env=env())
 
 
 class Run:

@@ -57,7 +57,7 @@ def collect(device: torch.device, refresh: bool = False) -> dict:
     data = profile.read_cache()
     collectives = {key: value for key, value in data.get("collectives", {}).items()
                    if key.split("|")[1:3] == [hw.kind, hw.name]}
-    return {"key": profile.profile_key(hw, torch.get_num_threads() if hw.kind == "cpu" else 0),
+    return {"key": profile.profile_key(hw, profile.threads_of(device)),
             "hardware": dataclasses.asdict(hw),
             "datasheet": entry.name if entry else None, "auto_dtype": {"dtype": auto.dtype, "reason": auto.reason},
             "matmul": matmul, "memory": profile.measured(device, "memory", refresh=refresh),
@@ -70,6 +70,8 @@ def _gib(n: int | None) -> str:
 
 def tables(p: dict) -> list:
     from rich.table import Table
+
+    from meshtrain.dist.collectives import human_bytes
 
     hw, mem = p["hardware"], p["memory"]
     head = Table(title=f"machine profile: {hw['name']} ({hw['kind']})", title_justify="left", show_header=False)
@@ -108,15 +110,9 @@ def tables(p: dict) -> list:
             table.add_column(column, justify="left" if column == "op" else "right")
         for op, fig in entry["ops"].items():
             table.add_row(op, f"{fig['latency_s'] * 1e6:.1f}", f"{fig['peak_busbw_gbs']:.4g}",
-                          _bytes(fig["peak_at_bytes"]))
+                          human_bytes(fig["peak_at_bytes"]))
         out.append(table)
     return out
-
-
-def _bytes(n: int) -> str:
-    from meshtrain.dist.collectives import human_bytes
-
-    return human_bytes(n)
 
 
 def run(args: argparse.Namespace) -> int:

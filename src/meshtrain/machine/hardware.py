@@ -41,10 +41,6 @@ class Hardware:
     host_memory_bytes: int
     device_memory_bytes: int | None  # accelerators only
 
-    def describe(self) -> str:
-        what = f"{self.kind}: {self.name}, {self.isa}"
-        return what + (f" (capped: {', '.join(self.caps)})" if self.caps else "")
-
 
 def device_name(device: torch.device) -> str:
     if device.type in ("cuda", "xpu"):
@@ -124,7 +120,7 @@ def cpu_bf16(flags: set[str], capability: str, caps: tuple[str, ...]) -> tuple[b
     return True, " + ".join(units)
 
 
-def _cpu(device: torch.device) -> tuple[str, tuple[str, ...], tuple[str, ...], bool, bool, str]:
+def _cpu() -> tuple[str, tuple[str, ...], tuple[str, ...], bool, bool, str]:
     flags = cpu_flags()
     capability = torch.backends.cpu.get_cpu_capability()
     caps = cpu_caps()
@@ -176,7 +172,7 @@ def describe(device: torch.device | str) -> Hardware:
     device = torch.device(device)
     name, features, caps, device_memory = device_name(device), (), (), None
     if device.type == "cpu":
-        isa, features, caps, bf16, fp16, why = _cpu(device)
+        isa, features, caps, bf16, fp16, why = _cpu()
     elif device.type == "cuda":
         isa, bf16, fp16, why = _cuda(device)
         device_memory = torch.cuda.get_device_properties(device).total_memory

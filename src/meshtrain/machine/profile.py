@@ -96,7 +96,8 @@ def profile_key(hw: Hardware, threads: int) -> str:
     return f"{hw.kind}|{hw.name}|{hw.isa}|caps={caps}|threads={threads}|torch={torch.__version__}"
 
 
-def _threads(device: torch.device) -> int:
+def threads_of(device: torch.device) -> int:
+    """The thread count a figure belongs to: torch's on a CPU, 0 (not a factor) on an accelerator."""
     return torch.get_num_threads() if device.type == "cpu" else 0
 
 
@@ -127,14 +128,14 @@ def measured(device: torch.device | str, figure: str, *, refresh: bool = False, 
     better figure (a suspect peak); `refresh` measures and keeps the new one."""
     device = torch.device(device)
     hw = describe(device)
-    key = profile_key(hw, _threads(device))
+    key = profile_key(hw, threads_of(device))
     if not (refresh or again) and (key, figure) in _MEMO:
         return _MEMO[key, figure]
     with _locked():
         data = read_cache()
         entry = data.setdefault("devices", {}).setdefault(key, {})
-        section = "memory" if figure == "memory" else "matmul"
-        old = entry.get("memory") if figure == "memory" else entry.get("matmul", {}).get(figure)
+        figures = entry if figure == "memory" else entry.setdefault("matmul", {})  # where the figure lives
+        old = figures.get(figure)
         if old is not None and not (refresh or again or old.get("busy")):
             _MEMO[key, figure] = old
             return old
@@ -142,10 +143,7 @@ def measured(device: torch.device | str, figure: str, *, refresh: bool = False, 
         new["busy"] = _busy(new, hw)
         kept = _keep(old, new, refresh)
         entry["hardware"] = dataclasses.asdict(hw)
-        if section == "memory":
-            entry["memory"] = kept
-        else:
-            entry.setdefault("matmul", {})[figure] = kept
+        figures[figure] = kept
         _write_cache(data)
     if new["busy"]:
         log.warning("measured the %s %s while other processes kept %s of %d cores busy: kept %s; it is measured "
@@ -179,10 +177,6 @@ class Peak:
     label: str  # the matmul dtype: bf16, fp16, tf32, fp32
     kind: str  # datasheet | measured | override
     source: str
-
-    @property
-    def remeasurable(self) -> bool:
-        return self.kind == "measured"
 
 
 def fp32_mode(device: torch.device) -> str:
