@@ -6,7 +6,7 @@
 Each row is a fresh `meshtrain train gpt preset=gpt2` process with batch 12 x accumulation --accum, changing one
 thing against the first row: bf16 + compile (the goal: MFU >= 50% on an H100), eager, fp16 with a GradScaler,
 activation checkpointing of every block, FSDP2 with parameters and optimizer state in pinned host memory
-(one NCCL rank under torchrun), and checkpoints every 5 iterations written synchronously or in the background.
+(one NCCL rank), and checkpoints every 5 iterations written synchronously or in the background.
 
 tokens/s and MFU (against the run's own peak: the datasheet's, for a GPU in the table) are medians over the
 logged iterations after the first third (compilation happens in those); memory is the CUDA allocator's high
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from train_runs import run_train
 
 ROWS = {
     "bf16+compile": ["train.dtype=bf16", "train.compile=true"],
@@ -41,22 +41,14 @@ ROWS = {
 
 
 def run(name: str, overrides: list[str], data_root: Path, iters: int, accum: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="gpt2-gpu-") as out:
-        args = ["-m", "meshtrain", "train", "gpt", "preset=gpt2", f"data.root={data_root}", f"train.out_dir={out}",
-                f"train.max_iters={iters}", f"train.grad_accum={accum}", "train.log_interval=1",
-                f"train.eval_interval={iters}", "train.eval_iters=5", "train.save_checkpoints=false",
-                "optimizer.warmup_iters=10", "train.sample_tokens=16", *overrides]
-        backend = next((o.split("=")[1] for o in overrides if o.startswith("train.backend=")), "ddp")
-        if backend != "ddp":  # FSDP2 needs a process group: one rank under torchrun
-            args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *args]
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                              env={**os.environ, "MESHTRAIN_PROGRESS": "0"})
-        if proc.returncode:
-            return {"name": name, "error": (proc.stdout + proc.stderr)[-1500:]}
-        run_dir = Path(next(Path(out, "gpt").glob("*/latest")).read_text().strip())
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "dt" in r]
-    steady = steps[len(steps) // 3:]
+    try:
+        run = run_train("gpt", 1, ["preset=gpt2", f"data.root={data_root}", f"train.max_iters={iters}",
+                                   f"train.grad_accum={accum}", "train.log_interval=1",
+                                   f"train.eval_interval={iters}", "train.eval_iters=5", "optimizer.warmup_iters=10",
+                                   "train.sample_tokens=16", *overrides])
+    except RuntimeError as failure:
+        return {"name": name, "error": str(failure)[-1500:]}
+    steps, steady = run.steady(0), run.steady(1 / 3)
     return {"name": name, "tps": statistics.median(r["tps"] for r in steady),
             "mfu": statistics.median(r["mfu"] for r in steady), "mem": max(r["mem_gb"] for r in steps),
             "ms": statistics.median(r["dt"] for r in steady) * 1e3, "train_s": steps[-1]["time"] - steps[0]["time"],

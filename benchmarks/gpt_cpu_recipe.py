@@ -19,40 +19,23 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from train_runs import run_train
 
 REFERENCE = {"name": "nanoGPT (reference)", "ms_iter": 36.6, "tps": 21_000, "val": 1.8857, "wall": 80.7}
 
 
-def run_once(ranks: int, overrides: list[str], data_root: Path, out_dir: Path, eval_interval: int,
-             log_interval: int) -> dict:
-    args = ["train", "gpt", f"data.root={data_root}", f"train.out_dir={out_dir}", "train.save_checkpoints=false",
-            f"train.eval_interval={eval_interval}", "train.eval_iters=20", f"train.log_interval={log_interval}",
-            *overrides]
-    if ranks == 1:
-        cmd = [sys.executable, "-m", "meshtrain", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "meshtrain", *args]
-    env = {**os.environ, "MESHTRAIN_PROGRESS": "0", "MESHTRAIN_DEVICE": os.environ.get("MESHTRAIN_DEVICE", "cpu")}
-    started = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.time() - started
-    if proc.returncode != 0:
-        sys.exit(f"run failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    run_dir = Path((out_dir / "gpt" / "ddp" / "latest").read_text().strip())
-    dtype = next(line.split(":")[1].strip() for line in (run_dir / "config.yaml").read_text().splitlines()
-                 if line.strip().startswith("dtype:"))  # what train.dtype=auto resolved to
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "dt" in r]
-    steady = steps[len(steps) // 10:] or steps  # the first tenth warms caches and allocators
-    evals = [r for r in rows if "val_loss" in r]
-    return {"dtype": dtype, "ms_iter": 1e3 * statistics.median(r["dt"] for r in steady),
+def run_once(ranks: int, overrides: list[str], data_root: Path, eval_interval: int, log_interval: int) -> dict:
+    run = run_train("gpt", ranks, [f"data.root={data_root}", f"train.eval_interval={eval_interval}",
+                                   "train.eval_iters=20", f"train.log_interval={log_interval}", *overrides])
+    steady = run.steady(0.1)  # the first tenth warms caches and allocators
+    evals = run.evals()
+    return {"dtype": run.dtype(), "ms_iter": 1e3 * statistics.median(r["dt"] for r in steady),
             "tps": statistics.median(r["tps"] for r in steady),
             "mfu": statistics.median(r["mfu"] for r in steady), "val": evals[-1]["val_loss"],
-            "steps": evals[-1]["step"], "wall": wall, "evals": [(r["step"], r["time"] - started, r["val_loss"])
-                                                                  for r in evals]}
+            "steps": evals[-1]["step"], "wall": run.wall,
+            "evals": [(r["step"], r["time"] - run.started, r["val_loss"]) for r in evals]}
 
 
 def main() -> None:
@@ -69,6 +52,7 @@ def main() -> None:
     parser.add_argument("--log-interval", type=int, default=10,
                         help="iterations between metric lines (default 10, the presets'; nanoGPT's figure logged every 1)")
     args = parser.parse_args()
+    os.environ.setdefault("MESHTRAIN_DEVICE", "cpu")  # the CPU recipe, also on a machine with a GPU
 
     from rich.console import Console
     from rich.table import Table
@@ -85,8 +69,7 @@ def main() -> None:
         for ranks in (int(r) for r in args.runs.split(",")):
             for dtype in args.dtypes.split(","):
                 overrides = [f"preset={args.preset}", f"train.dtype={dtype}", *args.extra]
-                result = run_once(ranks, overrides, data_root, Path(tmp) / f"out{ranks}{dtype}", args.eval_interval,
-                                  args.log_interval)
+                result = run_once(ranks, overrides, data_root, args.eval_interval, args.log_interval)
                 name = f"{ranks} rank{'s' if ranks > 1 else ''} ({' '.join(overrides)})"
                 results.append((name + (f" -> {result['dtype']}" if dtype == "auto" else ""), result))
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
 import re
 import statistics
@@ -31,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from train_runs import run_train
 
 NANO_ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
 NANO_EVAL = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)")
@@ -69,28 +69,17 @@ def run_nanogpt(root: Path, iters: int, target: float) -> dict:
 
 
 def run_meshtrain(iters: int, target: float, overrides: list[str]) -> dict:
-    with tempfile.TemporaryDirectory(prefix="meshtrain-vs-nanogpt-") as tmp:
-        root = Path(tmp)
-        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root", str(root)],
+    with tempfile.TemporaryDirectory(prefix="meshtrain-vs-nanogpt-") as root:
+        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root", root],
                        check=True, capture_output=True)
-        cmd = [sys.executable, "-m", "meshtrain", "train", "gpt", "preset=shakespeare_char", f"data.root={root}",
-               f"train.out_dir={root}/runs", f"train.max_iters={iters}", f"optimizer.lr_decay_iters={iters}",
-               "train.save_checkpoints=false", "train.compile=true", *overrides]
-        started = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "MESHTRAIN_PROGRESS": "0"})
-        wall = time.time() - started
-        if proc.returncode:
-            sys.exit(f"meshtrain failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-        run_dir = Path((root / "runs" / "gpt" / "ddp" / "latest").read_text().strip())
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "dt" in r]
-    steady = steps[len(steps) // 10:]
-    evals = [r for r in rows if "val_loss" in r]
-    reached = next((r["time"] - started for r in evals if r["val_loss"] <= target), None)
+        run = run_train("gpt", 1, ["preset=shakespeare_char", f"data.root={root}", f"train.max_iters={iters}",
+                                   f"optimizer.lr_decay_iters={iters}", "train.compile=true", *overrides])
+    steady, evals = run.steady(0.1), run.evals()
+    reached = next((r["time"] - run.started for r in evals if r["val_loss"] <= target), None)
     tps = statistics.median(r["tps"] for r in steady)
     return {"name": "meshtrain", "ms": statistics.median(r["dt"] for r in steady) * 1e3, "tps": tps,
             "flops": tps * baby_gpt_flops_per_token(), "reached": reached, "val": evals[-1]["val_loss"],
-            "best": min(r["val_loss"] for r in evals), "wall": wall}
+            "best": min(r["val_loss"] for r in evals), "wall": run.wall}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Run `meshtrain train vit` jobs for the ViT benchmarks and read back what they logged (metrics.jsonl)."""
+"""Run `meshtrain train` jobs for the benchmarks and read back what they logged (metrics.jsonl, config.yaml)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,49 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
-def run_vit(ranks: int, overrides: list[str], timeout: float = 3600) -> list[dict]:
-    """One training job (a plain process, or torchrun with `ranks` processes); its metrics.jsonl rows."""
-    with tempfile.TemporaryDirectory(prefix="vit_bench_") as out_dir:
-        args = ["-m", "meshtrain", "train", "vit", *overrides, f"train.out_dir={out_dir}",
-                "train.save_checkpoints=false"]
+@dataclass
+class TrainRun:
+    rows: list[dict]  # metrics.jsonl
+    config: str  # the resolved config.yaml (what train.dtype=auto chose, say)
+    started: float  # time.time() at launch: a row's "time" minus this is the time since the process started
+    wall: float  # seconds from launch to exit
+
+    def steady(self, skip_fraction: float) -> list[dict]:
+        """The logged iterations after the first `skip_fraction` of them (warm-up, compilation)."""
+        steps = [r for r in self.rows if "dt" in r]
+        return steps[int(len(steps) * skip_fraction):] or steps
+
+    def evals(self) -> list[dict]:
+        return [r for r in self.rows if "val_loss" in r]
+
+    def dtype(self) -> str:
+        return next(line.split(":")[1].strip() for line in self.config.splitlines()
+                    if line.strip().startswith("dtype:"))
+
+
+def run_train(workload: str, ranks: int, overrides: list[str], timeout: float = 3600) -> TrainRun:
+    """`meshtrain train WORKLOAD OVERRIDES` as a plain process, or under torchrun with `ranks` processes, in a
+    fresh output directory with no checkpoints (unless an override turns them on). Raises on failure."""
+    with tempfile.TemporaryDirectory(prefix=f"{workload}_bench_") as out_dir:
+        args = ["-m", "meshtrain", "train", workload, "train.save_checkpoints=false", f"train.out_dir={out_dir}",
+                *overrides]
         if ranks > 1:
             args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
         env = {**os.environ, "MESHTRAIN_PROGRESS": "0"}
+        started = time.time()
         done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+        wall = time.time() - started
         if done.returncode:
-            raise RuntimeError(f"meshtrain train vit {' '.join(overrides)} failed (exit {done.returncode}):\n"
+            raise RuntimeError(f"meshtrain train {workload} {' '.join(overrides)} failed (exit {done.returncode}):\n"
                                f"{(done.stdout + done.stderr)[-3000:]}")
-        latest = next(Path(out_dir, "vit").glob("*/latest"))
-        run_dir = Path(latest.read_text().strip())
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        run_dir = Path(next(Path(out_dir, workload).glob("*/latest")).read_text().strip())
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return TrainRun(rows, (run_dir / "config.yaml").read_text(), started, wall)
 
 
 def median_rate(rows: list[dict], skip: int) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from vit_runs import markdown, median_rate, run_vit
+from train_runs import markdown, median_rate, run_train
 
 from meshtrain.data.era5_dali import dali_available
 
@@ -51,7 +51,7 @@ def main() -> None:
     flags, table, baseline = [], [], None
     for name, added in rungs:
         flags += added
-        rate = median_rate(run_vit(1, [*common, *flags]), skip=args.warmup)
+        rate = median_rate(run_train("vit", 1, [*common, *flags]).rows, skip=args.warmup)
         baseline = baseline or rate
         table.append([name, " ".join(added), f"{rate:.1f}", f"{rate / baseline:.2f}×"])
         print(f"{name}: {rate:.1f} samples/s", flush=True)

@@ -16,7 +16,7 @@ import argparse
 import math
 
 import torch
-from vit_runs import last_eval, markdown, median_rate, run_vit
+from train_runs import last_eval, markdown, median_rate, run_train
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
               f"optimizer.min_lr={args.lr / 10}", "train.backend=ddp", *args.overrides]
     table, one = [], None
     for ranks in args.ranks:
-        rows = run_vit(ranks, common)
+        rows = run_train("vit", ranks, common).rows
         rate, final = median_rate(rows, skip=args.warmup), last_eval(rows)
         one = one or rate / ranks
         lr = args.lr * math.sqrt(ranks)
