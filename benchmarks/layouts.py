@@ -37,14 +37,15 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from train_runs import torchrun_argv
 
-from meshtrain.config import GPTRunConfig
-from meshtrain.dist import distributed
-from meshtrain.dist.device import synchronize
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.gpt.config import GPTRunConfig
+from meshtrain.models.gpt.model import GPT, GPTConfig
+from meshtrain.models.gpt.parallelize import build_gpt_layout
 from meshtrain.parallel.data_parallel import bytes_held
-from meshtrain.parallel.gpt_layout import build_gpt_layout
 from meshtrain.parallel.mesh import MeshError, ParallelDims
+from meshtrain.runtime import distributed
+from meshtrain.runtime.device import synchronize
 from meshtrain.train import metrics
 from meshtrain.train.optim import build_optimizer
 
@@ -82,10 +83,10 @@ def comm_elements(prof) -> int:
 
 def bench(case: str, args, info) -> dict | None:
     cfg = parse(case, args.dtype)
-    p = cfg.parallel
+    m = cfg.model
+    m.block_size, m.n_layer, m.n_head, m.n_embd, m.batch_size = args.seq, args.n_layer, args.n_head, args.n_embd, args.batch
     try:
-        dims = ParallelDims.resolve(info.world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp,
-                                    tp=p.tp, pp=p.pp)
+        dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
     except MeshError as e:
         if info.is_main:
             print(f"skip {case}: {e}")
@@ -94,7 +95,8 @@ def bench(case: str, args, info) -> dict | None:
     torch.manual_seed(0)
     config = GPTConfig(block_size=args.seq, vocab_size=50304 if args.vocab == "gpt2" else 65, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=False)
-    layout = build_gpt_layout(GPT(config).to(device), cfg, dims, device, info.rank, info.local_world_size)
+    mesh = dims.build_mesh(device.type) if info.world_size > 1 else None
+    layout = build_gpt_layout(GPT(config).to(device), cfg, dims, mesh, device, info.rank)
     optimizer = build_optimizer(layout.model.configure_optimizer_groups(0.1), device, cfg.train.backend,
                                 info.world_size, lr=1e-4)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
@@ -170,8 +172,7 @@ def launch_each(args, argv: list[str]) -> None:
     passed = [a for a in argv if not a.startswith("--layouts") and a not in layouts]
     rows = []
     for case in layouts:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               __file__, *passed, "--layouts", case]
+        cmd = torchrun_argv(args.ranks, __file__, *passed, "--layouts", case)
         out = subprocess.run(cmd, capture_output=True, text=True)
         found = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
         if out.returncode or not found:

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.gpt.model import GPT, GPTConfig
 
 
 def main() -> None:

@@ -33,17 +33,21 @@ class TrainRun:
                     if line.strip().startswith("dtype:"))
 
 
+def torchrun_argv(ranks: int, *args: str) -> list[str]:
+    """`torchrun --standalone --nproc-per-node RANKS ARGS` with this interpreter (what every benchmark launches)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
+
+
 def run_train(workload: str, ranks: int, overrides: list[str], timeout: float = 3600) -> TrainRun:
     """`meshtrain train WORKLOAD OVERRIDES` as a plain process, or under torchrun with `ranks` processes, in a
     fresh output directory with no checkpoints (unless an override turns them on). Raises on failure."""
     with tempfile.TemporaryDirectory(prefix=f"{workload}_bench_") as out_dir:
         args = ["-m", "meshtrain", "train", workload, "train.save_checkpoints=false", f"train.out_dir={out_dir}",
                 *overrides]
-        if ranks > 1:
-            args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
+        argv = torchrun_argv(ranks, *args) if ranks > 1 else [sys.executable, *args]
         env = {**os.environ, "MESHTRAIN_PROGRESS": "0"}
         started = time.time()
-        done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
         wall = time.time() - started
         if done.returncode:
             raise RuntimeError(f"meshtrain train {workload} {' '.join(overrides)} failed (exit {done.returncode}):\n"

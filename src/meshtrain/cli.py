@@ -14,7 +14,7 @@ from meshtrain import __version__
 # name -> (module, one-line help, description shown by `meshtrain NAME --help`, takes the dist options)
 SUBCOMMANDS = {
     "launch": (
-        "meshtrain.dist.launch",
+        "meshtrain.runtime.launch",
         "start a command on every rank with the launcher this machine uses (torchrun, mpiexec, srun)",
         "Build the launcher command for this machine and run it: mpiexec with the job's hostfile under PBS, "
         "srun under SLURM, torchrun --standalone elsewhere. Put the command to run after `--`; a leading "
@@ -22,7 +22,7 @@ SUBCOMMANDS = {
         False,
     ),
     "test-dist": (
-        "meshtrain.dist.check",
+        "meshtrain.runtime.check",
         "check the distributed set-up: DistInfo, a short DDP run, bit-identical parameters on every rank",
         "Print the set-up table, train a small MLP with DDP for a few iterations on different data per rank, "
         "then verify that every rank holds bit-identical parameters. Exits non-zero, naming the differing "
@@ -70,7 +70,7 @@ SUBCOMMANDS = {
         False,
     ),
     "collectives": (
-        "meshtrain.dist.collectives",
+        "meshtrain.runtime.collectives",
         "show each collective at work (--demo) or measure their bandwidth (--bench)",
         "--demo runs every collective on small tensors, prints each rank's before/after and checks it "
         "against the analytic answer. --bench sweeps message sizes and prints time, algorithm bandwidth "
@@ -111,8 +111,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshtrain.dist.log import configure_logging, get_logger
     from meshtrain.errors import MeshtrainError
+    from meshtrain.runtime.log import configure_logging, get_logger
 
     argv = sys.argv[1:] if argv is None else argv
     command = next((word for word in argv if not word.startswith("-")), None)

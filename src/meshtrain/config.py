@@ -3,20 +3,22 @@
     meshtrain train gpt preset=shakespeare_char data=shakespeare train.dtype=fp32 model.n_layer=6
     meshtrain train vit preset=tiny parallel.tp=2 amp_mode=bf16 num_data_workers=2
 
-`preset=NAME` merges `configs/<workload>/NAME.yaml` (shipped with the package) or a YAML path;
-`data=NAME` is short for `data.name=NAME` (gpt) or `data.root=NAME` (vit); everything else is
+`preset=NAME` merges the model's `presets/NAME.yaml` (shipped in its folder) or a YAML path; `data=VALUE` is
+short for the model's data key (the GPT's data.name, the ViT's data.root); everything else is
 `group.key=value`, or one of NERSC's flag names (ALIASES) for the same key. OmegaConf checks keys
 and types against the dataclasses; `validate` checks that values fit together. Every problem is one
 ConfigError that names the key and what to do.
 
-The two workloads share the optimizer, train and parallel groups and differ in model and data:
-GPTRunConfig (token windows) and ViTRunConfig (ERA5 fields).
+Every model shares the optimizer, train and parallel groups defined here; its own run config (in its
+folder, found through meshtrain.registry) adds its model and data sections and its own rules. The
+rules that need the world size are parallel/mesh.py's ParallelDims.from_config, run before any
+process group work.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.errors import MeshtrainError
 
-PRESET_DIR = Path(__file__).parent / "configs"
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: machine/precision.py chooses
 BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp", "deepspeed")  # parallel/data_parallel.py, deepspeed_backend.py
 PROFILERS = ("none", "torch", "nsys")  # train/profiling.py
@@ -34,24 +35,6 @@ CP_IMPLS = ("ring", "ulysses")  # parallel/context_parallel.py
 
 class ConfigError(MeshtrainError, ValueError):
     """A configuration key, type or value that cannot be used; the message says which and how to fix it."""
-
-
-@dataclass
-class ModelSection:
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64
-    batch_size: int = 12  # sequences per micro-step per data-parallel rank
-    dropout: float = 0.0
-    bias: bool = False
-    activation: str = "gelu"
-
-
-@dataclass
-class DataSection:
-    name: str = "shakespeare_char"  # shakespeare_char | shakespeare | the name given to `prepare text`
-    root: str = "data"  # where `meshtrain prepare` wrote <name>/train.bin, val.bin, meta.json
 
 
 @dataclass
@@ -84,8 +67,8 @@ class TrainSection:
     log_interval: int = 10
     max_minutes: float | None = None  # stop (with a checkpoint) once this wall-clock budget is spent
     seed: int = 1337
-    max_epochs: int | None = None  # vit: passes over the data; when set, it replaces max_iters and eval_interval
-    init_from: str = "scratch"  # scratch | resume | (gpt) a GPT-2 name or local Hugging Face directory
+    max_epochs: int | None = None  # passes over the data (ViT); when set, it replaces max_iters and eval_interval
+    init_from: str = "scratch"  # scratch | resume | what else a model's own rules accept (the GPT: GPT-2 weights)
     out_dir: str = "outputs/runs"
     run_dir: str | None = None  # the run to resume (default: the latest run of this workload/backend)
     save_checkpoints: bool = True
@@ -98,14 +81,6 @@ class TrainSection:
     profile: str = "none"  # none | torch (Chrome trace of the window) | nsys (cudaProfilerStart/Stop around it)
     profile_start: int = 10  # the first iteration of the profiled window
     profile_steps: int = 5
-
-
-@dataclass
-class GPTTrainSection(TrainSection):
-    prompt: str = "What is an LLM?"
-    sample_tokens: int = 200
-    temperature: float = 0.8
-    top_k: int | None = 200
 
 
 @dataclass
@@ -126,54 +101,6 @@ class ParallelSection:
     zero_stage: int = 2  # train.backend=deepspeed: ZeRO stage 1 (optimizer), 2 (+ gradients) or 3 (+ parameters)
 
 
-@dataclass
-class GPTRunConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    train: GPTTrainSection = field(default_factory=GPTTrainSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-
-
-@dataclass
-class ViTModelSection:  # models/vit.py ViTConfig; img_size and channels come from the data
-    patch_size: int = 8
-    embed_dim: int = 384
-    depth: int = 12
-    num_heads: int = 8
-    mlp_ratio: float = 4.0
-    dropout: float = 0.0
-    drop_path: float = 0.0
-    loss: str = "mse"  # mse | relative_l2 (FourCastNet's; not with context parallel)
-
-
-@dataclass
-class ERA5DataSection:  # data/era5.py
-    root: str = "data/era5_synthetic"  # train/ valid/ test/ of YEAR.h5 and stats/ (NERSC's layout)
-    dt: int = 1  # forecast step, in time steps of the files
-    crop: list[int] | None = field(default_factory=lambda: [360, 720])  # top-left rows x columns; null: whole grid
-    channels: list[str] | None = None  # null: all; the first is the one RMSE is reported for (u10)
-    limit_train: int | None = None  # NERSC's short: 512
-    limit_valid: int | None = None  # NERSC's short: 128
-    batch_size: int = 16  # samples per micro-step per data-parallel rank
-    global_batch_size: int | None = None  # if set, batch_size = global / (data-parallel ranks x grad_accum)
-    loader: str = "pytorch"  # pytorch (DataLoader) | dali (NVIDIA DALI pipeline, the [dali] extra)
-    num_workers: int = 0  # loader worker processes per rank (NERSC's num_data_workers)
-    pin_memory: bool | None = None  # null: on a GPU
-    persistent_workers: bool = True
-    prefetch_factor: int = 2
-
-
-@dataclass
-class ViTRunConfig:
-    model: ViTModelSection = field(default_factory=ViTModelSection)
-    data: ERA5DataSection = field(default_factory=ERA5DataSection)
-    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-
-
-RUN_CONFIGS = {"gpt": GPTRunConfig, "vit": ViTRunConfig}
 # NERSC dl-at-scale-training's flag names -> (meshtrain key, value translation)
 ALIASES = {
     "amp_mode": ("train.dtype", lambda v: {"none": "fp32"}.get(v, v)),
@@ -186,12 +113,21 @@ ALIASES = {
 }
 
 
+def _spec(workload: str):
+    from meshtrain import registry
+
+    try:
+        return registry.get(workload)
+    except registry.RegistryError as e:
+        raise ConfigError(str(e)) from None
+
+
 def presets(workload: str = "gpt") -> list[str]:
-    return sorted(p.stem for p in (PRESET_DIR / workload).glob("*.yaml"))
+    return sorted(p.stem for p in _spec(workload).presets.glob("*.yaml"))
 
 
 def _preset_path(workload: str, name: str) -> Path:
-    path = Path(name) if name.endswith((".yaml", ".yml")) else PRESET_DIR / workload / f"{name}.yaml"
+    path = Path(name) if name.endswith((".yaml", ".yml")) else _spec(workload).presets / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"preset={name}: no such preset; choose one of {', '.join(presets(workload))} "
                           "or give a path to a .yaml file")
@@ -223,12 +159,10 @@ def _explain(e: OmegaConfBaseException, schema: DictConfig, origin: str) -> Conf
 
 
 def _schema(workload: str) -> DictConfig:
-    if workload not in RUN_CONFIGS:
-        raise ConfigError(f"unknown workload {workload!r}: choose one of {', '.join(RUN_CONFIGS)}")
-    return OmegaConf.structured(RUN_CONFIGS[workload])
+    return OmegaConf.structured(_spec(workload).run_config)
 
 
-def load_config(overrides: list[str] = (), workload: str = "gpt") -> GPTRunConfig | ViTRunConfig:
+def load_config(overrides: list[str] = (), workload: str = "gpt"):
     """Defaults, then `preset=...`, then the dotted overrides in order; validated."""
     schema = _schema(workload)
     cfg = schema.copy()
@@ -243,7 +177,7 @@ def load_config(overrides: list[str] = (), workload: str = "gpt") -> GPTRunConfi
             except OmegaConfBaseException as e:
                 raise _explain(e, schema, f"preset {value}") from None
         elif key == "data":
-            dotted.append(f"data.{'name' if workload == 'gpt' else 'root'}={value}")
+            dotted.append(f"{_spec(workload).data_key}={value}")
         elif key in ALIASES:
             target, translate = ALIASES[key]
             dotted.append(f"{target}={translate(value) if translate else value}")
@@ -259,22 +193,22 @@ def load_config(overrides: list[str] = (), workload: str = "gpt") -> GPTRunConfi
     return run
 
 
-def _check_positive(values: dict[str, int | None]) -> None:
+def check_positive(values: dict[str, int | None]) -> None:
     for key, value in values.items():
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
 
 
-def validate(cfg: GPTRunConfig | ViTRunConfig) -> None:
+def validate(cfg) -> None:
+    """The shared rules, then the model's own."""
     m, t, o = cfg.model, cfg.train, cfg.optimizer
-    _check_positive({"train.max_iters": t.max_iters, "train.grad_accum": t.grad_accum,
+    check_positive({"train.max_iters": t.max_iters, "train.grad_accum": t.grad_accum,
                      "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters,
                      "train.log_interval": t.log_interval, "train.max_epochs": t.max_epochs,
                      "train.profile_steps": t.profile_steps, "optimizer.base_batch_size": o.base_batch_size})
-    if isinstance(cfg, ViTRunConfig):
-        _validate_vit(cfg)
-    else:
-        _validate_gpt(cfg)
+    spec = workload_spec(cfg)
+    if spec.validate:
+        spec.validate(cfg)
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
     if t.profile not in PROFILERS:
@@ -287,58 +221,7 @@ def validate(cfg: GPTRunConfig | ViTRunConfig) -> None:
     _validate_layout(cfg)
 
 
-def _validate_gpt(cfg: GPTRunConfig) -> None:
-    m, t = cfg.model, cfg.train
-    _check_positive({"model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.n_embd": m.n_embd,
-                     "model.block_size": m.block_size, "model.batch_size": m.batch_size})
-    if m.n_embd % m.n_head:
-        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "
-                          "each head gets n_embd / n_head channels")
-    if t.max_epochs is not None:
-        raise ConfigError("train.max_epochs is for the vit workload: the GPT samples random windows, which have no "
-                          "epochs; set train.max_iters instead")
-    p = cfg.parallel
-    microbatches = p.microbatches or p.pp * p.virtual_stages
-    if p.pp > 1 and m.batch_size % microbatches:
-        raise ConfigError(f"model.batch_size={m.batch_size} does not split into parallel.microbatches={microbatches} "
-                          f"for the pipeline: make the batch a multiple of {microbatches} (or change microbatches)")
-
-
-def _validate_vit(cfg: ViTRunConfig) -> None:
-    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.parallel
-    _check_positive({"model.patch_size": m.patch_size, "model.embed_dim": m.embed_dim, "model.depth": m.depth,
-                     "model.num_heads": m.num_heads, "data.dt": d.dt, "data.batch_size": d.batch_size,
-                     "data.global_batch_size": d.global_batch_size, "data.limit_train": d.limit_train,
-                     "data.limit_valid": d.limit_valid, "data.prefetch_factor": d.prefetch_factor})
-    if m.embed_dim % m.num_heads:
-        raise ConfigError(f"model.embed_dim={m.embed_dim} is not divisible by model.num_heads={m.num_heads}: "
-                          "each head gets embed_dim / num_heads channels")
-    if m.loss not in ("mse", "relative_l2"):
-        raise ConfigError(f"model.loss={m.loss!r}: choose mse or relative_l2")
-    if not 0 <= m.drop_path < 1:
-        raise ConfigError(f"model.drop_path={m.drop_path}: must be in [0, 1)")
-    if d.crop is not None and (len(d.crop) != 2 or min(d.crop) < 1 or any(c % m.patch_size for c in d.crop)):
-        raise ConfigError(f"data.crop={d.crop}: give [rows, columns], both multiples of model.patch_size="
-                          f"{m.patch_size} (e.g. [360, 720] for ERA5 at 0.5 degrees, [80, 160] for the synthetic "
-                          "90x180 grid)")
-    if d.loader not in ("pytorch", "dali"):
-        raise ConfigError(f"data.loader={d.loader!r}: choose pytorch or dali")
-    if d.num_workers < 0:
-        raise ConfigError(f"data.num_workers={d.num_workers}: 0 reads in the training process, N > 0 in N workers")
-    if p.pp > 1:
-        raise ConfigError(f"parallel.pp={p.pp}: the ViT has no pipeline split in this version; use tp, cp and "
-                          "data parallelism")
-    if t.backend == "deepspeed":
-        raise ConfigError("train.backend=deepspeed runs the GPT workload only; for the ViT use zero2 or fsdp "
-                          "(ZeRO-2/3 on PyTorch's own FSDP2)")
-    if t.init_from not in ("scratch", "resume"):
-        raise ConfigError(f"train.init_from={t.init_from!r}: the ViT starts from scratch or resumes its latest run")
-    if p.cp > 1 and m.loss != "mse":
-        raise ConfigError(f"model.loss={m.loss} with parallel.cp={p.cp}: context parallel ranks each hold a part "
-                          "of every image, and the relative L2 needs whole-image norms; use model.loss=mse")
-
-
-def _validate_layout(cfg: GPTRunConfig | ViTRunConfig) -> None:
+def _validate_layout(cfg) -> None:
     t, o, p = cfg.train, cfg.optimizer, cfg.parallel
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -376,19 +259,26 @@ def _validate_layout(cfg: GPTRunConfig | ViTRunConfig) -> None:
         raise ConfigError("optimizer.warmup_iters and optimizer.grad_clip must not be negative")
 
 
-def workload_of(cfg: GPTRunConfig | ViTRunConfig) -> str:
-    return next(name for name, kind in RUN_CONFIGS.items() if isinstance(cfg, kind))
+def workload_spec(cfg):
+    """The registry's ModelSpec of a run config."""
+    from meshtrain import registry
+
+    return registry.spec_of(cfg)
 
 
-def to_yaml(cfg: GPTRunConfig | ViTRunConfig) -> str:
+def workload_of(cfg) -> str:
+    return workload_spec(cfg).name
+
+
+def to_yaml(cfg) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def to_dict(cfg: GPTRunConfig | ViTRunConfig) -> dict[str, Any]:
+def to_dict(cfg) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
-def from_dict(values: dict[str, Any], workload: str = "gpt") -> GPTRunConfig | ViTRunConfig:
+def from_dict(values: dict[str, Any], workload: str = "gpt"):
     """A saved config (config.yaml or a checkpoint's dict) back into the typed form, checked again."""
     schema = _schema(workload)
     try:

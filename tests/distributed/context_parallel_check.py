@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from driver_results import record
 from torch.nn.parallel import DistributedDataParallel
 
-from meshtrain.dist import distributed
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.context_parallel import (
     ContextParallelError,
@@ -38,6 +37,7 @@ from meshtrain.parallel.context_parallel import (
     ulysses_attention,
 )
 from meshtrain.parallel.mesh import ParallelDims, submesh
+from meshtrain.runtime import distributed
 
 TOL, STEPS, LOCAL_BATCH = 1e-5, 3, 2
 KERNELS = {"ulysses": ulysses_attention, "ring": ring_attention}
@@ -117,7 +117,7 @@ def check_training(info, impl: str, cp: int, ac: bool) -> tuple[bool, dict]:
     model = GPT(config).to(dev)
     if ac:  # CP after AC: apply_context_parallel must find attention under the checkpoint wrapper
         apply_activation_checkpointing(model.transformer.h, "full")
-    apply_context_parallel(model, cp_mesh, impl)
+    apply_context_parallel(model.transformer.h.values(), cp_mesh, impl, config.n_head)
     # DDP over dp_cp averages every rank's gradient of its own mean loss: the gradient of the global mean,
     # since all ranks hold equally many tokens. (dp_cp is the cp group itself when dp = 1.)
     dp_cp_group = dp_cp_mesh.get_group()

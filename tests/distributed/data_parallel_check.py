@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from driver_results import full, record
 
-from meshtrain.dist import distributed
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.data_parallel import apply_data_parallel, bytes_held, gradient_sync
+from meshtrain.runtime import distributed
 from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, TOL = 2, 3, 3, 1e-5

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import cli
-from meshtrain.dist import check
+from meshtrain.runtime import check
 
 mode, faulty_rank, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 steps = 0

@@ -25,30 +25,40 @@ import torch.distributed as dist
 from driver_results import full, record
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from meshtrain.config import GPTRunConfig
-from meshtrain.dist import distributed
-from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.gpt_layout import build_gpt_layout
+from meshtrain.models.gpt.config import GPTRunConfig
+from meshtrain.models.gpt.model import GPT, GPTConfig
+from meshtrain.models.gpt.parallelize import build_gpt_layout
+from meshtrain.models.llama.config import LlamaRunConfig
+from meshtrain.models.llama.model import Llama, LlamaConfig
+from meshtrain.models.llama.parallelize import build_llama_layout
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.state_dict import (
     full_model_state,
 )
+from meshtrain.runtime import distributed
 from meshtrain.train import checkpoint
 from meshtrain.train.metrics import StepTimer
 from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, TOL = 2, 4, 2, 1e-5
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=True)
+# The Llama-style decoder at the same size: 4 query heads over 2 key/value heads, SwiGLU 64 wide, untied head.
+LLAMA = LlamaConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64)
+MODELS = {"gpt": (GPT, CONFIG, GPTRunConfig, build_gpt_layout), "llama": (Llama, LLAMA, LlamaRunConfig, build_llama_layout)}
 SGD = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
 INTS = {"tp", "cp", "pp", "dp_replicate", "dp_shard", "microbatches", "virtual_stages", "zero_stage"}
 
 
-def parse(case: str) -> GPTRunConfig:
-    cfg = GPTRunConfig()
+def parse(case: str):
+    """"BACKEND:key=value,..." -> the run config; model=llama picks the Llama-style decoder (default: the GPT)."""
     backend, _, options = case.partition(":")
+    model = dict(item.split("=") for item in filter(None, options.split(","))).get("model", "gpt")
+    cfg = MODELS[model][2]()
     cfg.train.backend, cfg.train.dtype = backend, "fp32"
     for item in filter(None, options.split(",")):
         key, value = item.split("=")
+        if key == "model":
+            continue
         if key == "ac":  # train.activation_checkpointing, which composes with every layout
             cfg.train.activation_checkpointing = value
             continue
@@ -66,13 +76,21 @@ def worst(mine: dict, ref: dict) -> float:
     return out
 
 
-def build(cfg: GPTRunConfig, info):
+def model_of(cfg) -> tuple:
+    return next(entry for entry in MODELS.values() if isinstance(cfg, entry[2]))
+
+
+def build(cfg, info):
     cfg.optimizer.grad_clip, cfg.model.batch_size, cfg.train.grad_accum = 1.0, MICRO, ACCUM  # DeepSpeed's config
+    m = cfg.model
+    model_class, config, _, build_layout = model_of(cfg)
+    for key in ("block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden"):
+        if hasattr(m, key):
+            setattr(m, key, getattr(config, key))
     torch.manual_seed(0)
-    p = cfg.parallel
-    dims = ParallelDims.resolve(info.world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-                                pp=p.pp, order=p.order)
-    layout = build_gpt_layout(GPT(CONFIG), cfg, dims, info.torch_device, info.rank, info.local_world_size)
+    dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
+    mesh = dims.build_mesh(info.torch_device.type) if info.world_size > 1 else None
+    layout = build_layout(model_class(config), cfg, dims, mesh, info.torch_device, info.rank)
     optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device,
                                                         cfg.train.backend, info.world_size, **SGD))
     return dims, layout, optimizer
@@ -93,7 +111,8 @@ def run_case(case: str, info) -> tuple:
     cfg = parse(case)
     dims, layout, optimizer = build(cfg, info)
     torch.manual_seed(0)
-    reference = GPT(CONFIG)
+    model_class, config, *_ = model_of(cfg)
+    reference = model_class(config)
     ref_opt = build_optimizer(reference.configure_optimizer_groups(0.1), torch.device("cpu"), **SGD)
     scaler, timer = torch.amp.GradScaler("cpu", enabled=False), StepTimer(info.torch_device)
     dp_rank, rows = dims.dp_rank(info.rank), ACCUM * MICRO

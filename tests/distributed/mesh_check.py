@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from driver_results import record
 
-from meshtrain.dist.setup import collective, distributed
 from meshtrain.parallel.mesh import DIMS, FLATTENED, ParallelDims, submesh
+from meshtrain.runtime.setup import collective, distributed
 
 
 def parse(arg: str) -> dict:

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from driver_results import full, record
 
-from meshtrain.dist import distributed
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.gpt.model import GPT, GPTConfig
+from meshtrain.models.gpt.parallelize import SPLIT
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.pipeline import SINGLE_STAGE, PipelineError, build_pipeline
+from meshtrain.runtime import distributed
 
 ACCUM, ROWS, MICROBATCHES, STEPS, MAX_NORM, TOL = 2, 8, 4, 2, 0.3, 1e-5
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=True)
@@ -63,7 +64,7 @@ def check(schedule: str, layout: str, mesh, info) -> bool:
     torch.manual_seed(0)
     model = GPT(CONFIG)
     virtual = 1 if schedule in SINGLE_STAGE else 2
-    pipeline = build_pipeline(model, pp_mesh, schedule=schedule, microbatches=MICROBATCHES, virtual_stages=virtual,
+    pipeline = build_pipeline(model, SPLIT, pp_mesh, schedule=schedule, microbatches=MICROBATCHES, virtual_stages=virtual,
                               device=info.torch_device)
     held = sum(p.numel() for p in pipeline.parameters())
     keys = [k for part in pipeline.parts for k in part.state_dict()]
@@ -140,7 +141,7 @@ def errors(mesh, layout: str, info) -> None:
     """Bad layouts fail with one clear message on every rank, before any collective."""
     pp_mesh = submesh(mesh, "pp")
     if layout == "ddp":  # DDP cannot see the weight gradients of a split-backward schedule
-        pipeline = build_pipeline(GPT(CONFIG), pp_mesh, schedule="zbv_zero_bubble", microbatches=4, virtual_stages=2,
+        pipeline = build_pipeline(GPT(CONFIG), SPLIT, pp_mesh, schedule="zbv_zero_bubble", microbatches=4, virtual_stages=2,
                                   device=info.torch_device)
         wrap(pipeline, submesh(mesh, "dp"), layout)
         try:
@@ -158,12 +159,12 @@ def errors(mesh, layout: str, info) -> None:
     }
     for what, kwargs in cases.items():
         try:
-            build_pipeline(GPT(CONFIG), pp_mesh, device=info.torch_device, **kwargs)
+            build_pipeline(GPT(CONFIG), SPLIT, pp_mesh, device=info.torch_device, **kwargs)
             message = "no error"
         except PipelineError as e:
             message = str(e)
         record(f"errors@{layout}", **{what: message})
-    pipeline = build_pipeline(GPT(CONFIG), pp_mesh, schedule="gpipe", microbatches=4, device=info.torch_device)
+    pipeline = build_pipeline(GPT(CONFIG), SPLIT, pp_mesh, schedule="gpipe", microbatches=4, device=info.torch_device)
     x, y = batch(0, 6)
     try:
         pipeline.step(x, y)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tests.conftest import ANSI, REPO, clean_env, mpirun, requires_mpirun, torchrun, torchrun_cmd
 
-from meshtrain.dist.collectives import (
+from meshtrain.runtime.collectives import (
     BENCH_OPS,
     DEMO_CASES,
     bus_bandwidth_factor,
@@ -94,7 +94,7 @@ def test_demo_fails_when_a_rank_gets_a_wrong_answer(tmp_path):
         import sys
 
         from meshtrain import cli
-        from meshtrain.dist import collectives
+        from meshtrain.runtime import collectives
 
         real = collectives._demo_case
 

@@ -24,7 +24,7 @@ def drive(root: Path) -> None:
 
     from meshtrain.data.era5 import ERA5Dataset
     from meshtrain.data.era5_batches import ERA5Batches
-    from meshtrain.dist import distributed
+    from meshtrain.runtime import distributed
 
     with distributed() as info:
         dp_rank, dp_size = info.rank // TP, info.world_size // TP

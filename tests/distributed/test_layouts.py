@@ -29,13 +29,22 @@ LAYOUTS = {
         "ddp:pp=2,pp_schedule=1f1b",
         "ddp:pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=full",
         "ddp:cp=2,cp_impl=ring",
-        "ddp:cp=2,cp_impl=ulysses"],
+        "ddp:cp=2,cp_impl=ulysses",
+        # The Llama-style decoder (GQA, RoPE, SwiGLU, untied head) through the same layouts, from its own folder.
+        "fsdp:model=llama",
+        "ddp:tp=2,sequence_parallel=false,loss_parallel=false,model=llama",
+        "fsdp:tp=2,model=llama",
+        "ddp:pp=2,pp_schedule=1f1b,model=llama",
+        "ddp:cp=2,cp_impl=ring,model=llama",
+        "ddp:cp=2,cp_impl=ulysses,model=llama"],
     4: ["ddp:pp=2,pp_schedule=gpipe",  # dp 2 x pp 2
         "fsdp:pp=2,pp_schedule=1f1b",  # fsdp 2 x pp 2
         "ddp:tp=2,pp=2,pp_schedule=1f1b",  # tp 2 x pp 2
         "ddp:cp=2,cp_impl=ring",  # dp 2 x cp 2
         "fsdp:cp=2,cp_impl=ulysses",  # fsdp 2 x cp 2
         "fsdp:tp=2,cp=2,cp_impl=ring,ac=selective",  # tp 2 x cp 2, activation checkpointing
+        "fsdp:pp=2,pp_schedule=1f1b,model=llama",  # the Llama-style decoder: fsdp 2 x pp 2
+        "fsdp:tp=2,cp=2,cp_impl=ulysses,model=llama",  # tp 2 x cp 2
         "fsdp:tp=2"],  # fsdp 2 x tp 2, last: the launch saves its checkpoint for the resharding test
     8: ["fsdp:tp=2,pp=2,pp_schedule=1f1b",  # 3-D: fsdp 2 x tp 2 x pp 2
         "hsdp:dp_replicate=2,tp=2",  # 3-D: replicate 2 x shard 2 x tp 2
@@ -76,7 +85,7 @@ def test_checkpoint_reshards_between_layouts(four_ranks):
 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from meshtrain.models.gpt import GPT
+    from meshtrain.models.gpt.model import GPT
     from meshtrain.parallel.state_dict import load_model_and_optimizer_state
     from meshtrain.train import checkpoint
     from meshtrain.train.optim import build_optimizer

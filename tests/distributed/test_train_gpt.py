@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, prepare_data, torchrun
+from tests.conftest import REPO, clean_env, output, prepare_data, torchrun, torchrun_cmd
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=4",
         "model.dropout=0.1", "train.eval_iters=4", "train.dtype=fp32", "optimizer.warmup_iters=5"]
@@ -88,9 +88,8 @@ def test_resume_after_a_kill_continues_bit_exactly(data_root, tmp_path):
     # The same run, killed (SIGKILL, every rank) once its first checkpoint is on disk; its max_iters is large so
     # that it is still running however late this process sees the checkpoint (the schedule ends at 30 either way).
     killed_out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "meshtrain",
-           "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={killed_out}", "train.max_iters=100000",
-           *common]
+    cmd = torchrun_cmd(2, "-m", "meshtrain", "train", "gpt", *TINY, f"data.root={data_root}",
+                       f"train.out_dir={killed_out}", "train.max_iters=100000", *common)
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(), cwd=REPO,
                            start_new_session=True)
     deadline = time.monotonic() + 120
@@ -142,7 +141,7 @@ def test_unknown_key_fails_before_training(tmp_path):
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_root, tmp_path):
     # From iteration 8 on the loss is NaN (as after a blow-up); the checkpoint of iteration 5 must survive.
     code = (
-        "import sys, torch; from meshtrain.models import gpt; forward = gpt.GPT.forward; calls = [0]\n"
+        "import sys, torch; from meshtrain.models.gpt import model as gpt; forward = gpt.GPT.forward; calls = [0]\n"
         "def poisoned(self, idx, targets=None):\n"
         "    logits, loss = forward(self, idx, targets)\n"
         "    if self.training: calls[0] += 1\n"

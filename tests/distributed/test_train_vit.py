@@ -156,11 +156,20 @@ def test_resume_continues_bit_exactly(small_data, tmp_path):
     got = {step: loss for step, loss in losses(rows_of(tmp_path / "split")).items() if step > 6}
     assert sorted(got) == [7, 8, 9] and all(got[s] == want[s] for s in got), (got, want)
 
+    # export rebuilds any model from its spec; sample generates text only
     run_dir = (tmp_path / "split" / "vit" / "ddp" / "latest").read_text().strip()
     export = subprocess.run([sys.executable, "-m", "meshtrain", "export", "--run", run_dir], capture_output=True,
                             text=True, env=clean_env(), cwd=REPO, timeout=120)
-    assert export.returncode == 1 and "is a checkpoint of a vit run: export and sample rebuild the GPT only" in \
-        output(export)
+    assert export.returncode == 0, output(export)
+    import torch
+
+    saved = torch.load(Path(run_dir) / "model.pt", weights_only=True)
+    assert saved["iteration"] == 9 and saved["workload"] == "meshtrain.models.vit:SPEC"
+    assert saved["model"]["pos_embed"].shape[1] == saved["data_facts"]["img_size"][0] // 4 * (
+        saved["data_facts"]["img_size"][1] // 4)
+    sample = subprocess.run([sys.executable, "-m", "meshtrain", "sample", "--run", run_dir], capture_output=True,
+                            text=True, env=clean_env(), cwd=REPO, timeout=120)
+    assert sample.returncode == 1 and "holds a ViT, not a language model" in output(sample)
 
 
 @pytest.mark.parametrize("overrides,message", [

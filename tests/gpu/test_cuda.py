@@ -33,10 +33,10 @@ def data_root(tmp_path_factory) -> Path:
 
 
 class Run:
-    def __init__(self, proc: subprocess.CompletedProcess, out_dir: Path, backend: str):
+    def __init__(self, proc: subprocess.CompletedProcess, out_dir: Path, backend: str, model: str = "gpt"):
         self.text = output(proc)
         assert proc.returncode == 0, self.text[-4000:]
-        self.run_dir = Path((out_dir / "gpt" / backend / "latest").read_text().strip())
+        self.run_dir = Path((out_dir / model / backend / "latest").read_text().strip())
         self.rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
 
     def losses(self) -> dict[int, float]:
@@ -47,13 +47,14 @@ class Run:
 
 
 def train(data_root: Path, out_dir: Path, *overrides: str, device: str = "cuda", ranks: int = 1,
-          backend: str = "ddp", timeout: float = 300) -> Run:
-    args = ["train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}", f"train.backend={backend}",
-            *overrides]
+          backend: str = "ddp", timeout: float = 300, model: str = "gpt") -> Run:
+    own = ["data.name=shakespeare_char", "model.n_kv_head=1"] if model == "llama" else []
+    args = ["train", model, *TINY, *own, f"data.root={data_root}", f"train.out_dir={out_dir}",
+            f"train.backend={backend}", *overrides]
     argv = torchrun_cmd(ranks, "-m", "meshtrain", *args) if ranks > 1 or backend != "ddp" else \
         [sys.executable, "-m", "meshtrain", *args]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env(device), cwd=REPO, timeout=timeout)
-    return Run(proc, out_dir, backend)
+    return Run(proc, out_dir, backend, model)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,17 @@ def test_fp32_on_the_gpu_follows_the_cpu_reference(eager_fp32, data_root, tmp_pa
     # kernels' summation order differs, which 20 AdamW steps must not amplify.
     assert_close_losses(eager_fp32, cpu, rel=1e-3)
     assert eager_fp32.losses()[20] < eager_fp32.losses()[1] - 0.5
+
+
+def test_llama_on_the_gpu_follows_the_cpu_and_compiles_in_bf16(data_root, tmp_path):
+    """The Llama-style decoder's CUDA path (RoPE in fp32, GQA, SwiGLU): fp32 against the CPU, bf16 + compile
+    against fp32."""
+    gpu = train(data_root, tmp_path / "gpu", "train.dtype=fp32", model="llama")
+    cpu = train(data_root, tmp_path / "cpu", "train.dtype=fp32", device="cpu", model="llama")
+    assert_close_losses(gpu, cpu, rel=1e-3)
+    fast = train(data_root, tmp_path / "fast", "train.dtype=bf16", "train.compile=true", model="llama")
+    assert_close_losses(fast, gpu, rel=3e-2)
+    assert gpu.losses()[20] < gpu.losses()[1] - 0.5
 
 
 def test_auto_picks_bf16_with_mfu_against_the_datasheet_and_memory(eager_fp32, data_root, tmp_path):

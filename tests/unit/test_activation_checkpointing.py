@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=2, n_embd=32, dropout=0.1, bias=True)

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from meshtrain.dist.collectives import (
+from meshtrain.runtime.collectives import (
     BENCH_OPS,
     adapt_iterations,
     bus_bandwidth_factor,

@@ -102,8 +102,6 @@ def test_vit_takes_nersc_flag_names():
 @pytest.mark.parametrize("overrides,message", [
     (["model.embed_dim=100", "model.num_heads=8"], "model.embed_dim=100 is not divisible by model.num_heads=8"),
     (["data.crop=[90,180]"], "data.crop=[90, 180]: give [rows, columns], both multiples of model.patch_size=8"),
-    (["parallel.pp=2"], "parallel.pp=2: the ViT has no pipeline split in this version"),
-    (["train.backend=deepspeed"], "train.backend=deepspeed runs the GPT workload only"),
     (["parallel.cp=2", "model.loss=relative_l2"], "model.loss=relative_l2 with parallel.cp=2"),
     (["train.cuda_graphs=true"], "train.cuda_graphs=true captures through torch.compile"),
     (["train.profile=nvprof"], "train.profile='nvprof': choose one of none, torch, nsys"),

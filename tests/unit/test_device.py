@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshtrain.dist.device import DeviceError, pick_backend, pick_device, threads_per_rank
+from meshtrain.runtime.device import DeviceError, pick_backend, pick_device, threads_per_rank
 
 
 def test_auto_is_cpu_on_a_machine_without_accelerators(monkeypatch):
@@ -51,7 +51,7 @@ def test_backend_override_and_mismatch(monkeypatch):
 
 
 def test_threads_per_rank_shares_the_node(monkeypatch):
-    monkeypatch.setattr("meshtrain.dist.device.cpus_available", lambda: 64)
+    monkeypatch.setattr("meshtrain.runtime.device.cpus_available", lambda: 64)
     assert threads_per_rank(4, environ={}) == 16
     assert threads_per_rank(128, environ={}) == 1
     assert threads_per_rank(4, environ={"OMP_NUM_THREADS": "3"}) == 3

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshtrain.dist.env import (
+from meshtrain.runtime.env import (
     LaunchEnvError,
     derived_port,
     detect,

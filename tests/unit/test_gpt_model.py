@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.gpt.model import GPT, GPTConfig
 
 TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
 

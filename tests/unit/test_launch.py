@@ -6,8 +6,8 @@ import sys
 import pytest
 from tests.conftest import clean_env
 
-from meshtrain.dist.env import LaunchEnvError
-from meshtrain.dist.launch import Machine, build_command
+from meshtrain.runtime.env import LaunchEnvError
+from meshtrain.runtime.launch import Machine, build_command
 
 GPU_NODE = Machine(accelerators=4, cpus=64)
 CPU_BOX = Machine(accelerators=0, cpus=2)

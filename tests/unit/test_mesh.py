@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshtrain.config import load_config
 from meshtrain.errors import MeshtrainError
-from meshtrain.parallel.mesh import DIMS, FLATTENED, MeshError, ParallelDims, check_fits, parse_order
+from meshtrain.parallel.mesh import DIMS, FLATTENED, MeshError, ParallelDims, parse_order
 
 
 @pytest.mark.parametrize("kwargs, numbers", [
@@ -39,23 +40,48 @@ def test_minus_one_fills_what_is_left():
     assert ParallelDims(world_size=6, dp_shard=6).dp_shard == 6
 
 
-@pytest.mark.parametrize("dims, fits, numbers", [
-    (ParallelDims(world_size=8, tp=8), dict(local_world_size=4), ["parallel.tp=8", "4 ranks of a node"]),
-    (ParallelDims(world_size=4, tp=4), dict(local_world_size=4, n_head=6), ["n_head=6", "tp=4"]),
-    (ParallelDims(world_size=4, cp=4), dict(local_world_size=4, seq_len=100), ["seq_len=100", "cp=4", "= 8"]),
-    (ParallelDims(world_size=4, pp=4), dict(local_world_size=4, microbatches=2), ["microbatches=2", "pp=4"]),
+GPT = ["preset=cpu", "model.n_head=6", "model.n_embd=48", "model.block_size=100", "model.batch_size=6"]
+
+
+@pytest.mark.parametrize("workload, overrides, world, node, numbers", [
+    ("gpt", ["parallel.tp=8", "model.n_head=8"], 8, 4, ["parallel.tp=8", "4 ranks of a node"]),
+    ("gpt", ["parallel.tp=4", "train.backend=fsdp"], 4, 4, ["model.n_head=6", "parallel.tp=4", "divides 6"]),
+    ("gpt", ["parallel.cp=4"], 4, 4, ["model.block_size=100", "divisible by 8", "cp=4", "2·cp chunks"]),
+    ("gpt", ["parallel.cp=4", "parallel.cp_impl=ulysses", "model.block_size=128"], 4, 4,
+     ["cp_impl=ulysses", "cp=4", "6 of model.n_head=6"]),
+    ("gpt", ["parallel.cp=2", "model.dropout=0.1"], 2, 2, ["model.dropout=0.1", "cp_impl=ring"]),
+    ("gpt", ["parallel.pp=4", "parallel.microbatches=2", "model.batch_size=4"], 4, 4,
+     ["parallel.microbatches=2", "pp=4"]),
+    ("gpt", ["parallel.pp=2", "parallel.microbatches=4"], 2, 2, ["model.batch_size=6", "microbatches=4"]),
+    ("gpt", ["parallel.pp=4", "parallel.virtual_stages=2", "parallel.pp_schedule=interleaved_1f1b",
+             "model.n_layer=6", "parallel.microbatches=6"], 4, 4, ["8 stages", "model.n_layer=6"]),
+    ("gpt", ["parallel.tp=2"], 4, 4, ["train.backend=ddp", "parallel.tp=2", "2 data-parallel"]),
+    ("gpt", ["train.backend=hsdp", "parallel.dp_replicate=1", "parallel.cp=2"], 2, 2, ["backend=hsdp", "cp > 1"]),
+    ("vit", ["preset=tiny", "parallel.pp=2"], 2, 2, ["parallel.pp=2", "the vit model", "supports cp, tp"]),
+    ("vit", ["preset=tiny", "train.backend=deepspeed"], 2, 2, ["train.backend=deepspeed", "the vit model"]),
+    ("vit", ["preset=tiny", "parallel.tp=8", "train.backend=fsdp"], 8, 8, ["model.num_heads=4", "parallel.tp=8"]),
+    ("vit", ["preset=tiny", "parallel.cp=3"], 3, 3, ["the patch grid", "=200 tokens", "divisible by 3"]),
 ])
-def test_check_fits_errors(dims, fits, numbers):
+def test_layout_rules_name_the_keys_and_numbers(workload, overrides, world, node, numbers):
+    """Every rule that needs the world size or the model's shape, in one place, before any process group."""
+    if "parallel.dp_replicate=1" in overrides:  # hsdp needs replicas: the config's own rule comes first
+        overrides = [o.replace("parallel.dp_replicate=1", "parallel.dp_replicate=2") for o in overrides]
+        world *= 2
+    cfg = load_config([*(GPT if workload == "gpt" else []), *overrides], workload)
     with pytest.raises(MeshError) as e:
-        dims.check_fits(**fits)
+        ParallelDims.from_config(cfg, world, node)
     for number in numbers:
         assert number in str(e.value), (number, str(e.value))
 
 
-def test_check_fits_passes_good_layouts():
-    dims = ParallelDims(world_size=16, tp=4, cp=2, pp=2)
-    dims.check_fits(4, n_head=12, seq_len=1024, microbatches=2)
-    check_fits(ParallelDims(world_size=4), 4, n_head=3, seq_len=7, microbatches=1)  # cp=1: any seq_len
+def test_layout_rules_pass_good_layouts():
+    cfg = load_config(["preset=cpu", "model.n_head=12", "model.n_embd=96", "model.block_size=1024",
+                       "parallel.tp=4", "parallel.cp=2", "parallel.pp=2", "train.backend=fsdp",
+                       "model.batch_size=4"], "gpt")
+    dims = ParallelDims.from_config(cfg, 16, 4)
+    assert (dims.tp, dims.cp, dims.pp, dims.dp_shard) == (4, 2, 2, 1)
+    vit = load_config(["preset=tiny", "parallel.tp=2", "parallel.cp=2", "train.backend=fsdp"], "vit")
+    assert ParallelDims.from_config(vit, 8, 4).dp_shard == 2
 
 
 def test_tp_first_gives_consecutive_tp_groups():

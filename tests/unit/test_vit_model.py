@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.config import load_config
-from meshtrain.models.vit import ViT, ViTConfig, relative_l2_loss
-from meshtrain.models.weather_metrics import latitude_weighted_rmse, rmse
+from meshtrain.models.vit.metrics import latitude_weighted_rmse, rmse
+from meshtrain.models.vit.model import ViT, ViTConfig, relative_l2_loss
 
 # 4 x 8 = 32 tokens: small enough for CPU training in a test.
 SMALL = dict(img_size=(16, 32), patch_size=4, in_channels=3, out_channels=3, embed_dim=32, depth=2, num_heads=4)

@@ -11,7 +11,7 @@ pytest.importorskip("matplotlib", reason="forecast plots need matplotlib")
 import matplotlib  # noqa: E402
 import matplotlib.image  # noqa: E402
 
-from meshtrain.train.weather_plot import DPI, FIGSIZE, forecast_figure, save_forecast_png  # noqa: E402
+from meshtrain.models.vit.plot import DPI, FIGSIZE, forecast_figure, save_forecast_png  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -77,7 +77,7 @@ def test_bad_input_is_refused_and_no_file_is_written(tmp_path, forecast_shape, t
 @pytest.mark.distributed  # starts a fresh interpreter
 def test_plotting_never_imports_pyplot(tmp_path):
     # In a fresh interpreter, since this one's tests may have imported pyplot already.
-    script = ("import sys, numpy as np; from meshtrain.train.weather_plot import save_forecast_png; "
+    script = ("import sys, numpy as np; from meshtrain.models.vit.plot import save_forecast_png; "
               f"save_forecast_png({str(tmp_path / 'a.png')!r}, np.ones((2, 3)), np.zeros((2, 3))); "
               "print('matplotlib.pyplot' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -32,7 +32,7 @@ import numpy as np
 
 from meshtrain.data.era5 import CHANNEL_NAMES, CHANNELS_FILE, MEANS_FILE, SPLITS, STDS_FILE
 from meshtrain.data.text import DataError
-from meshtrain.dist.log import get_logger
+from meshtrain.runtime.log import get_logger
 
 log = get_logger("data")
 

@@ -30,7 +30,7 @@ from meshtrain.data.text import (
     default_data_root,
     prepare,
 )
-from meshtrain.dist.log import get_logger
+from meshtrain.runtime.log import get_logger
 
 ERA5_SYNTHETIC = "era5-synthetic"
 ERA5_DIR_NAME = "era5_synthetic"

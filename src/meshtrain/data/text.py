@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.dist.log import get_logger
 from meshtrain.errors import MeshtrainError
+from meshtrain.runtime.log import get_logger
 
 log = get_logger("data")
 

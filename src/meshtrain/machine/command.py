@@ -17,10 +17,10 @@ import sys
 
 import torch
 
-from meshtrain.dist.log import configure_logging, get_logger, print_rich
 from meshtrain.machine import datasheet, profile
 from meshtrain.machine.hardware import Hardware, describe
 from meshtrain.machine.precision import auto_dtype
+from meshtrain.runtime.log import configure_logging, get_logger, print_rich
 
 log = get_logger("machine")
 
@@ -71,7 +71,7 @@ def _gib(n: int | None) -> str:
 def tables(p: dict) -> list:
     from rich.table import Table
 
-    from meshtrain.dist.collectives import human_bytes
+    from meshtrain.runtime.collectives import human_bytes
 
     hw, mem = p["hardware"], p["memory"]
     head = Table(title=f"machine profile: {hw['name']} ({hw['kind']})", title_justify="left", show_header=False)
@@ -116,7 +116,7 @@ def tables(p: dict) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshtrain.dist.device import pick_device
+    from meshtrain.runtime.device import pick_device
 
     device = pick_device(0, args.device)
     if args.json:  # stdout is the JSON alone; log lines go to stderr
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.ranks:
-        from meshtrain.dist.launch import build_command
+        from meshtrain.runtime.launch import build_command
 
         argv = build_command(["python", "-m", "meshtrain", "collectives", "--bench", "--record",
                               "--max-bytes", args.max_bytes], nproc=args.ranks)

@@ -167,7 +167,7 @@ def host_memory_bytes() -> int:
 
 def describe(device: torch.device | str) -> Hardware:
     """The Hardware record of `device` (cheap: flags, properties and environment only)."""
-    from meshtrain.dist.device import cpus_available
+    from meshtrain.runtime.device import cpus_available
 
     device = torch.device(device)
     name, features, caps, device_memory = device_name(device), (), (), None

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from meshtrain.dist.device import synchronize
+from meshtrain.runtime.device import synchronize
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

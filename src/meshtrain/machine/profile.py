@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.dist.log import get_logger
 from meshtrain.machine import measure
 from meshtrain.machine.datasheet import match_device
 from meshtrain.machine.hardware import Hardware, describe
+from meshtrain.runtime.log import get_logger
 
 log = get_logger("machine")
 LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

@@ -1,6 +1,5 @@
-"""Models built in plain PyTorch, with no distributed code.
-
-`gpt.GPT` is a nanoGPT-class decoder; `vit.ViT` is NERSC's ViT weather forecaster (with
-`weather_metrics` for RMSE in physical units). Parallel layouts live in meshtrain.parallel and refer
-to these modules by their parameter names, so those names are part of the interface.
+"""The models, one folder each (gpt/, vit/), each registered by the ModelSpec its __init__ builds (see
+meshtrain.registry), and the transformer parts they share (transformer.py). Model files hold no distributed code;
+each folder's parallelize.py is where its model meets the mesh, through the parameter names, which are therefore
+part of the interface.
 """

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.models.gpt import causal_attention
+from meshtrain.models.transformer import causal_attention, full_attention
 
 CP_IMPLS = ("ulysses", "ring")
 
@@ -291,27 +291,20 @@ def ring_attention(cp_group_or_mesh, attention=causal_attention, causal: bool = 
 
 
 # ---- the model ----------------------------------------------------------------------------------------------------
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model under DDP and torch.compile."""
     model = getattr(model, "module", model)  # DDP
     return getattr(model, "_orig_mod", model)  # torch.compile
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh, impl: str) -> None:
-    """Make every block's attention context-parallel over `cp_mesh` (1-D cp DeviceMesh or group; None: no-op).
+def apply_context_parallel(blocks, cp_mesh, impl: str, num_heads: int | None = None) -> None:
+    """Every block's attention (models/transformer.Attention) becomes the `impl` kernel over `cp_mesh` (1-D cp
+    DeviceMesh or its process group; None: nothing to do), causal or full as the block's `attn.causal` says.
 
-    Works before or after activation checkpointing and FSDP (it only sets an attribute); feed the model
-    batches cut by shard_sequence(..., impl) with the same impl.
+    Works before or after activation checkpointing and FSDP (it only sets an attribute; a block under activation
+    checkpointing's wrapper is found inside it). Feed the model batches cut by shard_sequence(..., impl) with the
+    same impl (causal), or contiguous token bands (full). num_heads None: Ulysses' kernel checks heads per call.
     """
-    gpt = _unwrap(model)
-    blocks = gpt.transformer.h.values() if cp_mesh is not None else ()
-    set_attention(blocks, cp_mesh, impl, getattr(getattr(gpt, "config", None), "n_head", None))
-
-
-def set_attention(blocks, cp_mesh, impl: str, num_heads: int | None, attention=causal_attention,
-                  causal: bool = True) -> None:
-    """Every block's `attn.attend` becomes the `impl` kernel over `cp_mesh` around the model's own `attention`
-    (causal for the GPT, full for the ViT); a block under activation checkpointing's wrapper is found inside it.
-    cp_mesh None: nothing to do. num_heads None: not checked here (Ulysses' kernel checks it per call)."""
     if impl not in CP_IMPLS:
         raise ContextParallelError(f"context parallel impl {impl!r}: choose one of {', '.join(CP_IMPLS)}")
     if cp_mesh is None:
@@ -322,8 +315,11 @@ def set_attention(blocks, cp_mesh, impl: str, num_heads: int | None, attention=c
         raise ContextParallelError(
             f"Ulysses gives each of the cp={cp} ranks whole heads, but the model's {num_heads} heads are not "
             f"divisible by {cp}: pick a cp that divides {num_heads}, or impl 'ring'")
-    attend = (ulysses_attention(group, attention) if impl == "ulysses"
-              else ring_attention(group, attention, causal=causal))
+    kernels = {}  # one per kind: a causal and a full model share nothing, but blocks of one model share theirs
     for block in blocks:
-        block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing's wrapper
-        block.attn.attend = attend
+        attn = getattr(block, "_checkpoint_wrapped_module", block).attn
+        if attn.causal not in kernels:
+            own = causal_attention if attn.causal else full_attention
+            kernels[attn.causal] = (ulysses_attention(group, own) if impl == "ulysses"
+                                    else ring_attention(group, own, causal=attn.causal))
+        attn.attend = kernels[attn.causal]

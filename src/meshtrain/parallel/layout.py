@@ -18,13 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from meshtrain.errors import MeshtrainError
 from meshtrain.parallel.data_parallel import SHARDED, apply_data_parallel
 from meshtrain.parallel.mesh import ParallelDims, submesh
-
-
-class LayoutError(MeshtrainError, ValueError):
-    """A combination of parallelisms this version cannot run; the message says which and what to use."""
 
 
 @dataclass
@@ -95,16 +90,6 @@ class Layout:
     def loss_ranks(self) -> int:
         """How many ranks return a loss: all but those without the last pipeline stage."""
         return self.dims.world_size // self.dims.pp
-
-
-def check_data_parallel(backend: str, dims: ParallelDims) -> None:
-    """Refuse the data-parallel backends that cannot hold what the model parallelisms leave."""
-    if dims.tp > 1 and backend in ("ddp", "zero1") and dims.dp_size > 1:
-        raise LayoutError(f"train.backend={backend} with parallel.tp={dims.tp} and {dims.dp_size} data-parallel "
-                          "ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use train.backend=fsdp "
-                          "(fsdp x tp) or zero2")
-    if backend == "hsdp" and dims.cp > 1:
-        raise LayoutError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
 
 
 def wrap_data_parallel(parts: list[nn.Module], blocks_of, cfg, dims: ParallelDims, mesh, device) -> list[nn.Module]:

@@ -143,10 +143,17 @@ class ParallelDims:
     def is_last_stage(self, rank: int) -> bool:
         return self.coords(rank)["pp"] == self.pp - 1
 
-    # ---- fits the hardware and the model? ---------------------------------------------------------------
-    def check_fits(self, local_world_size: int, n_head: int | None = None, seq_len: int | None = None,
-                   microbatches: int | None = None) -> None:
-        check_fits(self, local_world_size, n_head=n_head, seq_len=seq_len, microbatches=microbatches)
+    @classmethod
+    def from_config(cls, cfg, world_size: int, local_world_size: int | None = None) -> ParallelDims:
+        """The layout of a run config on `world_size` ranks, every rule that needs the world size, the node size
+        or the model's shape checked (check_layout): what `train` and a planner accept is one set."""
+        from meshtrain.config import workload_spec
+
+        p = cfg.parallel
+        dims = cls.resolve(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
+                           order=p.order)
+        check_layout(dims, cfg, workload_spec(cfg), local_world_size or world_size)
+        return dims
 
     # ---- the real mesh ------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str):
@@ -182,22 +189,64 @@ def _parts(dim: str) -> tuple[str, ...]:
     return parts
 
 
-def check_fits(dims: ParallelDims, local_world_size: int, n_head: int | None = None, seq_len: int | None = None,
-               microbatches: int | None = None) -> None:
-    """Raise MeshError if the layout cannot work on this node size or for this model."""
+def check_layout(dims: ParallelDims, cfg, spec, local_world_size: int) -> None:
+    """Raise MeshError unless `cfg`'s model (its ModelSpec's shape) can be laid out as `dims` on nodes of
+    `local_world_size` ranks with cfg.train's backend and dtype. After this, the parallelize functions assume a
+    valid layout."""
+    p, t, shape = cfg.parallel, cfg.train, spec.shape(cfg)
+    key = lambda what: shape.keys.get(what, what)  # noqa: E731  (the config key a user changes)
+    missing = [d for d in ("tp", "cp", "pp") if getattr(dims, d) > 1 and d not in shape.parallelisms]
+    if missing or (t.backend == "deepspeed" and "deepspeed" not in shape.parallelisms):
+        what = ", ".join(f"parallel.{d}={getattr(dims, d)}" for d in missing) or "train.backend=deepspeed"
+        raise MeshError(f"{what}: the {spec.name} model has no plan for it in this version; it supports "
+                        f"{', '.join(sorted(shape.parallelisms)) or 'data parallelism only'} (ZeRO-2/3 through "
+                        "train.backend=zero2 / fsdp)")
     if dims.tp > local_world_size:
         raise MeshError(
             f"parallel.tp={dims.tp} is larger than the {local_world_size} ranks of a node: tensor parallelism "
             f"all-reduces every layer and belongs inside a node (use tp <= {local_world_size})")
-    if n_head is not None and n_head % dims.tp:
-        raise MeshError(f"model.n_head={n_head} is not divisible by parallel.tp={dims.tp}: each tensor-parallel "
-                        f"rank needs whole attention heads; pick a tp that divides {n_head}")
-    if seq_len is not None and dims.cp > 1 and seq_len % (2 * dims.cp):
-        raise MeshError(f"seq_len={seq_len} is not divisible by 2 × parallel.cp={dims.cp} = {2 * dims.cp}: ring "
-                        f"attention balances the causal load by cutting each sequence into 2·cp chunks")
-    if microbatches is not None and microbatches < dims.pp:
-        raise MeshError(f"microbatches={microbatches} is fewer than parallel.pp={dims.pp} stages: some stages would "
-                        f"always sit idle; use at least {dims.pp} microbatches (more shrinks the bubble)")
+    for what, count in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("mlp_hidden", shape.mlp_hidden)):
+        if count % dims.tp:
+            raise MeshError(f"{key(what)}={count} is not divisible by parallel.tp={dims.tp}: each tensor-parallel rank "
+                            f"needs whole attention heads and an equal share of the MLP; pick a tp that divides {count}")
+    if dims.cp > 1:
+        chunks = 2 * dims.cp if shape.causal and p.cp_impl == "ring" else dims.cp
+        if shape.tokens is not None and shape.tokens % chunks:
+            why = ("ring attention balances the causal load by cutting each sequence into 2·cp chunks"
+                   if chunks > dims.cp else "each cp rank holds an equal, contiguous share of the tokens")
+            raise MeshError(f"{key('tokens')}={shape.tokens} tokens are not divisible by {chunks} (parallel.cp="
+                            f"{dims.cp}, cp_impl={p.cp_impl}): {why}")
+        if p.cp_impl == "ulysses" and (shape.heads // dims.tp) % dims.cp:
+            raise MeshError(f"parallel.cp_impl=ulysses gives each of the cp={dims.cp} ranks whole heads, but each "
+                            f"tensor-parallel rank has {shape.heads // dims.tp} of {key('heads')}={shape.heads}: pick "
+                            "a cp that divides them, or parallel.cp_impl=ring")
+        if p.cp_impl == "ring" and shape.dropout > 0:
+            raise MeshError(f"{key('dropout')}={shape.dropout} with parallel.cp_impl=ring: ring attention has no "
+                            "attention dropout; set it to 0 or use parallel.cp_impl=ulysses")
+    if dims.pp > 1:
+        stages, microbatches = dims.pp * p.virtual_stages, p.microbatches or dims.pp * p.virtual_stages
+        if stages > shape.layers:
+            raise MeshError(f"parallel.pp={dims.pp} × virtual_stages={p.virtual_stages} = {stages} stages, but "
+                            f"{key('layers')}={shape.layers}: every stage needs at least one block")
+        if microbatches < dims.pp:
+            raise MeshError(f"parallel.microbatches={microbatches} is fewer than parallel.pp={dims.pp} stages: some "
+                            f"stages would always sit idle; use at least {dims.pp} microbatches (more shrink the bubble)")
+        if shape.batch_size % microbatches:
+            raise MeshError(f"{key('batch_size')}={shape.batch_size} does not split into parallel.microbatches="
+                            f"{microbatches} for the pipeline: make the batch a multiple of {microbatches} (or change "
+                            "microbatches)")
+        if t.dtype == "fp16":
+            raise MeshError("train.dtype=fp16 with parallel.pp > 1: the GradScaler cannot scale a loss inside the "
+                            "pipeline schedule; use train.dtype=bf16")
+    if dims.tp > 1 and t.backend in ("ddp", "zero1") and dims.dp_size > 1:
+        raise MeshError(f"train.backend={t.backend} with parallel.tp={dims.tp} and {dims.dp_size} data-parallel "
+                        "ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use train.backend=fsdp "
+                        "(fsdp x tp) or zero2")
+    if t.backend == "hsdp" and dims.cp > 1:
+        raise MeshError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
+    if t.backend == "deepspeed" and max(dims.tp, dims.cp, dims.pp) > 1:
+        raise MeshError(f"train.backend=deepspeed with tp={dims.tp} cp={dims.cp} pp={dims.pp}: meshtrain runs "
+                        "DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine with tp/cp/pp")
 
 
 def submesh(mesh, name: str):

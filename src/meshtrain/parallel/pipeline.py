@@ -1,6 +1,6 @@
-"""Pipeline parallelism for the GPT on torch.distributed.pipelining, with every one of torch's schedules.
+"""Pipeline parallelism for a language model on torch.distributed.pipelining, with every one of torch's schedules.
 
-    pipeline = build_pipeline(model, submesh(mesh, "pp"), schedule="1f1b", microbatches=8, device=device)
+    pipeline = build_pipeline(model, SPLIT, submesh(mesh, "pp"), schedule="1f1b", microbatches=8, device=device)
     for module in pipeline.stages: fully_shard(module, mesh=dp_mesh)   # optional, in place (or DDP: replace)
     loss = pipeline.step(x, y)              # forward + backward of every microbatch; the loss on the last stage
     pipeline.sync_tied_embedding()          # after the last step() of an accumulation, before clipping
@@ -8,7 +8,8 @@
 
 The blocks are cut into S = pp × virtual_stages contiguous stages (split_layers, which counts the embedding
 and the head as blocks of work) and each pp rank holds the stages stage_ids gives it: rank r, r + pp, ... for
-the looped schedules, r and 2·pp-1-r for the V-shaped ones. A GPTStage holds the model's own submodules, so
+the looped schedules, r and 2·pp-1-r for the V-shaped ones. A Stage holds the model's own submodules (which ones:
+the model's StageSplit), so
 its state_dict keys are the full model's: checkpoints load by name whatever the layout. build_pipeline takes
 the model apart, keeping only this rank's stages: every rank builds the whole model from the same seed (fine
 at test sizes); a big one can be built on the meta device, then each stage to_empty()'d and loaded by name.
@@ -18,7 +19,8 @@ microbatch's summed token loss divided by the number of targets (not -1) in the 
 division by the number of microbatches is switched off (scale_grads=False; torch 2.6 has no such division),
 so the gradients are exactly those of the whole batch's mean loss, whatever the microbatches' token counts.
 
-Tied embedding: wte (first stage) and lm_head (last stage) become separate parameters that start equal, also
+Tied embedding (the GPT's; StageSplit.tied): wte (first stage) and lm_head (last stage) become separate parameters
+that start equal, also
 when one rank holds both (V schedules), so that every stage module owns its parameters (two FSDP units cannot
 share one, an optimizer must not see one twice). sync_tied_embedding() makes each copy's gradient the sum of
 both (an all-reduce over {first-stage rank, last-stage rank}, Megatron's embedding group; a local add on one
@@ -41,13 +43,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshtrain.models.gpt import GPT
 from meshtrain.parallel.pipeline_schedules import (  # noqa: F401  (re-exported: the pipeline's vocabulary)
     SCHEDULES,
     SINGLE_STAGE,
     SPLIT_BACKWARD,
     V_SHAPED,
     PipelineError,
+    StageSplit,
     check_schedule,
     schedule_class,
     split_layers,
@@ -57,47 +59,53 @@ from meshtrain.parallel.pipeline_schedules import (  # noqa: F401  (re-exported:
 _HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-# ---- one stage of the GPT -------------------------------------------------------------------------------
-class GPTStage(nn.Module):
-    """Blocks `block_ids` of `model`, plus the embeddings on the first stage and ln_f + lm_head on the last.
+# ---- one stage of a model ------------------------------------------------------------------------------
+class Stage(nn.Module):
+    """Blocks `block_ids` of `model`, plus split.first's modules on the first stage and split.last's on the last.
 
-    It holds the model's own modules under the model's own names, so state_dict() keys are exactly the full
-    model's ("transformer.h.3.mlp.c_fc.weight", "lm_head.weight", ...) for what this stage owns.
+    It holds the model's own modules under the model's own paths, so state_dict() keys are exactly the full
+    model's ("transformer.h.3.mlp.c_fc.weight", "lm_head.weight", ...) for what this stage owns. Its forward calls
+    the model's embed / block_kwargs / logits, which touch only what this stage holds.
     """
 
-    def __init__(self, model: GPT, block_ids: Sequence[int], *, first: bool, last: bool):
+    def __init__(self, model: nn.Module, split: StageSplit, block_ids: Sequence[int], *, first: bool, last: bool):
         super().__init__()
-        t = model.transformer
-        parts: dict[str, nn.Module] = {}
-        if first:
-            parts.update(wte=t.wte, wpe=t.wpe, drop=t.drop)
-        parts["h"] = nn.ModuleDict({str(i): t.h[str(i)] for i in block_ids})
-        if last:
-            parts["ln_f"] = t.ln_f
-        self.transformer = nn.ModuleDict(parts)
-        if last:
-            self.lm_head = model.lm_head
+        blocks = model.get_submodule(split.blocks)
+        for path in split.first if first else ():
+            _attach(self, path, model.get_submodule(path))
+        _attach(self, split.blocks, nn.ModuleDict({str(i): blocks[str(i)] for i in block_ids}))
+        for path in split.last if last else ():
+            _attach(self, path, model.get_submodule(path))
+        object.__setattr__(self, "_model", model)  # not a submodule: the stage owns only its own parts
+        self._blocks = split.blocks
         self.is_first, self.is_last = first, last
         self.block_ids = tuple(block_ids)
-        self.block_size = model.config.block_size
         self.positions: torch.Tensor | None = None  # the tokens' positions when not 0..T-1 (a context-parallel slice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: token ids [B, T] -> hidden [B, T, C]; middle: hidden -> hidden; last: -> logits [B, T, V]."""
-        t = self.transformer
+        model = self._model
+        positions = self.positions
+        if positions is None:
+            positions = torch.arange(x.shape[1], dtype=torch.long, device=x.device)
         if self.is_first:
-            T = x.shape[1]
-            positions = self.positions
-            if positions is None:
-                if T > self.block_size:
-                    raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
-                positions = torch.arange(T, dtype=torch.long, device=x.device)
-            x = t.drop(t.wte(x) + t.wpe(positions))
-        for block in t.h.values():
-            x = block(x)
+            x = model.embed(x, positions)
+        kwargs = model.block_kwargs(positions) if hasattr(model, "block_kwargs") else {}
+        for block in self.get_submodule(self._blocks).values():
+            x = block(x, **kwargs)
         if self.is_last:
-            x = self.lm_head(t.ln_f(x))
+            x = model.logits(x)
         return x
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register `module` under the dotted `path` of `root`, making ModuleDicts for the missing parents."""
+    *parents, name = path.split(".")
+    for parent in parents:
+        if parent not in root._modules:
+            root.add_module(parent, nn.ModuleDict())
+        root = root._modules[parent]
+    root.add_module(name, module)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -110,10 +118,12 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Pipeline:
     """This rank's stages and torch's schedule over them. Build it with build_pipeline."""
 
-    def __init__(self, parts: list[GPTStage], stage_indices: list[int], n_stages: int, group, schedule: str,
-                 microbatches: int, device: torch.device, loss_sum: Callable, embed_group, embed_peer_is_self: bool):
+    def __init__(self, parts: list[Stage], stage_indices: list[int], n_stages: int, group, schedule: str,
+                 microbatches: int, device: torch.device, loss_sum: Callable, embed_group, embed_peer_is_self: bool,
+                 tied: tuple[str, str] | None = None):
         self.stages: list[nn.Module] = list(parts)  # replace an entry to wrap it (DDP); fully_shard works in place
-        self._parts = list(parts)  # the GPTStages themselves, whatever wraps them later
+        self._parts = list(parts)  # the Stages themselves, whatever wraps them later
+        self._tied = tied
         self.stage_indices = list(stage_indices)
         self.n_stages = n_stages
         self.is_first = any(p.is_first for p in parts)
@@ -272,8 +282,8 @@ class Pipeline:
         return hidden
 
     @property
-    def parts(self) -> list[GPTStage]:
-        """The GPTStage under each entry of `stages`, unwrapped: full-model names for state dicts."""
+    def parts(self) -> list[Stage]:
+        """The Stage under each entry of `stages`, unwrapped: full-model names for state dicts."""
         return list(self._parts)
 
     def parameters(self) -> list[nn.Parameter]:
@@ -285,13 +295,18 @@ class Pipeline:
         return list(seen.values())
 
     def _tied_copies(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
-        wte = next((p.transformer.wte.weight for p in self._parts if p.is_first), None)
-        head = next((p.lm_head.weight for p in self._parts if p.is_last), None)
-        return wte, head
+        """(the first stage's copy of the tied weight, the last stage's) where this rank holds them."""
+        if self._tied is None:
+            return None, None
+        copy, source = self._tied
+        embedding = next((p.get_parameter(source) for p in self._parts if p.is_first), None)
+        head = next((p.get_parameter(copy) for p in self._parts if p.is_last), None)
+        return embedding, head
 
     def sync_tied_embedding(self) -> None:
-        """Make wte's and lm_head's gradients both their sum, the tied weight's gradient. Every rank of the
-        pipeline calls it after backward (ranks without either copy return at once)."""
+        """Make both copies' gradients of a tied weight (the GPT's wte and lm_head) their sum, the tied weight's
+        gradient. Every rank of the pipeline calls it after backward (ranks without either copy, and models
+        without a tie, return at once)."""
         copies = [p for p in self._tied_copies() if p is not None]
         if not copies:
             return
@@ -350,7 +365,7 @@ def _embedding_group(pair: tuple[int, int] | None):
     return _EMBED_GROUPS[key].get(pair)
 
 
-def build_pipeline(model: GPT, pp_mesh, *, schedule: str, microbatches: int, virtual_stages: int = 1,
+def build_pipeline(model: nn.Module, split: StageSplit, pp_mesh, *, schedule: str, microbatches: int, virtual_stages: int = 1,
                    device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
                    embed_weight: float = 1.0, head_weight: float = 1.0) -> Pipeline:
     """Cut `model` into this rank's stages of `schedule` over the pp mesh (a 1-D DeviceMesh or process group).
@@ -367,24 +382,26 @@ def build_pipeline(model: GPT, pp_mesh, *, schedule: str, microbatches: int, vir
     check_schedule(schedule, pp_size, virtual_stages, microbatches)
     schedule_class(schedule)
     n_stages = pp_size * virtual_stages
-    blocks = split_layers(model.config.n_layer, n_stages, embed_weight=embed_weight, head_weight=head_weight)
+    model_blocks = model.get_submodule(split.blocks)
+    n_layer = len(model_blocks)
+    blocks = split_layers(n_layer, n_stages, embed_weight=embed_weight, head_weight=head_weight)
     mine = stage_ids(pp_rank, pp_size, virtual_stages, schedule)
     last_owner = next(r for r in range(pp_size) if n_stages - 1 in stage_ids(r, pp_size, virtual_stages, schedule))
     first, last = 0 in mine, n_stages - 1 in mine
 
-    t = model.transformer
-    if last:  # untie: lm_head gets its own copy, kept equal by sync_tied_embedding
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
-                                            requires_grad=model.lm_head.weight.requires_grad)
+    if last and split.tied:  # untie: the last stage gets its own copy, kept equal by sync_tied_embedding
+        owner_path, _, name = split.tied[0].rpartition(".")
+        owner = model.get_submodule(owner_path)
+        weight = getattr(owner, name)
+        setattr(owner, name, nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad))
     owned = {i for s in mine for i in blocks[s]}
-    for i in range(model.config.n_layer):
+    for i in range(n_layer):
         if i not in owned:
-            del t.h[str(i)]
-    if not first:
-        del t.wte, t.wpe, t.drop
-    if not last:
-        del t.ln_f, model.lm_head
-    parts = [GPTStage(model, blocks[s], first=s == 0, last=s == n_stages - 1) for s in mine]
+            del model_blocks[str(i)]
+    for path in (*(() if first else split.first), *(() if last else split.last)):
+        parent, _, name = path.rpartition(".")
+        delattr(model.get_submodule(parent) if parent else model, name)
+    parts = [Stage(model, split, blocks[s], first=s == 0, last=s == n_stages - 1) for s in mine]
     if not any(p.is_meta for part in parts for p in part.parameters()):
         for part in parts:
             part.to(device)
@@ -393,8 +410,9 @@ def build_pipeline(model: GPT, pp_mesh, *, schedule: str, microbatches: int, vir
     pair = None
     if not on_one_rank and pp_rank in (0, last_owner):
         pair = (dist.get_global_rank(group, 0), dist.get_global_rank(group, last_owner))
-    embed_group = None if on_one_rank else _embedding_group(pair)
-    return Pipeline(parts, mine, n_stages, group, schedule, microbatches, device, loss_fn, embed_group, on_one_rank)
+    embed_group = None if on_one_rank or not split.tied else _embedding_group(pair)
+    return Pipeline(parts, mine, n_stages, group, schedule, microbatches, device, loss_fn, embed_group, on_one_rank,
+                    split.tied)
 
 
 # ---- gradient clipping across stages --------------------------------------------------------------------

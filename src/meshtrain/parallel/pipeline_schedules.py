@@ -6,6 +6,7 @@ stated with our names). parallel/pipeline.py builds and runs the pipeline from t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,17 @@ SCHEDULES = {
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # two stages per rank, the first and last on rank 0
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")  # input and weight grads apart
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """How a model comes apart into pipeline stages, by its own module paths. The model provides embed(idx,
+    positions), logits(hidden) and, if its blocks take more than the hidden states, block_kwargs(positions)."""
+
+    blocks: str  # the nn.ModuleDict of blocks "0".."L-1", e.g. "transformer.h"
+    first: tuple[str, ...]  # the modules only the first stage holds (the embeddings)
+    last: tuple[str, ...]  # the modules only the last stage holds (the final norm, the head)
+    tied: tuple[str, str] | None = None  # (the last stage's parameter, the first stage's) that the model ties
 
 
 class PipelineError(MeshtrainError, ValueError):

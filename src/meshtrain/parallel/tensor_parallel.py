@@ -1,17 +1,17 @@
-"""Tensor parallelism for the GPT (Megatron-style), with sequence and loss parallelism, on DTensor.
+"""Tensor parallelism (Megatron-style) on DTensor, with sequence and loss parallelism: the plan of one transformer
+block (models/transformer.Block) and the pieces each model's own plan is made of.
 
-Each rank of a tp group holds a slice of every big matrix and computes with it:
+Each rank of a tp group holds a slice of every big matrix of a block and computes with it:
 
-    attn.q/k/v_proj  colwise: rank r computes heads [r·n_head/tp, (r+1)·n_head/tp), whole heads, so attention
-                     needs no communication (the model reads its local head count from q's width)
+    attn.q/k/v_proj  colwise: rank r computes heads [r·heads/tp, (r+1)·heads/tp), whole heads, so attention
+                     needs no communication (the attention reads its local head count from q's width)
     attn.c_proj      rowwise: each rank's heads give a partial sum of the output, reduced across the group
-    mlp.c_fc         colwise, then the activation on each rank's 4·C/tp hidden features
+    mlp.c_fc         colwise, then the activation on each rank's hidden/tp features
     mlp.c_proj       rowwise, reduced like attn.c_proj
-    wte              rowwise over the vocabulary: a rank embeds the ids in its vocab range, zeros elsewhere, summed
-    lm_head          colwise over the vocabulary: the same Shard(0) of the same [V, C] matrix as wte, so the tie
-                     stays one parameter
-    everything else  (wpe, LayerNorms, row-parallel biases) replicated DTensors: every parameter ends up a DTensor
-                     on the tp mesh, which FSDP2, DCP and clip_grad_norm_ handle uniformly
+
+A model's parallelize.py adds its own ends (the GPT: vocab-sharded embedding and head; the ViT: replicated patch
+embedding and head) and makes every other parameter a replicated DTensor (`replicate_module`), so every parameter
+sits on the tp mesh and FSDP2, DCP and clip_grad_norm_ handle them uniformly.
 
 Between sublayers the residual stream is, without sequence parallel, a plain tensor that is the same on every tp
 rank (the rowwise outputs all-reduce). With sequence parallel it is a DTensor Shard(1): each rank holds T/tp
@@ -19,12 +19,12 @@ positions and runs the LayerNorms, dropouts and residual adds on those alone; th
 into it and attention/MLP all-gather from it, once per sublayer (PrepareModuleInput on attn and mlp, not once per
 q/k/v). Same bytes on the wire as the all-reduce it replaces, 1/tp of the norm and dropout activations.
 
-Loss parallel: lm_head leaves the logits sharded over the vocabulary, and the model's own F.cross_entropy runs
-under torch's loss_parallel(): each rank takes the log-softmax of its vocab slice with small all-reduces (max,
-sum of exponentials, target logit) instead of gathering [B, T, V] logits. That needs the forward AND backward
-inside loss_parallel_context(True). Outside it (sampling, evaluation the loop did not wrap) lm_head gathers the
-logits, so the model still computes the right thing, only with the bigger all-gather. Either way the loss comes
-back as a plain tensor holding the whole mean on every rank.
+Loss parallel (a language model's head): the head leaves the logits sharded over the vocabulary, and the model's own
+F.cross_entropy runs under torch's loss_parallel(): each rank takes the log-softmax of its vocab slice with small
+all-reduces (max, sum of exponentials, target logit) instead of gathering [B, T, V] logits. That needs the forward
+AND backward inside loss_parallel_context(True). Outside it (sampling, evaluation the loop did not wrap)
+`gather_logits_outside_loss_parallel` hands out whole logits, so the model still computes the right thing, only
+with the bigger all-gather; `plain_loss` hands the loss out as a plain tensor holding the whole mean on every rank.
 
 Nothing is padded: the vocabulary (65 over tp=2 is 33 + 32) and the sequence need not divide by tp; DTensor
 shards like torch.chunk and the vocab-parallel embedding and loss mask by each rank's actual range.
@@ -35,8 +35,8 @@ gradients with DTensor ops (full_tensor), never to_local().
 
 Randomness: dropout on the replicated stream (no sequence parallel) must draw the same mask on every tp rank, so
 tp ranks must share their torch seed: seed dropout by data-parallel rank, not by global rank. Likewise build the
-model with real weights, the same on every rank, before applying this: on CPU DTensor has no RNG tracker, so
-init_weights() after a meta-device build would draw different replicated weights (wpe) on different ranks.
+model with real weights, the same on every rank, before applying a plan: on CPU DTensor has no RNG tracker, so
+init_weights() after a meta-device build would draw different replicated weights on different ranks.
 """
 
 from __future__ import annotations
@@ -57,80 +57,34 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshtrain.models.gpt import GPT, Block, GPTConfig
 from meshtrain.parallel.mesh import MeshError
 
-BLOCKS = "transformer.h.*"  # parallelize_module matches each path token with fnmatch: every block
+BLOCKS = "transformer.h.*"  # a decoder's blocks; parallelize_module matches each path token with fnmatch
 
 
-def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
-    """Raise MeshError (a ValueError) unless every tp rank gets whole attention heads and an equal share of the MLP."""
-    if config.n_head % tp:
-        raise MeshError(f"tensor parallel needs whole attention heads on each rank, but n_head={config.n_head} is "
-                        f"not divisible by tp={tp}: choose a tp that divides {config.n_head}")
-    if 4 * config.n_embd % tp:  # implied by the heads (n_embd = n_head * head_dim), kept for a plain message
-        raise MeshError(f"tensor parallel splits the MLP's 4*n_embd={4 * config.n_embd} hidden features evenly, "
-                        f"but tp={tp} does not divide it: choose a tp that divides {4 * config.n_embd}")
-
-
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh | None, *, sequence_parallel: bool = True,
-                          loss_parallel: bool = True) -> None:
-    """Shard `model` in place over the 1-D `tp_mesh` (a no-op when it is None or one rank); see the module doc.
-
-    Every rank of the tp group must call it (it broadcasts rank 0's values) with the same model. Apply it
-    before fully_shard when composing with FSDP2, the FSDP mesh being another dim of the same DeviceMesh.
-    `model` may also be a pipeline stage (parallel.pipeline.GPTStage): the same names, some of them absent.
-    A stage passes plain tensors to the next, so pipelines use neither sequence nor loss parallelism.
-    """
-    if tp_mesh is None or tp_mesh.size() == 1:
-        return
+def check_tp_mesh(tp_mesh: DeviceMesh, who: str) -> None:
     if tp_mesh.ndim != 1:
-        raise MeshError(f"apply_tensor_parallel needs a 1-D tp mesh, got dims {tp_mesh.mesh_dim_names}: "
-                        f"pass submesh(mesh, 'tp')")
-    if isinstance(model, GPT):  # a pipeline stage was checked as a whole model before it was cut
-        check_tensor_parallel(model.config, tp_mesh.size())
-    refuse_prepared(model, model.transformer.h, Block, "apply_tensor_parallel")
+        raise MeshError(f"{who} needs a 1-D tp mesh, got dims {tp_mesh.mesh_dim_names}: pass submesh(mesh, 'tp')")
 
-    stream, local = stream_layout(sequence_parallel)
-    plan = block_plan(BLOCKS, sequence_parallel) | {
-        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=local),
-        "lm_head": ColwiseParallel(input_layouts=stream,
-                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                   use_local_output=not loss_parallel),
-    }
-    if sequence_parallel:
-        plan |= {"transformer.drop": SequenceParallel(), "transformer.ln_f": SequenceParallel()}
-    # A pipeline stage lacks some of the model's top-level modules; blocks it has (at least one).
-    plan = {path: style for path, style in plan.items()
-            if path.startswith(BLOCKS) or path in dict(model.named_modules())}
-    parallelize_module(model, tp_mesh, plan)
 
-    # wpe's output [T, C] is added to wte's [B, T, C]: sliced to this rank's positions (Shard(0)) under sequence
-    # parallel, where the gradient's all-gather back to Replicate sums nothing; plain and whole otherwise.
-    t = model.transformer
-    if "wpe" in t:
-        replicate_module(t.wpe, tp_mesh, output=Shard(0) if sequence_parallel else None)
-    if not sequence_parallel:  # the norms see the whole stream; their parameters become Replicate DTensors too
-        blocks = t.h.values()
-        for norm in [*([t.ln_f] if "ln_f" in t else []), *(b.ln_1 for b in blocks), *(b.ln_2 for b in blocks)]:
+def replicate_block_norms(blocks, tp_mesh: DeviceMesh) -> None:
+    """Without sequence parallel the blocks' norms see the whole stream: their parameters become Replicate DTensors."""
+    for block in blocks:
+        for norm in (block.ln_1, block.ln_2):
             replicate_module(norm, tp_mesh, output=None)
 
-    # Each style registered its own new parameter: tie lm_head back to wte (both Shard(0) of one [V, C] matrix).
-    if "wte" in t and hasattr(model, "lm_head"):
-        model.lm_head.weight = t.wte.weight
-    if loss_parallel:
-        model.lm_head.register_forward_hook(_gather_logits_outside_loss_parallel)
-    if isinstance(model, GPT):
-        model.register_forward_hook(_plain_loss)
+
+# Where a wrapper keeps the module it wraps: activation checkpointing, torch.compile, DDP.
+_WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod", "module")
 
 
-def refuse_prepared(model: nn.Module, blocks: nn.ModuleDict, block_type: type, who: str) -> None:
+def refuse_prepared(model: nn.Module, blocks: nn.ModuleDict, who: str) -> None:
     """Tensor parallelism goes first, on the plain model. parallelize_module only warns about a path that matches
     nothing, and a block hidden in a wrapper would silently compute tp times its share."""
-    wrapped = [name for name, block in blocks.items() if not isinstance(block, block_type)]
+    wrapped = [name for name, block in blocks.items() if any(hasattr(block, inner) for inner in _WRAPPED)]
     if wrapped:
         kind = type(blocks[wrapped[0]]).__name__
-        raise MeshError(f"{who}: block {wrapped[0]} is a {kind}, not a {block_type.__name__}: apply tensor parallel "
+        raise MeshError(f"{who}: block {wrapped[0]} is a {kind}, a wrapper around the block: apply tensor parallel "
                         f"before activation checkpointing and compile")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise MeshError(f"{who}: the model already holds DTensor parameters; apply tensor parallel once, to a plain "
@@ -211,7 +165,7 @@ def loss_parallel_context(enabled: bool) -> Iterator[None]:
             _loss_parallel_depth = 0
 
 
-def _gather_logits_outside_loss_parallel(_module: nn.Module, _inputs: tuple, logits: torch.Tensor) -> torch.Tensor:
+def gather_logits_outside_loss_parallel(_module: nn.Module, _inputs: tuple, logits: torch.Tensor) -> torch.Tensor:
     # Without loss_parallel()'s cross-entropy, vocab-sharded logits would meet plain targets (or sampling code):
     # hand out the whole logits instead.
     if isinstance(logits, DTensor) and not _loss_parallel_depth:
@@ -219,10 +173,68 @@ def _gather_logits_outside_loss_parallel(_module: nn.Module, _inputs: tuple, log
     return logits
 
 
-def _plain_loss(_module: nn.Module, _inputs: tuple, outputs: tuple):
+def plain_loss(_module: nn.Module, _inputs: tuple, outputs):
     # loss_parallel's cross-entropy returns a Replicate DTensor: every rank holds the whole mean. A plain tensor
     # lets the loop divide, accumulate and log it like any other loss; the gradient still flows through.
+    if not isinstance(outputs, tuple):  # a pipeline stage's hidden states or logits: no loss
+        return outputs
     logits, loss = outputs
     if isinstance(loss, DTensor):
         return logits, loss.full_tensor()
     return outputs
+
+
+def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None, *, sequence_parallel: bool = True,
+                                  loss_parallel: bool = True, block_extras: dict | None = None) -> None:
+    """Shard a language model with meshtrain's decoder names (`transformer.wte`, optional `transformer.wpe`,
+    `transformer.drop`, blocks `transformer.h.N`, `transformer.ln_f`, `lm_head`) in place over the 1-D `tp_mesh` (a
+    no-op when it is None or one rank). The plan is block_plan's for every block (plus `block_extras`, sub-paths of
+    a block -> style, for a model's own block parts), and:
+
+    wte      rowwise over the vocabulary: a rank embeds the ids in its vocab range, zeros elsewhere, summed
+    lm_head  colwise over the vocabulary; tied to wte (the GPT), it is the same Shard(0) of the same [V, C] matrix,
+             so the tie stays one parameter; with loss_parallel the logits stay vocab-sharded for the loss
+    wpe, norms: replicated DTensors
+
+
+    Every rank of the tp group must call it (it broadcasts rank 0's values) with the same model. Apply it
+    before fully_shard when composing with FSDP2, the FSDP mesh being another dim of the same DeviceMesh.
+    `model` may also be a pipeline stage (parallel.pipeline.Stage): the same names, some of them absent.
+    A stage passes plain tensors to the next, so pipelines use neither sequence nor loss parallelism.
+    """
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return
+    check_tp_mesh(tp_mesh, "apply_tensor_parallel")
+    refuse_prepared(model, model.transformer.h, "apply_tensor_parallel")
+
+    t = model.transformer
+    tied = "wte" in t and hasattr(model, "lm_head") and model.lm_head.weight is t.wte.weight
+    stream, local = stream_layout(sequence_parallel)
+    plan = block_plan(BLOCKS, sequence_parallel) | {f"{BLOCKS}.{path}": style for path, style in (block_extras or {}).items()} | {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=local),
+        "lm_head": ColwiseParallel(input_layouts=stream,
+                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        plan |= {"transformer.drop": SequenceParallel(), "transformer.ln_f": SequenceParallel()}
+    # A pipeline stage lacks some of the model's top-level modules; blocks it has (at least one).
+    plan = {path: style for path, style in plan.items()
+            if path.startswith(BLOCKS) or path in dict(model.named_modules())}
+    parallelize_module(model, tp_mesh, plan)
+
+    # wpe's output [T, C] is added to wte's [B, T, C]: sliced to this rank's positions (Shard(0)) under sequence
+    # parallel, where the gradient's all-gather back to Replicate sums nothing; plain and whole otherwise.
+    if "wpe" in t:
+        replicate_module(t.wpe, tp_mesh, output=Shard(0) if sequence_parallel else None)
+    if not sequence_parallel:  # the norms see the whole stream; their parameters become Replicate DTensors too
+        replicate_block_norms(t.h.values(), tp_mesh)
+        if "ln_f" in t:
+            replicate_module(t.ln_f, tp_mesh, output=None)
+
+    # Each style registered its own new parameter: tie lm_head back to wte (both Shard(0) of one [V, C] matrix).
+    if tied:
+        model.lm_head.weight = t.wte.weight
+    if loss_parallel:
+        model.lm_head.register_forward_hook(gather_logits_outside_loss_parallel)
+    model.register_forward_hook(plain_loss)

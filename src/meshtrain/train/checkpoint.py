@@ -166,30 +166,36 @@ def dcp_loader(checkpoint_dir: Path):
 
 
 def export_model(run_dir: Path, out: Path | None = None) -> Path:
-    """Consolidate the run's latest checkpoint into one file: {"model": full state dict, "config", "meta",
-    "iteration"}, loadable by torch.load(weights_only=True) on one process and by `meshtrain sample`."""
-    from meshtrain.config import from_dict
-    from meshtrain.models.gpt import GPT
-
+    """Consolidate the run's latest checkpoint into one file: {"model": full state dict, "config", "workload",
+    "data_facts", "iteration"}, loadable by torch.load(weights_only=True) on one process and by `meshtrain sample`."""
     checkpoint_dir = latest_checkpoint(run_dir)
-    trainer_state = gpt_trainer_state(checkpoint_dir)
-    model = GPT(model_config(from_dict(trainer_state["config"]), trainer_state["meta"]))
+    trainer_state = load_trainer_state(checkpoint_dir)
+    model, facts = rebuild_model(trainer_state)
     load_whole_model(model, checkpoint_dir)
     out = Path(out) if out else Path(run_dir) / EXPORT
     _atomic_torch_save(out, {"model": model.state_dict(), "config": trainer_state["config"],
-                             "meta": trainer_state["meta"], "iteration": trainer_state["iteration"]})
+                             "workload": trainer_state.get("spec") or trainer_state.get("workload", "gpt"),
+                             "data_facts": facts, "iteration": trainer_state["iteration"]})
     return out
 
 
-def gpt_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
-    """load_trainer_state, for the commands that rebuild a GPT (export, sample): other workloads are refused."""
-    trainer_state = load_trainer_state(checkpoint_dir)
-    workload = trainer_state.get("workload", "gpt")
-    if workload != "gpt":
-        raise CheckpointError(f"{checkpoint_dir} is a checkpoint of a {workload} run: export and sample rebuild "
-                              f"the GPT only; resume it with `meshtrain train {workload} train.init_from=resume "
-                              f"train.run_dir={Path(checkpoint_dir).parent.parent}`")
-    return trainer_state
+def rebuild_model(saved: dict[str, Any]):
+    """(a one-process model of a saved run, the data facts it was built from), from a trainer state or an exported
+    file: the model's registry spec builds it from the saved config, with dropout off."""
+    from dataclasses import replace
+
+    from meshtrain import registry
+    from meshtrain.config import from_dict
+
+    spec = registry.get(saved.get("spec") or saved.get("workload", "gpt"))  # an exported file names its spec
+    if spec.build_model is None:
+        raise CheckpointError(f"the {spec.name} model has no build_model in its ModelSpec: it cannot be rebuilt on "
+                              "one process (export, sample)")
+    facts = saved.get("data_facts") or {"meta": saved["meta"]}  # checkpoints before the registry kept meta alone
+    cfg = from_dict(saved["config"], spec.name)
+    # The saved weights replace whatever the build starts from: never fetch pretrained ones again.
+    cfg = replace(cfg, model=replace(cfg.model, dropout=0.0), train=replace(cfg.train, init_from="scratch"))
+    return spec.build_model(cfg, facts), facts
 
 
 def load_whole_model(model, checkpoint_dir: Path) -> None:
@@ -198,20 +204,16 @@ def load_whole_model(model, checkpoint_dir: Path) -> None:
 
     if (Path(checkpoint_dir) / deepspeed_backend.TAG).is_dir():
         state = deepspeed_backend.consolidated_state(checkpoint_dir)
-        state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # DeepSpeed lists a tied weight once
+        # DeepSpeed lists a tied weight once: give every other name of the same parameter its tensor.
+        first_name: dict[int, str] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            first_name.setdefault(id(tensor), name)
+            if name not in state and first_name[id(tensor)] in state:
+                state[name] = state[first_name[id(tensor)]]
         model.load_state_dict(state)
         return
     state = {"model": model.state_dict()}
     dcp_loader(checkpoint_dir)(state)  # fills the model's own tensors in place
-
-
-def model_config(cfg, meta: dict):
-    """The GPTConfig of a run config (its model section) and a dataset's meta (the vocabulary size)."""
-    from meshtrain.models.gpt import GPTConfig
-
-    m = cfg.model
-    return GPTConfig(block_size=m.block_size, vocab_size=meta["vocab_size"], n_layer=m.n_layer, n_head=m.n_head,
-                     n_embd=m.n_embd, dropout=0.0, bias=m.bias, activation=m.activation)
 
 
 def _atomic_torch_save(path: Path, obj: Any) -> None:

@@ -17,8 +17,8 @@ from types import MappingProxyType
 
 import torch
 
-from meshtrain.dist.device import synchronize
-from meshtrain.dist.log import get_logger
+from meshtrain.runtime.device import synchronize
+from meshtrain.runtime.log import get_logger
 
 log = get_logger("train")
 
@@ -47,10 +47,7 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "avg_sps": "samples per second since the previous evaluation: samples trained / train_s",
     "eval_s": "seconds the evaluation took",
     "peak_gb": "memory high watermark since the previous evaluation, GiB, the largest over the ranks",
-    "val_rmse_u10": "vit: RMSE of the u10 forecast in m/s, per sample over the grid, mean over the validation set",
-    "persistence_rmse_u10": "vit: the same RMSE for the persistence forecast (forecast = input): the score to beat",
-    "val_skill_u10": "vit: 1 - val_rmse_u10 / persistence_rmse_u10 (0: no better than persistence, 1: perfect)",
-})
+})  # a model adds the meanings of its own evaluation's keys (its ModelSpec.legend)
 
 _SIX = {"loss", "dt", "dtf", "dtb", "dtfb", "train_loss", "val_loss", "avg_loss"}
 _RATES = {"sps", "sps_per_gpu", "tps", "tps_per_gpu"}
@@ -59,15 +56,16 @@ _FORMATS = {**dict.fromkeys(_SIX, ".6f"), **dict.fromkeys(_RATES, ".3f"),
             "train_s": ".3f", "eval_s": ".3f", "epoch": ".2f"}
 
 
-def legend_table(keys: list[str] | None = None):
-    """The legend as a rich Table (printed once at the start of a run, as the seed does)."""
+def legend_table(keys: list[str] | None = None, extra: Mapping[str, str] = MappingProxyType({})):
+    """The legend as a rich Table (printed once at the start of a run, as the seed does), with a model's own keys."""
     from rich.table import Table
 
     table = Table(title="metrics legend", title_justify="left")
     table.add_column("key", style="bold")
     table.add_column("meaning")
-    for key in keys or LEGEND:
-        table.add_row(key, LEGEND.get(key, ""))
+    meanings = {**LEGEND, **extra}
+    for key in keys or meanings:
+        table.add_row(key, meanings.get(key, ""))
     return table
 
 

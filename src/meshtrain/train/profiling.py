@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.dist.log import get_logger
 from meshtrain.errors import MeshtrainError
+from meshtrain.runtime.log import get_logger
 
 log = get_logger("train")
 

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.config import from_dict
 from meshtrain.data.text import tokenizer_from_meta
-from meshtrain.dist.device import pick_device
-from meshtrain.models.gpt import GPT
+from meshtrain.runtime.device import pick_device
 from meshtrain.train import checkpoint
 
 
@@ -27,23 +25,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="auto, cpu, cuda ... (default: $MESHTRAIN_DEVICE or auto)")
 
 
-def load_model(run: Path, device: torch.device) -> tuple[GPT, dict]:
-    """The model of a run's latest checkpoint (or of an exported file) and its tokenizer description."""
+def load_model(run: Path, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """The language model of a run's latest checkpoint (or of an exported file) and its tokenizer description."""
     if run.is_file():
         try:
             saved = torch.load(run, map_location="cpu", weights_only=True)
-            config, meta, weights = saved["config"], saved["meta"], saved["model"]
+            weights = saved["model"]
         except Exception as e:
             raise checkpoint.CheckpointError(f"{run} is not a model file written by `meshtrain export`: {e}") from e
-        model = GPT(checkpoint.model_config(from_dict(config), meta))
+        model, facts = checkpoint.rebuild_model(saved)
         model.load_state_dict(weights)
     else:
         checkpoint_dir = checkpoint.latest_checkpoint(run)
-        trainer_state = checkpoint.gpt_trainer_state(checkpoint_dir)
-        meta = trainer_state["meta"]
-        model = GPT(checkpoint.model_config(from_dict(trainer_state["config"]), meta))
+        model, facts = checkpoint.rebuild_model(checkpoint.load_trainer_state(checkpoint_dir))
         checkpoint.load_whole_model(model, checkpoint_dir)
-    return model.to(device).eval(), meta
+    if "meta" not in facts or not hasattr(model, "generate"):
+        raise checkpoint.CheckpointError(f"{run} holds a {type(model).__name__}, not a language model: `meshtrain "
+                                         "sample` generates text only")
+    return model.to(device).eval(), facts["meta"]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from meshtrain.dist.log import ROOT, get_logger
+from meshtrain.runtime.log import ROOT, get_logger
 from meshtrain.train.metrics import format_line
 
 log = get_logger("train")

@@ -15,16 +15,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.config import ConfigError, ViTRunConfig
+from meshtrain.config import ConfigError
 from meshtrain.data.era5 import ERA5Dataset
 from meshtrain.data.era5_batches import ERA5Batches, eval_batches
 from meshtrain.data.era5_dali import ERA5DaliBatches
 from meshtrain.data.era5_synthetic import channel_units
-from meshtrain.dist.setup import DistInfo, collective
-from meshtrain.models.vit import ViT, ViTConfig
-from meshtrain.models.weather_metrics import latitude_weighted_rmse, rmse
+from meshtrain.models.vit import build_model
+from meshtrain.models.vit.config import ViTRunConfig
+from meshtrain.models.vit.metrics import latitude_weighted_rmse, rmse
+from meshtrain.models.vit.model import ViT
+from meshtrain.models.vit.parallelize import build_vit_layout
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.parallel.vit_layout import build_vit_layout
+from meshtrain.runtime.setup import DistInfo, collective
 from meshtrain.train.sinks import track
 
 HEADLINE = ("u10", "t2m", "t850", "z500")  # latitude-weighted RMSEs logged by name when the data has them
@@ -79,17 +81,14 @@ class ViTWorkload:
         return d.global_batch_size // share
 
     def build_model(self) -> ViT:
-        m, data = self.cfg.model, self.train_data
-        return ViT(ViTConfig(img_size=data.img_size, patch_size=m.patch_size, in_channels=data.num_channels,
-                             out_channels=data.num_channels, embed_dim=m.embed_dim, depth=m.depth,
-                             num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
-                             drop_path=m.drop_path, loss=m.loss))
+        return build_model(self.cfg, self.data_facts())
 
-    def build_layout(self, model: ViT):
-        return build_vit_layout(model, self.cfg, self.dims, self.device, self.info.rank, self.info.local_world_size)
+    def build_layout(self, model: ViT, mesh):
+        return build_vit_layout(model, self.cfg, self.dims, mesh, self.device, self.info.rank)
 
-    def trainer_state(self) -> dict:
-        return {}  # the config names the data; nothing else is needed to resume
+    def data_facts(self) -> dict:
+        """What the model's build takes from the data (the grid after cropping, the channels)."""
+        return {"img_size": list(self.train_data.img_size), "channels": self.train_data.num_channels}
 
     def describe(self) -> str:
         rows, columns = self.train_data.img_size
@@ -137,7 +136,7 @@ class ViTWorkload:
         """Rank 0 plots the first validation sample's forecast, truth and error of u10 in physical units."""
         if not self.info.is_main or self.first is None:
             return
-        from meshtrain.train.weather_plot import save_forecast_png
+        from meshtrain.models.vit.plot import save_forecast_png
 
         pred, truth, std, mean, channel = self.first
         to_physical = lambda field: (field.float().cpu() * float(std) + float(mean)).numpy()  # noqa: E731

@@ -18,6 +18,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from meshtrain.errors import MeshtrainError
 
 DEFAULT_PORT = 29500

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from meshtrain.errors import MeshtrainError
 
 # Accelerators in the order they are preferred, with the collective backend that serves each.

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from meshtrain.dist.device import synchronize
-from meshtrain.dist.log import get_logger, print_rich
-from meshtrain.dist.setup import CollectiveError, DistInfo, collective, distributed, reduce_scalar
+from meshtrain.runtime.device import synchronize
+from meshtrain.runtime.log import get_logger, print_rich
+from meshtrain.runtime.setup import CollectiveError, DistInfo, collective, distributed, reduce_scalar
 
 log = get_logger("collectives")
 

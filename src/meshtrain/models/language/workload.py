@@ -1,23 +1,22 @@
-"""The GPT language model as a workload of the one training loop: token windows in, text samples out.
+"""A language model as a workload of the one training loop: token windows in, text samples out. The GPT and the
+Llama-style decoder both run through it; a model's spec gives it the model and the layout builder.
 
-What the loop asks of a workload (see loop.py): the model, its layout on the mesh, the batch stream, an
+What the trainer asks of a workload (see train/trainer.py): the model, its layout on the mesh, the batch stream, an
 evaluation that returns reduced metrics, and what to show after it (here, a sample from the prompt).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from meshtrain import config as config_mod
-from meshtrain.config import GPTRunConfig
+from meshtrain.config import ConfigError
 from meshtrain.data.text import TokenBatches, load_meta, tokenizer_from_meta
-from meshtrain.dist.setup import DistInfo, broadcast_object, collective, reduce_scalar
-from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.gpt_layout import build_gpt_layout
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, reduce_scalar
 from meshtrain.train.sinks import track
 
 
@@ -25,7 +24,7 @@ class _Batches:
     """The three samplers of one rank: training windows, and separate ones for evaluation so that
     evaluating never shifts what training sees next."""
 
-    def __init__(self, data_dir: Path, cfg: GPTRunConfig, dp_rank: int, dp_size: int, device: torch.device):
+    def __init__(self, data_dir: Path, cfg, dp_rank: int, dp_size: int, device: torch.device):
         common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=dp_rank,
                       dp_size=dp_size, device=device)
         seed = cfg.train.seed
@@ -48,18 +47,19 @@ class _Batches:
             batches.load_state_dict(state[f"eval_{split}"])
 
 
-class GPTWorkload:
-    name = "gpt"
-
-    def __init__(self, cfg: GPTRunConfig, info: DistInfo, dims: ParallelDims):
+class LanguageModelWorkload:
+    def __init__(self, cfg, info: DistInfo, dims: ParallelDims, *, build_model: Callable, build_layout: Callable):
+        """build_model(cfg, data_facts) -> the model; build_layout(model, cfg, dims, mesh, device, rank) -> its
+        parallel.lm_layout.LanguageModelLayout."""
         self.cfg, self.info, self.dims, self.device = cfg, info, dims, info.torch_device
+        self._build_model, self._build_layout = build_model, build_layout
         self.data_dir = Path(cfg.data.root) / cfg.data.name
         self.meta = load_meta(self.data_dir)
         self.tokenizer = tokenizer_from_meta(self.meta)
         try:  # the prompt is first used at the first evaluation: find a bad one now
             self.prompt_ids = self.tokenizer.encode(cfg.train.prompt)
         except ValueError as e:
-            raise config_mod.ConfigError(f"train.prompt={cfg.train.prompt!r} cannot be encoded for "
+            raise ConfigError(f"train.prompt={cfg.train.prompt!r} cannot be encoded for "
                                          f"{cfg.data.name}: {e}") from None
         self.batch_size = cfg.model.batch_size
         self.tokens_per_sample = cfg.model.block_size
@@ -68,22 +68,16 @@ class GPTWorkload:
         self.sampler = None  # rank 0's whole copy of the model, refreshed from the shards before each sample
         self.generator = torch.Generator(device=self.device)
 
-    def build_model(self) -> GPT:
-        m, t = self.cfg.model, self.cfg.train
-        if t.init_from not in ("scratch", "resume"):
-            model = GPT.from_pretrained(t.init_from, override_args={"dropout": m.dropout})
-            if m.block_size < model.config.block_size:
-                model.crop_block_size(m.block_size)
-            return model
-        return GPT(GPTConfig(block_size=m.block_size, vocab_size=self.meta["vocab_size"], n_layer=m.n_layer,
-                             n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
-                             activation=m.activation))
+    def build_model(self):
+        return self._build_model(self.cfg, self.data_facts())
 
-    def build_layout(self, model: GPT):
-        self.model_config = model.config  # the whole model's: a pipeline stage keeps only its part
-        return build_gpt_layout(model, self.cfg, self.dims, self.device, self.info.rank, self.info.local_world_size)
+    def build_layout(self, model, mesh):
+        # A copy for sampling is built like the whole model (a pipeline stage keeps only its part), without dropout.
+        self.sampler_factory = lambda: type(model)(replace(model.config, dropout=0.0))
+        return self._build_layout(model, self.cfg, self.dims, mesh, self.device, self.info.rank)
 
-    def trainer_state(self) -> dict:
+    def data_facts(self) -> dict:
+        """What the model's build takes from the data (the vocabulary), kept in checkpoints for export and sample."""
         return {"meta": self.meta}
 
     def evaluate(self, layout, autocast, it: int) -> dict[str, float]:
@@ -107,7 +101,7 @@ class GPTWorkload:
         if self.info.is_main:
             if self.sampler is None:  # built on the meta device: a real init would draw from the dropout RNG
                 with torch.device("meta"):
-                    self.sampler = GPT(replace(self.model_config, dropout=0.0)).eval()
+                    self.sampler = self.sampler_factory().eval()
                 self.sampler.to_empty(device=self.device)
             self.sampler.load_state_dict(weights)
             self.generator.manual_seed(t.seed + it)

@@ -5,10 +5,9 @@ Parameter names follow nanoGPT / Hugging Face GPT-2 (`transformer.wte`, `transfo
 names. One departure: q, k and v are three projections (`attn.q_proj`, ...), not GPT-2's fused
 `c_attn`, so that sharding each one by output features gives every tensor-parallel rank whole heads.
 
-Three seams let meshtrain.parallel change the layout without changing this file: attention reads its
-local head count from the projection's width (tensor parallel shards heads), `attn.attend` is the
-attention kernel (context parallel swaps in Ulysses or ring attention), and `forward` takes the
-positions of the tokens it is given (a context-parallel rank holds a slice of the sequence).
+The blocks are models/transformer.py's (causal attention), whose seams let the parallel plans change
+the layout without changing this file; `forward` takes the positions of the tokens it is given (a
+context-parallel rank holds a slice of the sequence).
 """
 
 from __future__ import annotations
@@ -19,14 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-ACTIVATIONS = {
-    "gelu": lambda: nn.GELU(),
-    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # HF GPT-2's "gelu_new"
-    "relu": lambda: nn.ReLU(),
-    "silu": lambda: nn.SiLU(),
-}
+from meshtrain.models.language import sampling
+from meshtrain.models.transformer import ACTIVATIONS, Block, decoder_output, init_gpt2_style
+
 # HF config.activation_function -> ours; anything else is refused by from_pretrained.
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                    "relu": "relu", "silu": "silu", "swish": "silu"}
@@ -59,69 +54,6 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal scaled-dot-product attention over [B, heads, T, head_dim].
-
-    On CPU, bf16 attention runs in fp32: torch's CPU flash-attention backward is ~4x slower in bf16 than
-    in fp32 (torch 2.13), while the matmuls around it are 2x faster in bf16, so this split is the fast one.
-    """
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        with torch.autocast("cpu", enabled=False):
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, is_causal=True)
-        return y.to(torch.bfloat16)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.dropout = cfg.dropout
-        self.head_dim = cfg.n_embd // cfg.n_head  # fixed; the number of heads is not (see forward)
-        self.attend = causal_attention  # (q, k, v, dropout_p) -> y, all [B, heads, T, head_dim]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        B, T, _ = q.shape
-        # Heads present on this rank: all of them serially, n_head / tp under tensor parallelism.
-        n_head = q.shape[-1] // self.head_dim
-        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v, self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
-        return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.act = ACTIVATIONS[cfg.activation]()
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
-
-
-class Block(nn.Module):
-    """Pre-LN residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -134,7 +66,8 @@ class GPT(nn.Module):
             # A ModuleDict keyed "0".."L-1" gives the same names as a ModuleList, but a pipeline
             # stage can delete the blocks it does not own and the rest keep their names, so
             # checkpoints stay loadable across layouts. Iterate it with .values() / .items().
-            h=nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)}),
+            h=nn.ModuleDict({str(i): Block(c.n_embd, c.n_head, 4 * c.n_embd, causal=True, dropout=c.dropout, bias=c.bias,
+                                            activation=c.activation) for i in range(c.n_layer)}),
             ln_f=nn.LayerNorm(c.n_embd, bias=c.bias),
         ))
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
@@ -149,19 +82,20 @@ class GPT(nn.Module):
         # keeps the tie); tie them again so the meta-device path builds the same model.
         if self.lm_head.weight is not self.transformer.wte.weight:
             self.lm_head.weight = self.transformer.wte.weight
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-            if isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-        # Each block adds two residual branches; shrinking their output projections keeps the
-        # variance of the residual stream from growing with depth (GPT-2 paper, section 2.3).
-        std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=std)
+        init_gpt2_style(self, self.config.n_layer)
+
+    # ---- the steps of forward, which a pipeline stage also calls ------------------------------------------------
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, T] at `positions` [T] (0..T-1 unless given) -> the residual stream [B, T, C]."""
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        if positions is None:
+            positions = torch.arange(T, dtype=torch.long, device=idx.device)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.transformer.ln_f(x))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):
@@ -171,20 +105,10 @@ class GPT(nn.Module):
         Without: logits [B, 1, V] of the last position only, which is all sampling needs.
         positions [T]: where in the sequence the tokens of idx sit; 0..T-1 unless given.
         """
-        T = idx.shape[1]
-        if positions is None:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-            positions = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        x = self.embed(idx, positions)
         for block in self.transformer.h.values():
             x = block(x)
-        x = self.transformer.ln_f(x)
-        if targets is None:
-            return self.lm_head(x[:, -1:, :]), None
-        logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return decoder_output(self.logits, x, targets)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count, the tied embedding counted once.
@@ -218,30 +142,11 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
 
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append max_new_tokens sampled tokens to idx [B, T]; returns [B, T + max_new_tokens].
-
-        temperature 0 means greedy. Call model.eval() first, or dropout will be on while sampling.
-        The generator, if given, must live on idx's device.
-        """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])  # the model sees at most block_size
-            logits = logits[:, -1, :]
-            if temperature == 0:
-                next_tok = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                next_tok = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, next_tok), dim=1)
-        return idx
+        """Append max_new_tokens sampled tokens to idx [B, T] (models/language/sampling.generate)."""
+        return sampling.generate(self, idx, max_new_tokens, block_size=self.config.block_size,
+                                 temperature=temperature, top_k=top_k, generator=generator)
 
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the context, e.g. to fine-tune a pretrained 1024-token model on shorter blocks."""

@@ -1,8 +1,8 @@
 """The distributed runtime: who am I, which device, the process group, launching, collectives."""
 
-from meshtrain.dist.env import LaunchEnv, LaunchEnvError, detect, expand_nodelist, read_hostfile
-from meshtrain.dist.log import configure_logging, get_logger
-from meshtrain.dist.setup import CollectiveError, DistInfo, cleanup, collective, distributed, setup
+from meshtrain.runtime.env import LaunchEnv, LaunchEnvError, detect, expand_nodelist, read_hostfile
+from meshtrain.runtime.log import configure_logging, get_logger
+from meshtrain.runtime.setup import CollectiveError, DistInfo, cleanup, collective, distributed, setup
 
 __all__ = [
     "CollectiveError", "DistInfo", "LaunchEnv", "LaunchEnvError", "cleanup", "collective", "configure_logging",

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshtrain.dist.device import synchronize
-from meshtrain.dist.log import get_logger
-from meshtrain.dist.setup import DistInfo, collective, distributed, reduce_scalar
+from meshtrain.runtime.device import synchronize
+from meshtrain.runtime.log import get_logger
+from meshtrain.runtime.setup import DistInfo, collective, distributed, reduce_scalar
 
 log = get_logger("test-dist")
 

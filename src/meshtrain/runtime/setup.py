@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from meshtrain.dist import env as launch_env
-from meshtrain.dist.device import pick_backend, pick_device, threads_per_rank
-from meshtrain.dist.log import configure_logging, get_logger, print_rich
 from meshtrain.errors import MeshtrainError
+from meshtrain.runtime import env as launch_env
+from meshtrain.runtime.device import pick_backend, pick_device, threads_per_rank
+from meshtrain.runtime.log import configure_logging, get_logger, print_rich
 
 DEFAULT_TIMEOUT_S = 600.0
 log = get_logger("dist")

@@ -1,4 +1,18 @@
-"""Tensor and context (token) parallelism for the weather ViT (meshtrain.models.vit), which holds no distributed code.
+"""How the ViT weather model is laid out on the mesh: the one place that composes its parallelisms.
+
+    layout = build_vit_layout(model, cfg, dims, mesh, device, rank)
+    loss = layout.train_micro_step(x, y, accum=, sync=, autocast=, scaler=, timer=)
+    fields = layout.predict(x, autocast)          # whole predicted fields on every rank, for metrics and plots
+
+Order of application, as for the GPT (gpt_layout.py) without a pipeline:
+    tensor (+ sequence) parallel over heads and MLP (tp)  -> context parallel over patch tokens (cp)
+    -> activation checkpointing per block -> data parallel (DDP over dp×cp, FSDP2 over dp_shard×cp), compile
+
+Under context parallel every cp rank of a replica reads the same images and handles a contiguous band of
+their patch tokens (vit_parallel.shard_tokens): training takes the MSE of its band, which averages over the
+cp ranks to the whole image's; prediction gathers the bands back into whole fields.
+
+The ViT's own parallel parts (the model holds no distributed code).
 
 Tensor parallel (`apply_vit_tensor_parallel`), the GPT's Megatron plan on DTensor:
 
@@ -19,7 +33,7 @@ attn / mlp all-gather from it once per sublayer; the head runs on the local toke
 model still returns whole fields. As for the GPT: build the model with the same weights on every rank before
 applying this (distribute_tensor keeps rank 0's values), and seed dropout by data-parallel rank.
 
-Context parallel (`apply_vit_context_parallel`, `shard_tokens`, `cp_forward_loss`): the N patch tokens of every
+Context parallel (the shared `apply_context_parallel`, here full attention; `shard_tokens`, `cp_forward_loss`): the N patch tokens of every
 image are split over the cp ranks of a replica, which all read the same batch. Everything but attention is per token,
 so only attention talks; it is swapped in as `block.attn.attend`:
 
@@ -43,38 +57,87 @@ L2 needs each sample's global norms and is refused here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-from meshtrain.models.vit import Block, ViT, ViTConfig, full_attention, mse_loss
+from meshtrain.models.vit.model import ViT, mse_loss
+from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.context_parallel import (
     ContextParallelError,
     _as_group,
-    _unwrap,
-    set_attention,
+    apply_context_parallel,
+    unwrap,
 )
-from meshtrain.parallel.mesh import MeshError
-from meshtrain.parallel.tensor_parallel import block_plan, refuse_prepared, replicate_module, stream_layout
+from meshtrain.parallel.data_parallel import gradient_sync
+from meshtrain.parallel.layout import Layout, wrap_data_parallel
+from meshtrain.parallel.mesh import MeshError, ParallelDims, submesh
+from meshtrain.parallel.tensor_parallel import (
+    block_plan,
+    check_tp_mesh,
+    refuse_prepared,
+    replicate_block_norms,
+    replicate_module,
+    stream_layout,
+)
+
+
+@dataclass
+class ViTLayout(Layout):
+    vit: ViT | None = None  # the plain model under every wrapper: patchify / unpatchify / loss
+    token_band: torch.Tensor | None = None  # this cp rank's patch tokens (shard_tokens), when cp > 1
+    cp_group: object | None = None
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.token_band is None:
+            return self.vit.loss(self.runnable(x), y)
+        return cp_forward_loss(self.runnable, x, y, self.token_band)
+
+    def train_micro_step(self, x, y, *, accum: int, sync: bool, autocast, scaler, timer) -> torch.Tensor:
+        """Forward and backward of one micro-batch of fields, gradients scaled for an accumulation of `accum`.
+        Returns this micro-step's loss / accum (a 0-dim tensor)."""
+        with gradient_sync(self.runnable, sync):
+            with timer("dtf"), autocast:
+                loss = self._loss(x, y) / accum  # the sum of micro-steps is the mean over the whole batch
+            with timer("dtb"):
+                scaler.scale(loss).backward()
+        return loss.detach().float()
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, autocast) -> torch.Tensor:
+        """The model's forecast for fields `x`, whole [B, C, H, W] float32 on every rank of the replica (every rank
+        must call it: under cp the token bands are gathered)."""
+        with autocast:
+            if self.token_band is None:
+                return self.runnable(x).float()
+            patches = cp_forward_patches(self.runnable, x, self.token_band)
+        return self.vit.unpatchify(gather_tokens(patches.float(), self.cp_group))
+
+
+def build_vit_layout(model: ViT, cfg, dims: ParallelDims, mesh, device: torch.device, rank: int) -> ViTLayout:
+    """Apply cfg.parallel and cfg.train's layout options to `model` (built identically on every rank) on `mesh`
+    (the trainer's DeviceMesh, None on one process). The layout was checked by ParallelDims.from_config."""
+    p, t = cfg.parallel, cfg.train
+    layout = ViTLayout(model=model, dims=dims, mesh=mesh, rank=rank, vit=model)
+    if dims.tp > 1:
+        apply_vit_tensor_parallel(model, submesh(mesh, "tp"), sequence_parallel=p.sequence_parallel)
+    if dims.cp > 1:
+        cp_mesh = submesh(mesh, "cp")
+        apply_context_parallel(model.blocks.values(), cp_mesh, p.cp_impl, model.config.num_heads)
+        layout.token_band = shard_tokens(model.config.num_patches, dims.coords(rank)["cp"], dims.cp, device)
+        layout.cp_group = cp_mesh.get_group()
+    apply_activation_checkpointing(model.blocks, t.activation_checkpointing, t.ac_every)
+    layout.parts = wrap_data_parallel([model], lambda part: part.blocks.values(), cfg, dims, mesh, device)
+    layout.runnable = layout.parts[0]
+    return layout
+
 
 BLOCKS = "blocks.*"  # parallelize_module matches each path token with fnmatch: every block
-
-
-# ---- tensor parallel ------------------------------------------------------------------------------------------------
-def check_vit_tensor_parallel(config: ViTConfig, tp: int) -> None:
-    """Raise MeshError (a ValueError) unless every tp rank gets whole heads and an equal share of the MLP."""
-    if config.num_heads % tp:
-        raise MeshError(f"tensor parallel needs whole attention heads on each rank, but num_heads={config.num_heads} "
-                        f"is not divisible by tp={tp}: choose a tp that divides {config.num_heads}")
-    if config.mlp_hidden % tp:
-        raise MeshError(f"tensor parallel splits the MLP's {config.mlp_hidden} hidden features (embed_dim × mlp_ratio) "
-                        f"evenly, but tp={tp} does not divide them: choose a tp or mlp_ratio that does")
 
 
 def apply_vit_tensor_parallel(model: ViT, tp_mesh: DeviceMesh | None, *, sequence_parallel: bool = False) -> None:
@@ -85,14 +148,11 @@ def apply_vit_tensor_parallel(model: ViT, tp_mesh: DeviceMesh | None, *, sequenc
     """
     if tp_mesh is None or tp_mesh.size() == 1:
         return
-    if tp_mesh.ndim != 1:
-        raise MeshError(f"apply_vit_tensor_parallel needs a 1-D tp mesh, got dims {tp_mesh.mesh_dim_names}: "
-                        f"pass submesh(mesh, 'tp')")
+    check_tp_mesh(tp_mesh, "apply_vit_tensor_parallel")
     if not isinstance(model, ViT):
         raise MeshError(f"apply_vit_tensor_parallel takes the plain ViT, got a {type(model).__name__}: apply it "
                         f"before DDP, compile and other wrappers")
-    check_vit_tensor_parallel(model.config, tp_mesh.size())
-    refuse_prepared(model, model.blocks, Block, "apply_vit_tensor_parallel")
+    refuse_prepared(model, model.blocks, "apply_vit_tensor_parallel")
 
     stream, _ = stream_layout(sequence_parallel)
     plan = block_plan(BLOCKS, sequence_parallel)
@@ -110,8 +170,8 @@ def apply_vit_tensor_parallel(model: ViT, tp_mesh: DeviceMesh | None, *, sequenc
         model.head.register_forward_hook(_whole_output)
     else:
         model.pos_drop.register_forward_pre_hook(_plain_inputs)  # the stream is plain, the same on every rank
-        for norm in [model.norm, *(b.ln_1 for b in model.blocks.values()), *(b.ln_2 for b in model.blocks.values())]:
-            replicate_module(norm, tp_mesh, output=None)
+        replicate_block_norms(model.blocks.values(), tp_mesh)
+        replicate_module(model.norm, tp_mesh, output=None)
         replicate_module(model.head, tp_mesh, output=None)
 
 
@@ -152,30 +212,13 @@ def gather_tokens(local: torch.Tensor, cp_mesh) -> torch.Tensor:
 
 
 # ---- the model ------------------------------------------------------------------------------------------------------
-def apply_vit_context_parallel(model: nn.Module, cp_mesh, impl: str = "ulysses") -> None:
-    """Make every block's attention a non-causal context-parallel kernel over `cp_mesh` (1-D cp DeviceMesh or its
-    process group; None: no-op). Before or after tensor parallel, activation checkpointing, DDP and FSDP (it only
-    sets an attribute); then train with cp_forward_loss on shard_tokens' positions."""
-    if cp_mesh is None:
-        return set_attention((), None, impl, None)  # checks impl only
-    cp = dist.get_world_size(_as_group(cp_mesh))
-    vit = _unwrap(model)
-    config = vit.config
-    if config.num_patches % cp:
-        shard_tokens(config.num_patches, 0, cp)  # raises, naming the numbers
-    if impl == "ring" and config.dropout:
-        raise ContextParallelError(f"ring attention does not implement attention dropout (ViTConfig.dropout="
-                                   f"{config.dropout}): set it to 0 or use impl 'ulysses'")
-    set_attention(vit.blocks.values(), cp_mesh, impl, config.num_heads, full_attention, causal=False)
-
-
 def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """This cp rank's MSE: its tokens (`positions`, from shard_tokens) of the prediction for fields `x` [B, C, H, W]
     against the same tokens of `target`. The mean over cp ranks is the MSE of the whole images.
 
     `model` is the ViT, or it under DDP, FSDP2 or compile: it is called, so wrappers run their forward machinery.
     """
-    vit = _unwrap(model)
+    vit = unwrap(model)
     if vit.config.loss != "mse":
         raise ContextParallelError(
             f"context parallel trains on the per-token mean squared error, but ViTConfig.loss={vit.config.loss!r} "
@@ -192,7 +235,7 @@ def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, pos
 def cp_forward_patches(model: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """This cp rank's predicted patches [B, N/cp, C_out·p²] of fields `x`, for its tokens `positions`; the whole
     prediction is model.unpatchify(gather_tokens(patches, cp_mesh)). `model` as for cp_forward_loss."""
-    return model(x, _token_index(_unwrap(model), positions))
+    return model(x, _token_index(unwrap(model), positions))
 
 
 def _token_index(vit: ViT, positions: torch.Tensor) -> slice | torch.Tensor:

@@ -11,11 +11,8 @@ is made only of Linears, LayerNorms and attention, which DTensor's tensor-parall
 patchify / unpatchify are plain reshapes that invert each other exactly. A patch flattens as (channel, row, column),
 Conv2d's weight order; tokens are numbered row-major over the patch grid, like Conv2d's output flattened.
 
-Seams for meshtrain.parallel (the same as gpt.py's, so the same plans apply):
-  * attention reads its local head count from q_proj's output width: tensor parallel shards q/k/v_proj by output
-    features (whole heads per rank) and attn.c_proj / mlp.c_proj by input features, mlp.c_fc by output features;
-  * `block.attn.attend` is the attention kernel (q, k, v, dropout_p) -> y on [B, heads, N, head_dim], here
-    non-causal; context parallelism swaps in ring or Ulysses attention;
+Seams for meshtrain.parallel: the blocks are models/transformer.py's, with full (non-causal) attention, so the
+block-level tensor- and context-parallel plans are the GPT's; besides,
   * the forward pass is four public steps, forward(x) = unpatchify(head(forward_tokens(embed(x)))), and
     forward(x, token_positions) stops before unpatchify with the patches of those tokens only:
         embed(x, token_positions=None)  patchify, Linear, + position embedding -> tokens [B, N, D]
@@ -45,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from meshtrain.models.transformer import Block
 
 LOSSES = ("mse", "relative_l2")
 LAYER_NORM_EPS = 1e-6  # NERSC's (timm's ViT) value; torch's default is 1e-5
@@ -106,19 +105,6 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Non-causal scaled-dot-product attention over [B, heads, N, head_dim]: every patch sees every patch.
-
-    On CPU, bf16 attention runs in fp32, as in gpt.causal_attention: torch's CPU flash-attention backward is
-    much slower in bf16 than in fp32.
-    """
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        with torch.autocast("cpu", enabled=False):
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, is_causal=False)
-        return y.to(torch.bfloat16)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=False)
-
-
 def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean over all elements of (pred - target)^2."""
     return F.mse_loss(pred, target)
@@ -131,77 +117,6 @@ def relative_l2_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (diff / torch.linalg.vector_norm(target.reshape(b, -1), dim=1)).mean()
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        d = cfg.embed_dim
-        # Three projections, not one fused qkv, so that sharding each by output features gives whole heads.
-        self.q_proj = nn.Linear(d, d, bias=cfg.bias)
-        self.k_proj = nn.Linear(d, d, bias=cfg.bias)
-        self.v_proj = nn.Linear(d, d, bias=cfg.bias)
-        self.c_proj = nn.Linear(d, d, bias=cfg.bias)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.dropout = cfg.dropout
-        self.head_dim = d // cfg.num_heads  # fixed; the number of heads is not (see forward)
-        self.attend = full_attention  # (q, k, v, dropout_p) -> y, all [B, heads, N, head_dim]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        B, N, _ = q.shape
-        # Heads present on this rank: all of them serially, num_heads / tp under tensor parallelism.
-        heads = q.shape[-1] // self.head_dim
-        q, k, v = (t.view(B, N, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v, self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, N, heads * self.head_dim)
-        return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(cfg.embed_dim, cfg.mlp_hidden, bias=cfg.bias)
-        self.act = nn.GELU()
-        self.c_proj = nn.Linear(cfg.mlp_hidden, cfg.embed_dim, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
-
-
-class DropPath(nn.Module):
-    """Stochastic depth: in training, drop a residual branch for a whole sample with probability p, else scale by
-    1/(1-p). Under tensor or context parallelism the ranks of one replica must draw the same mask (same RNG state)."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1.0 - self.p)
-        return x * keep / (1.0 - self.p)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
-
-
-class Block(nn.Module):
-    """Pre-LN residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, cfg: ViTConfig, drop_path: float = 0.0):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.embed_dim, eps=LAYER_NORM_EPS, bias=cfg.bias)
-        self.attn = SelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.embed_dim, eps=LAYER_NORM_EPS, bias=cfg.bias)
-        self.mlp = MLP(cfg)
-        self.drop_path = DropPath(drop_path)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.ln_1(x)))
-        return x + self.drop_path(self.mlp(self.ln_2(x)))
-
-
 class ViT(nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
@@ -212,7 +127,9 @@ class ViT(nn.Module):
         self.pos_drop = nn.Dropout(c.dropout)
         rates = [c.drop_path * i / max(c.depth - 1, 1) for i in range(c.depth)]
         # "0".."depth-1" give a ModuleList's names, but a pipeline stage can delete blocks and keep the others'.
-        self.blocks = nn.ModuleDict({str(i): Block(c, rates[i]) for i in range(c.depth)})
+        self.blocks = nn.ModuleDict({str(i): Block(c.embed_dim, c.num_heads, c.mlp_hidden, causal=False, dropout=c.dropout,
+                                                   bias=c.bias, norm_eps=LAYER_NORM_EPS, drop_path=rates[i])
+                                     for i in range(c.depth)})
         self.norm = nn.LayerNorm(c.embed_dim, eps=LAYER_NORM_EPS, bias=c.bias)
         # No bias, as NERSC: called on tokens, this *is* the head(tokens) -> patches step of forward.
         self.head = nn.Linear(c.embed_dim, c.out_channels * p2, bias=False)

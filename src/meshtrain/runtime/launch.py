@@ -19,7 +19,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from meshtrain.dist.env import LaunchEnvError, scheduler_info
+from meshtrain.runtime.env import LaunchEnvError, scheduler_info
 
 PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
 MPI_FLAVORS = ("pals", "openmpi", "mpich")
@@ -34,7 +34,7 @@ class Machine:
 
     @classmethod
     def probe(cls) -> Machine:
-        from meshtrain.dist.device import cpus_available, device_count
+        from meshtrain.runtime.device import cpus_available, device_count
 
         return cls(accelerators=max(device_count("cuda"), device_count("xpu")), cpus=cpus_available())
 

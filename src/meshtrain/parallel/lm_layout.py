@@ -1,6 +1,8 @@
-"""How the GPT is laid out on the mesh: the one place that composes every parallelism for it.
+"""How a language model is laid out on the mesh: the one place that composes every parallelism for a decoder on token
+windows (the GPT, the Llama-style decoder), given the model's own structure (`StageSplit`) and tensor-parallel plan.
 
-    layout = build_gpt_layout(model, cfg, dims, device, rank, local_world_size)
+    layout = build_language_model_layout(model, cfg, dims, mesh, device, rank, split=SPLIT,
+                                         tensor_parallel=apply_tensor_parallel)
     optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(wd), ...))
     for micro in range(accum):
         loss += layout.train_micro_step(x, y, accum=accum, sync=micro == accum - 1, autocast=ctx,
@@ -20,27 +22,27 @@ methods hide whether a forward is a call, a pipeline schedule or a DeepSpeed eng
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from meshtrain.models.gpt import GPT
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.data_parallel import gradient_sync
-from meshtrain.parallel.layout import Layout, LayoutError, check_data_parallel, wrap_data_parallel
+from meshtrain.parallel.layout import Layout, wrap_data_parallel
 from meshtrain.parallel.mesh import ParallelDims, submesh
+from meshtrain.parallel.pipeline_schedules import StageSplit
 
 
 @dataclass
-class GPTLayout(Layout):
+class LanguageModelLayout(Layout):
     pipeline: object | None = None  # parallel.pipeline.Pipeline, when pp > 1
     sequence_shard: tuple[int, int, str] | None = None  # (cp rank, cp size, cp impl) when cp > 1
     loss_parallel: bool = False
-    # Split by pipeline stages, lm_head keeps its own copy of the tied embedding; a checkpoint from any
-    # layout has the embedding's optimizer state, which the copy's equals (see parallel.state_dict).
-    aliases: dict[str, str] = field(default_factory=lambda: {"lm_head.weight": "transformer.wte.weight"})
+    split: StageSplit | None = None  # the model's structure, as a pipeline cuts it
 
     # ---- one micro-step ------------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor, y: torch.Tensor):
@@ -123,7 +125,9 @@ class GPTLayout(Layout):
             if self.rank != 0:
                 return None
             state = {k: v.detach().cpu() for k, v in state.items()}
-            state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # a tied weight is listed once
+            if self.split.tied:  # a tied weight is listed once
+                copy, source = self.split.tied
+                state.setdefault(copy, state[source])
             return state
         # Every rank gathers its stage's whole tensors (the shards live on its dp/tp peers)...
         local = full_model_state(self.model)
@@ -140,59 +144,47 @@ class GPTLayout(Layout):
         return whole
 
 
-def build_gpt_layout(model: GPT, cfg, dims: ParallelDims, device: torch.device, rank: int,
-                     local_world_size: int) -> GPTLayout:
-    """Apply cfg.parallel and cfg.train's layout options to `model` (built identically on every rank)."""
+def build_language_model_layout(model: nn.Module, cfg, dims: ParallelDims, mesh, device: torch.device, rank: int, *,
+                                split: StageSplit, tensor_parallel: Callable) -> LanguageModelLayout:
+    """Apply cfg.parallel and cfg.train's layout options to `model` (built identically on every rank) on `mesh`
+    (the trainer's DeviceMesh, None on one process), with the model's own `split` (its structure, for the pipeline)
+    and `tensor_parallel(part, tp_mesh, sequence_parallel=, loss_parallel=)` plan. The layout was checked by
+    ParallelDims.from_config."""
     p, t = cfg.parallel, cfg.train
-    dims.check_fits(local_world_size, n_head=model.config.n_head,
-                    seq_len=model.config.block_size if dims.cp > 1 else None,
-                    microbatches=_microbatches(cfg, dims) if dims.pp > 1 else None)
-    check_data_parallel(t.backend, dims)
-    if t.backend == "deepspeed" and max(dims.tp, dims.cp, dims.pp) > 1:
-        raise LayoutError(f"train.backend=deepspeed with tp={dims.tp} cp={dims.cp} pp={dims.pp}: meshtrain runs "
-                          "DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine with tp/cp/pp")
-    if dims.pp > 1 and t.dtype == "fp16":
-        raise LayoutError("train.dtype=fp16 with parallel.pp > 1: the GradScaler cannot scale a loss inside the "
-                          "pipeline schedule; use train.dtype=bf16")
-    mesh = dims.build_mesh(device.type) if dims.world_size > 1 else None
-    layout = GPTLayout(model=model, dims=dims, mesh=mesh, rank=rank)
+    aliases = dict([split.tied]) if split.tied else {}
+    layout = LanguageModelLayout(model=model, dims=dims, mesh=mesh, rank=rank, split=split, aliases=aliases)
 
     if dims.pp > 1:
         from meshtrain.parallel.pipeline import build_pipeline
 
-        layout.pipeline = build_pipeline(model, submesh(mesh, "pp"), schedule=p.pp_schedule,
+        layout.pipeline = build_pipeline(model, split, submesh(mesh, "pp"), schedule=p.pp_schedule,
                                          microbatches=_microbatches(cfg, dims), virtual_stages=p.virtual_stages,
                                          device=device)
         parts = layout.pipeline.parts
     else:
         parts = [model]
     if dims.tp > 1:
-        from meshtrain.parallel.tensor_parallel import apply_tensor_parallel
-
         # Pipeline stages hand plain tensors to each other and compute the loss in the schedule: no
         # sequence-sharded stream, no vocab-sharded loss across a stage boundary.
         sequence_parallel, loss_parallel = (p.sequence_parallel, p.loss_parallel) if dims.pp == 1 else (False, False)
         for part in parts:
-            apply_tensor_parallel(part, submesh(mesh, "tp"), sequence_parallel=sequence_parallel,
-                                  loss_parallel=loss_parallel)
+            tensor_parallel(part, submesh(mesh, "tp"), sequence_parallel=sequence_parallel,
+                            loss_parallel=loss_parallel)
         layout.loss_parallel = loss_parallel
     if dims.cp > 1:
         from meshtrain.parallel.context_parallel import apply_context_parallel
 
-        if model.config.dropout > 0 and p.cp_impl == "ring":
-            raise LayoutError(f"model.dropout={model.config.dropout} with parallel.cp_impl=ring: ring attention has "
-                              "no attention dropout; set model.dropout=0 or use parallel.cp_impl=ulysses")
-        apply_context_parallel(model, submesh(mesh, "cp"), p.cp_impl)
+        apply_context_parallel(model.get_submodule(split.blocks).values(), submesh(mesh, "cp"), p.cp_impl)
         layout.sequence_shard = (dims.coords(rank)["cp"], dims.cp, p.cp_impl)
-    for part in parts:  # a stage holds its blocks in a ModuleDict of its own
-        apply_activation_checkpointing(part.transformer.h, t.activation_checkpointing, t.ac_every)
+    for part in parts:  # a stage holds its blocks in a ModuleDict of its own, under the model's own path
+        apply_activation_checkpointing(part.get_submodule(split.blocks), t.activation_checkpointing, t.ac_every)
 
     if t.backend == "deepspeed":
         layout.deepspeed = dict(device=device, stage=p.zero_stage, micro_batch_size=cfg.model.batch_size,
                                 grad_accum=t.grad_accum, grad_clip=cfg.optimizer.grad_clip, dtype=t.dtype)
         layout.runnable = model
         return layout
-    wrapped = wrap_data_parallel(parts, lambda part: part.transformer.h.values(), cfg, dims, mesh, device)
+    wrapped = wrap_data_parallel(parts, lambda part: part.get_submodule(split.blocks).values(), cfg, dims, mesh, device)
     layout.parts = wrapped
     if layout.pipeline is None:
         layout.runnable = wrapped[0]

@@ -1,0 +1,63 @@
+"""The GPT language model: a GPT-2-style decoder trained on token windows (char-level or GPT-2 BPE text).
+
+    model.py        the decoder (no distributed code), GPT-2 init, from_pretrained, generate
+    parallelize.py  its structure for the pipeline (tied embedding) and its tensor-parallel plan; the layout is
+                    every language model's (parallel/lm_layout.py)
+    config.py       its run config and rules; presets/ the YAML presets
+The workload (token windows, evaluation, samples) is every language model's: models/language/workload.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import MappingProxyType
+
+from meshtrain.models.gpt.config import GPTRunConfig, validate
+from meshtrain.registry import ModelShape, ModelSpec
+
+
+def _workload(cfg, info, dims):
+    from meshtrain.models.gpt.parallelize import build_gpt_layout
+    from meshtrain.models.language.workload import LanguageModelWorkload
+
+    return LanguageModelWorkload(cfg, info, dims, build_model=build_model, build_layout=build_gpt_layout)
+
+
+_KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "kv_heads": "model.n_head",
+                          "mlp_hidden": "4 × model.n_embd", "tokens": "model.block_size",
+                          "batch_size": "model.batch_size", "dropout": "model.dropout"})
+
+
+def _shape(cfg: GPTRunConfig) -> ModelShape:
+    m = cfg.model
+    return ModelShape(layers=m.n_layer, heads=m.n_head, kv_heads=m.n_head, mlp_hidden=4 * m.n_embd,
+                      tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS)
+
+
+def build_model(cfg: GPTRunConfig, data_facts: dict):
+    """The GPT of a run config; the vocabulary comes from the data's meta.json (data_facts["meta"]). With
+    train.init_from a GPT-2 name or Hugging Face directory, its weights (cropped to model.block_size)."""
+    from meshtrain.models.gpt.model import GPT, GPTConfig
+
+    m, t = cfg.model, cfg.train
+    if t.init_from not in ("scratch", "resume"):
+        model = GPT.from_pretrained(t.init_from, override_args={"dropout": m.dropout})
+        if m.block_size < model.config.block_size:
+            model.crop_block_size(m.block_size)
+        return model
+    return GPT(GPTConfig(block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer,
+                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, activation=m.activation))
+
+
+SPEC = ModelSpec(
+    name="gpt",
+    summary="a GPT language model on text (Shakespeare char-level or GPT-2 BPE, or your own)",
+    run_config=GPTRunConfig,
+    presets=Path(__file__).parent / "presets",
+    data_key="data.name",
+    workload=_workload,
+    shape=_shape,
+    validate=validate,
+    build_model=build_model,
+    text=True,
+)

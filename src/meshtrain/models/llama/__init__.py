@@ -1,0 +1,58 @@
+"""A Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention, untied head) on text.
+
+    model.py        the decoder (no distributed code)
+    parallelize.py  its structure for the pipeline and its tensor-parallel plan; the layout is every language
+                    model's (parallel/lm_layout.py), the workload too (models/language/workload.py)
+    config.py       its run config and rules; presets/ the YAML presets
+
+Added to meshtrain by this folder and one line in registry.BUILT_IN: the proof that a model needs nothing else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import MappingProxyType
+
+from meshtrain.models.llama.config import LlamaRunConfig, ffn_hidden, validate
+from meshtrain.registry import ModelShape, ModelSpec
+
+_KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "kv_heads": "model.n_kv_head",
+                          "mlp_hidden": "model.ffn_hidden", "tokens": "model.block_size",
+                          "batch_size": "model.batch_size", "dropout": "model.dropout"})
+
+
+def _shape(cfg: LlamaRunConfig) -> ModelShape:
+    m = cfg.model
+    return ModelShape(layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head, mlp_hidden=ffn_hidden(m),
+                      tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS)
+
+
+def build_model(cfg: LlamaRunConfig, data_facts: dict):
+    """The decoder of a run config; the vocabulary comes from the data's meta.json (data_facts["meta"])."""
+    from meshtrain.models.llama.model import Llama, LlamaConfig
+
+    m = cfg.model
+    return Llama(LlamaConfig(block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer,
+                             n_head=m.n_head, n_kv_head=m.n_kv_head, n_embd=m.n_embd, ffn_hidden=ffn_hidden(m),
+                             rope_theta=m.rope_theta, dropout=m.dropout))
+
+
+def _workload(cfg, info, dims):
+    from meshtrain.models.language.workload import LanguageModelWorkload
+    from meshtrain.models.llama.parallelize import build_llama_layout
+
+    return LanguageModelWorkload(cfg, info, dims, build_model=build_model, build_layout=build_llama_layout)
+
+
+SPEC = ModelSpec(
+    name="llama",
+    summary="a Llama-style decoder on text (GPT-2 BPE Shakespeare by default)",
+    run_config=LlamaRunConfig,
+    presets=Path(__file__).parent / "presets",
+    data_key="data.name",
+    workload=_workload,
+    shape=_shape,
+    validate=validate,
+    build_model=build_model,
+    text=True,
+)

@@ -1,0 +1,63 @@
+"""The ViT weather forecaster (NERSC's dl-at-scale-training model): ERA5 fields at t in, fields at t + dt out.
+
+    model.py        the vision transformer (no distributed code), patchify / unpatchify, losses
+    parallelize.py  its layout: tensor/sequence parallel -> context parallel over token bands -> AC -> ddp/fsdp
+    workload.py     ERA5 batches by epoch, validation loss and skill, a forecast plot after each evaluation
+    metrics.py      RMSE in physical units, latitude-weighted RMSE;  plot.py  the forecast figure
+    config.py       its run config and rules; presets/ the YAML presets (NERSC's short, base, bs64_opt, ...)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import MappingProxyType
+
+from meshtrain.models.vit.config import ViTRunConfig, validate
+from meshtrain.registry import ModelShape, ModelSpec
+
+
+def _workload(cfg, info, dims):
+    from meshtrain.models.vit.workload import ViTWorkload
+
+    return ViTWorkload(cfg, info, dims)
+
+
+_KEYS = MappingProxyType({"layers": "model.depth", "heads": "model.num_heads", "kv_heads": "model.num_heads",
+                          "mlp_hidden": "model.embed_dim × mlp_ratio", "tokens": "the patch grid (data.crop / model.patch_size)",
+                          "batch_size": "data.batch_size", "dropout": "model.dropout"})
+
+
+def _shape(cfg: ViTRunConfig) -> ModelShape:
+    m, crop = cfg.model, cfg.data.crop
+    tokens = (crop[0] // m.patch_size) * (crop[1] // m.patch_size) if crop else None  # else the data's grid decides
+    return ModelShape(layers=m.depth, heads=m.num_heads, kv_heads=m.num_heads, mlp_hidden=int(m.embed_dim * m.mlp_ratio),
+                      tokens=tokens, causal=False, batch_size=cfg.data.batch_size, dropout=m.dropout,
+                      parallelisms=frozenset({"tp", "cp"}), keys=_KEYS)
+
+
+def build_model(cfg: ViTRunConfig, data_facts: dict):
+    """The ViT of a run config; the grid and channels come from the data (data_facts["img_size"], ["channels"])."""
+    from meshtrain.models.vit.model import ViT, ViTConfig
+
+    m, channels = cfg.model, data_facts["channels"]
+    return ViT(ViTConfig(img_size=tuple(data_facts["img_size"]), patch_size=m.patch_size, in_channels=channels,
+                         out_channels=channels, embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads,
+                         mlp_ratio=m.mlp_ratio, dropout=m.dropout, drop_path=m.drop_path, loss=m.loss))
+
+
+SPEC = ModelSpec(
+    name="vit",
+    summary="NERSC's ViT weather forecaster on ERA5-format fields",
+    run_config=ViTRunConfig,
+    presets=Path(__file__).parent / "presets",
+    data_key="data.root",
+    workload=_workload,
+    shape=_shape,
+    validate=validate,
+    build_model=build_model,
+    legend=MappingProxyType({
+        "val_rmse_u10": "RMSE of the u10 forecast in m/s, per sample over the grid, mean over the validation set",
+        "persistence_rmse_u10": "the same RMSE for the persistence forecast (forecast = input): the score to beat",
+        "val_skill_u10": "1 - val_rmse_u10 / persistence_rmse_u10 (0: no better than persistence, 1: perfect)",
+    }),
+)

@@ -1,0 +1,75 @@
+"""The ViT's run configuration: its model and ERA5 data sections and the rules that only concern it. The groups every
+model shares (optimizer, train, parallel) are meshtrain.config's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshtrain.config import ConfigError, OptimizerSection, ParallelSection, TrainSection, check_positive
+
+
+@dataclass
+class ViTModelSection:  # models/vit/model.py ViTConfig; img_size and channels come from the data
+    patch_size: int = 8
+    embed_dim: int = 384
+    depth: int = 12
+    num_heads: int = 8
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    drop_path: float = 0.0
+    loss: str = "mse"  # mse | relative_l2 (FourCastNet's; not with context parallel)
+
+
+@dataclass
+class ERA5DataSection:  # data/era5.py
+    root: str = "data/era5_synthetic"  # train/ valid/ test/ of YEAR.h5 and stats/ (NERSC's layout)
+    dt: int = 1  # forecast step, in time steps of the files
+    crop: list[int] | None = field(default_factory=lambda: [360, 720])  # top-left rows x columns; null: whole grid
+    channels: list[str] | None = None  # null: all; the first is the one RMSE is reported for (u10)
+    limit_train: int | None = None  # NERSC's short: 512
+    limit_valid: int | None = None  # NERSC's short: 128
+    batch_size: int = 16  # samples per micro-step per data-parallel rank
+    global_batch_size: int | None = None  # if set, batch_size = global / (data-parallel ranks x grad_accum)
+    loader: str = "pytorch"  # pytorch (DataLoader) | dali (NVIDIA DALI pipeline, the [dali] extra)
+    num_workers: int = 0  # loader worker processes per rank (NERSC's num_data_workers)
+    pin_memory: bool | None = None  # null: on a GPU
+    persistent_workers: bool = True
+    prefetch_factor: int = 2
+
+
+@dataclass
+class ViTRunConfig:
+    model: ViTModelSection = field(default_factory=ViTModelSection)
+    data: ERA5DataSection = field(default_factory=ERA5DataSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+
+
+def validate(cfg: ViTRunConfig) -> None:
+    """The ViT's own rules (the shared ones are config.validate's; those needing the world size, parallel/mesh.py's)."""
+    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.parallel
+    check_positive({"model.patch_size": m.patch_size, "model.embed_dim": m.embed_dim, "model.depth": m.depth,
+                     "model.num_heads": m.num_heads, "data.dt": d.dt, "data.batch_size": d.batch_size,
+                     "data.global_batch_size": d.global_batch_size, "data.limit_train": d.limit_train,
+                     "data.limit_valid": d.limit_valid, "data.prefetch_factor": d.prefetch_factor})
+    if m.embed_dim % m.num_heads:
+        raise ConfigError(f"model.embed_dim={m.embed_dim} is not divisible by model.num_heads={m.num_heads}: "
+                          "each head gets embed_dim / num_heads channels")
+    if m.loss not in ("mse", "relative_l2"):
+        raise ConfigError(f"model.loss={m.loss!r}: choose mse or relative_l2")
+    if not 0 <= m.drop_path < 1:
+        raise ConfigError(f"model.drop_path={m.drop_path}: must be in [0, 1)")
+    if d.crop is not None and (len(d.crop) != 2 or min(d.crop) < 1 or any(c % m.patch_size for c in d.crop)):
+        raise ConfigError(f"data.crop={d.crop}: give [rows, columns], both multiples of model.patch_size="
+                          f"{m.patch_size} (e.g. [360, 720] for ERA5 at 0.5 degrees, [80, 160] for the synthetic "
+                          "90x180 grid)")
+    if d.loader not in ("pytorch", "dali"):
+        raise ConfigError(f"data.loader={d.loader!r}: choose pytorch or dali")
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers={d.num_workers}: 0 reads in the training process, N > 0 in N workers")
+    if t.init_from not in ("scratch", "resume"):
+        raise ConfigError(f"train.init_from={t.init_from!r}: the ViT starts from scratch or resumes its latest run")
+    if p.cp > 1 and m.loss != "mse":
+        raise ConfigError(f"model.loss={m.loss} with parallel.cp={p.cp}: context parallel ranks each hold a part "
+                          "of every image, and the relative L2 needs whole-image norms; use model.loss=mse")

@@ -1,0 +1,110 @@
+"""The models meshtrain can train, each described by one ModelSpec; nothing outside a model's folder names it.
+
+    spec = registry.get("gpt")          # built in: gpt, vit; or an installed plugin; or "package.module:NAME"
+    spec.run_config                     # the dataclass of a whole run (model, data, optimizer, train, parallel)
+    spec.workload(cfg, info, dims)      # what the training loop drives: model, layout, batches, evaluation
+
+A model lives in one folder (models/gpt/, models/vit/, or a package of your own) holding its model (no
+distributed code), its parallelize plan, its workload, its config dataclass and presets, and its shape: the
+numbers the layout rules and a cost model need. The folder's `__init__.py` builds a ModelSpec named SPEC.
+
+A model of your own registers the same way, without editing meshtrain: either name it on the command line,
+`meshtrain train mypackage.mymodel:SPEC preset=...`, or install a package that declares the entry point
+
+    [project.entry-points."meshtrain.models"]
+    mymodel = "mypackage.mymodel:SPEC"
+
+and train it as `meshtrain train mymodel`. docs/models.md walks through one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from meshtrain.errors import MeshtrainError
+
+ENTRY_POINTS = "meshtrain.models"
+BUILT_IN = {"gpt": "meshtrain.models.gpt:SPEC", "vit": "meshtrain.models.vit:SPEC", "llama": "meshtrain.models.llama:SPEC"}
+
+
+class RegistryError(MeshtrainError, ValueError):
+    """No such model, or a plugin that does not give a ModelSpec; the message says which and what exists."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the layout rules (parallel/mesh.check_layout) and a cost model need to know of a model, read from its
+    config alone, before anything is built."""
+
+    layers: int  # transformer blocks: what a pipeline splits
+    heads: int  # attention (query) heads: what tensor parallel and Ulysses split
+    kv_heads: int  # key/value heads (fewer under grouped-query attention): tensor parallel splits them too
+    mlp_hidden: int  # the MLP's hidden width: tensor parallel splits it
+    tokens: int | None  # tokens per sample (sequence length, patches); None when only the data can tell
+    causal: bool  # causal attention: ring context parallel then cuts the sequence into 2·cp zigzag chunks
+    batch_size: int  # samples per data-parallel rank and micro-step, as configured (a pipeline splits it)
+    dropout: float  # ring attention has no attention dropout
+    parallelisms: frozenset[str] = frozenset({"tp", "cp", "pp", "deepspeed"})  # which this model's plan supports
+    keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> config key, for messages
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # `meshtrain train NAME`; runs go to outputs/runs/NAME/<backend>/
+    summary: str  # one line for --help
+    run_config: type  # a dataclass with model, data, optimizer, train and parallel sections
+    presets: Path  # the folder of preset=NAME YAML files
+    data_key: str  # what `data=VALUE` sets, e.g. "data.name"
+    workload: Callable  # (cfg, info, dims) -> the workload the trainer drives (see train/trainer.py)
+    shape: Callable  # (cfg) -> ModelShape
+    validate: Callable | None = None  # (cfg) -> None: the model's own rules; raises config.ConfigError
+    build_model: Callable | None = None  # (cfg, data_facts) -> nn.Module, for export and sample on one process
+    legend: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # its metrics' meanings
+    text: bool = False  # a language model: `meshtrain sample` can generate from it
+    source: str = ""  # where it was found (set by get)
+
+
+_loaded: dict[str, ModelSpec] = {}
+
+
+def names() -> list[str]:
+    """Every model that `get` finds by name: the built-in ones, then installed plugins."""
+    return [*BUILT_IN, *sorted(set(_entry_points()) - set(BUILT_IN))]
+
+
+def get(name: str) -> ModelSpec:
+    """The spec of a model: a built-in or installed name, or a "package.module:ATTRIBUTE" path."""
+    if name in _loaded:
+        return _loaded[name]
+    target = BUILT_IN.get(name) or _entry_points().get(name) or (name if ":" in name else None)
+    if target is None:
+        raise RegistryError(f"unknown model {name!r}: choose one of {', '.join(names())}, or give your own as "
+                            "package.module:SPEC (see docs/models.md)")
+    module_name, _, attribute = target.partition(":")
+    try:
+        spec = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as e:
+        raise RegistryError(f"model {name!r}: cannot load {target}: {e}") from None
+    if not isinstance(spec, ModelSpec):
+        raise RegistryError(f"model {name!r}: {target} is a {type(spec).__name__}, not a meshtrain.registry.ModelSpec")
+    _loaded[name] = _loaded[spec.name] = spec
+    object.__setattr__(spec, "source", target)
+    return spec
+
+
+def spec_of(cfg) -> ModelSpec:
+    """The spec whose run config `cfg` is: one loaded already, else a built-in or installed one."""
+    for spec in (*_loaded.values(), *(get(name) for name in names())):
+        if type(cfg) is spec.run_config:
+            return spec
+    raise RegistryError(f"a {type(cfg).__name__} is no registered model's run config")
+
+
+def _entry_points() -> dict[str, str]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINTS)}

@@ -1,0 +1,388 @@
+"""The trainer: one loop for every model (found through its ModelSpec) and every layout (parallel/).
+
+    result = Trainer(cfg, info).run()
+
+Set-up: the precision, the run directory, the model's workload, the model on the run's one mesh (its layout), the
+optimizer and, when resuming, everything the checkpoint holds. Per iteration (`step`): `grad_accum` micro-steps
+(only the last synchronises gradients), clip, step, log. Every `eval_interval` (with train.max_epochs: every epoch,
+`evaluate`): the workload's evaluation, reduced over the ranks, a summary of the interval since the previous one
+(time, samples/s, mean training loss, evaluation time, memory high watermark), what the workload shows (a text
+sample, a forecast plot) and a distributed checkpoint (`save`). A checkpoint holds everything a bit-exact resume
+needs: model, optimizer, scaler, iteration, and every rank's RNG and data-stream states; it loads into any other
+layout too (then the data and RNG streams restart from the seed).
+
+The workload supplies the model, its layout, the batch stream, the evaluation and what follows it; the trainer
+never asks which model it drives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from meshtrain import config as config_mod
+from meshtrain import machine
+from meshtrain.errors import MeshtrainError
+from meshtrain.parallel.data_parallel import bytes_held
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.runtime.device import synchronize
+from meshtrain.runtime.log import get_logger, print_rich
+from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
+from meshtrain.train import checkpoint, metrics, profiling
+from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
+from meshtrain.train.sinks import build_sinks, progress_bar
+
+log = get_logger("train")
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+RANGES = {"dtf": "forward", "dtb": "backward", "dtfb": "forward_backward"}  # timer section -> profiler range
+
+
+class TrainingDiverged(MeshtrainError, RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is left as it was."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    iterations: int
+    train_loss: float = math.nan
+    val_loss: float = math.nan
+    samples: list[str] = field(default_factory=list)  # a language model's text samples
+
+
+def train(cfg, info: DistInfo) -> TrainResult:
+    return Trainer(cfg, info).run()
+
+
+class Trainer:
+    def __init__(self, cfg, info: DistInfo):
+        self.info, self.device = info, info.torch_device
+        self.spec = config_mod.workload_spec(cfg)
+        # Every rule that needs the world size, before any collective: all ranks fail alike, at once.
+        self.dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
+        self.cfg = self._resolve_precision(cfg)
+        self.resumed, self.checkpoint_dir = None, None
+        self.run_dir = self._open_run_dir()
+        self._build()
+        self.start_iter = self._resume() if self.resumed else 0
+        self._start_reporting()
+
+    # ---- set-up ------------------------------------------------------------------------------------------------
+    def _resolve_precision(self, cfg):
+        t, device = cfg.train, self.device
+        if t.dtype == "fp16" and device.type != "cuda":
+            raise config_mod.ConfigError(f"train.dtype=fp16 needs a GPU (GradScaler); this rank runs on {device}: "
+                                         "use train.dtype=auto (or bf16, fp32)")
+        profiling.cuda_graphs_check(t.cuda_graphs, device)
+        # Rank 0 chooses for all: nodes of different kinds must still compute in one dtype.
+        self.precision = machine.choose(t.dtype, device) if self.info.is_main else None
+        dtype = broadcast_object(self.precision and self.precision.dtype, "broadcast of the training dtype",
+                                 self.info.timeout_s)
+        return replace(cfg, train=replace(t, dtype=dtype))
+
+    def _open_run_dir(self) -> Path:
+        """The run to resume (its saved architecture replaces cfg.model), or a new run directory."""
+        t, name, info = self.cfg.train, self.spec.name, self.info
+        if t.init_from == "resume":
+            run_dir = Path(t.run_dir) if t.run_dir else checkpoint.latest_run(t.out_dir, name, t.backend)
+            self.checkpoint_dir = checkpoint.latest_checkpoint(run_dir)
+            self.resumed = checkpoint.load_trainer_state(self.checkpoint_dir)
+            self.cfg = replace(self.cfg, model=config_mod.from_dict(self.resumed["config"], name).model)
+            return run_dir
+        run_dir = None
+        if info.is_main:
+            run_dir = checkpoint.new_run_dir(t.out_dir, name, t.backend)
+            checkpoint.record_run(t.out_dir, name, t.backend, run_dir)
+        return Path(broadcast_object(str(run_dir) if run_dir else None, "broadcast of the run directory",
+                                     info.timeout_s))
+
+    def _build(self) -> None:
+        """The workload, the model on the run's one mesh, the optimizer, the scaler and the checkpointer."""
+        info, dims, device = self.info, self.dims, self.device
+        self.workload = self.spec.workload(self.cfg, info, dims)
+        self.cfg = cfg = self.workload.cfg  # with what the data decided (the ViT's local batch from a global one)
+        t, o = cfg.train, cfg.optimizer
+        torch.manual_seed(t.seed)  # the same initial weights on every rank
+        model = self.workload.build_model().to(device)
+        self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
+        self.batches = self.workload.batches
+        self.autocast = (torch.autocast(device_type=device.type, dtype=AUTOCAST[t.dtype]) if AUTOCAST[t.dtype]
+                         else nullcontext())
+        mesh = dims.build_mesh(device.type) if dims.world_size > 1 else None  # the one mesh of the run
+        self.layout = self.workload.build_layout(model, mesh)
+        self.model = self.layout.model  # this rank's share of the model
+        # Dropout masks differ where the data does (dp and cp ranks); tp ranks must draw the same masks on the stream
+        # they all hold, and pp ranks hold different layers anyway.
+        torch.manual_seed(t.seed + dims.dp_rank(info.rank) * dims.cp + dims.coords(info.rank)["cp"])
+        self.samples_per_iter = self.workload.batch_size * t.grad_accum * dims.dp_size
+        self.lr, self.min_lr, self.lr_factor = scaled_learning_rates(cfg, self.samples_per_iter)
+        fused = {} if o.fused is None else {"fused": o.fused}
+        groups = self.model.configure_optimizer_groups(o.weight_decay)
+        self.optimizer = self.layout.attach_optimizer(build_optimizer(
+            groups, device, t.backend, info.world_size, lr=self.lr, betas=(o.beta1, o.beta2), **fused))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
+        self.checkpointer = checkpoint.Checkpointer(self.run_dir, is_main=info.is_main, keep=t.keep_checkpoints,
+                                                    async_save=t.async_checkpoint)
+
+    def _resume(self) -> int:
+        """Load the checkpoint into this layout; returns the iteration it was written at."""
+        resumed, dims = self.resumed, self.dims
+        with collective(f"loading the checkpoint {self.checkpoint_dir}", self.info.timeout_s):
+            self.layout.load_checkpoint(self.checkpoint_dir, self.optimizer)
+        self.scaler.load_state_dict(resumed["scaler"])
+        # A rank's data and RNG streams belong to its place in the layout (its dp and cp rank): carry them over
+        # only into the same layout. In another, the ranks of one replica would read different batches.
+        if resumed.get("layout") == _describe(dims):
+            _restore_rank_state(resumed["ranks"][self.info.rank], self.batches, self.device)
+        else:
+            log.warning("checkpoint was written under %s, this run is %s: data and RNG streams restart from the "
+                        "seed (the model and optimizer state carry over exactly; the run is not bit-exact)",
+                        resumed.get("layout"), _describe(dims))
+        return resumed["iteration"]
+
+    def _start_reporting(self) -> None:
+        """The schedule in iterations, the timers, the profiler, the MFU meter (rank 0), the sinks and the header."""
+        cfg, info, device = self.cfg, self.info, self.device
+        t = cfg.train
+        self.epochs = self.workload.iters_per_epoch if t.max_epochs else None  # iterations per epoch, if counted
+        self.max_iters = t.max_epochs * self.epochs if self.epochs else t.max_iters
+        self.eval_interval = self.epochs or t.eval_interval
+        self.decay_iters = cfg.optimizer.lr_decay_iters or self.max_iters
+        self.timer = metrics.StepTimer(device)
+        self.profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
+                                               out_dir=self.run_dir / "profile", rank=info.rank, device=device)
+        if info.is_main:  # MFU is rank 0's figure: only it needs the peak (and only it measures one)
+            peak = self.peak = machine.peak_flops(device, AUTOCAST[t.dtype] or torch.float32, t.peak_flops)
+            self.mfu_meter = metrics.MFUMeter(self.flops_per_token, peak, remeasure=(
+                lambda: machine.measured_peak(device, peak.label, again=True)) if peak.kind == "measured" else None)
+        self.sinks = build_sinks(self.run_dir, info.is_main, tensorboard=t.tensorboard,
+                                 wandb=False if t.wandb == "off" else t.wandb, config=config_mod.to_dict(cfg),
+                                 resume_step=self.start_iter if self.resumed else None)
+        if info.is_main:
+            self._log_header()
+
+    def _log_header(self) -> None:
+        cfg, dims, workload = self.cfg, self.dims, self.workload
+        t, o = cfg.train, cfg.optimizer
+        (self.run_dir / "config.yaml").write_text(config_mod.to_yaml(cfg))
+        log.info("resolved config:\n%s", config_mod.to_yaml(cfg).rstrip())
+        log.info("run directory: %s%s", self.run_dir,
+                 f" (resuming at iteration {self.start_iter})" if self.resumed else "")
+        log.info("precision: %s (%s)", t.dtype, self.precision.reason)
+        if self.precision.warning:
+            log.warning("%s", self.precision.warning)
+        log.info("model: %.2fM parameters, %.3g FLOPs per token; peak %.4g TFLOP/s per device (%s)",
+                 self.num_params / 1e6, self.flops_per_token, self.peak.flops / 1e12, self.peak.source)
+        log.info("layout: %s over %d rank(s) (%s); %s; %d data-parallel rank(s) × accumulation %d: global batch %d "
+                 "samples (%d tokens) per iteration", t.backend, self.info.world_size, _describe(dims),
+                 workload.describe(), dims.dp_size, t.grad_accum, self.samples_per_iter,
+                 self.samples_per_iter * workload.tokens_per_sample)
+        if o.base_batch_size:
+            log.info("learning rate: %.4g = optimizer.lr %.4g × sqrt(global batch %d / base batch %d) = × %.4f",
+                     self.lr, o.lr, self.samples_per_iter, o.base_batch_size, self.lr_factor)
+        if self.epochs:
+            log.info("%d epochs of %d iterations: %d iterations, evaluating after each epoch", t.max_epochs,
+                     self.epochs, self.max_iters)
+        print_rich(metrics.legend_table(extra=self.spec.legend))
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        t = self.cfg.train
+        self.result = result = TrainResult(run_dir=self.run_dir, iterations=self.start_iter)
+        started = time.perf_counter()
+        self.interval = _Interval(self.device)
+        it = self.start_iter
+        with progress_bar(self.max_iters - it, "train", is_main=self.info.is_main) as bar, \
+                contextlib.closing(self.profiler):
+            while True:
+                stop = it >= self.max_iters or _out_of_time(started, t.max_minutes, self.info)
+                if it % self.eval_interval == 0 or stop:
+                    if not (self.resumed and it == self.start_iter):  # done before that checkpoint was written
+                        self.evaluate(it)
+                    self.interval.restart()
+                if stop:
+                    break
+                self.step(it)
+                it += 1
+                result.iterations = it
+                bar.update()
+        self.checkpointer.wait()
+        self.batches.close()  # loader workers
+        self.sinks.close()
+        return result
+
+    def step(self, it: int) -> None:
+        """Iteration `it`: its micro-steps, the optimizer step, and its log line if it is a logged one."""
+        t, o, device, layout = self.cfg.train, self.cfg.optimizer, self.device, self.layout
+        # Synchronising the device stalls its queue: a GPU step of a few ms then waits on the CPU's launches.
+        # Only the iterations whose times are logged (or profiled) pay for exact section times.
+        self.profiler.step(it)
+        self.timer.sync = (it + 1) % t.log_interval == 0 or self.profiler.active
+        lr_now = learning_rate(it, self.lr, self.min_lr, o.warmup_iters, self.decay_iters, o.decay_lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_now
+        loss_sum = torch.zeros((), device=device)
+        with self.timer("dt"):
+            for micro in range(t.grad_accum):
+                x, y = self.batches.next_batch()
+                with collective("forward and backward (gradient reduction)", self.info.timeout_s):
+                    loss_sum += layout.train_micro_step(x, y, accum=t.grad_accum, sync=micro == t.grad_accum - 1,
+                                                        autocast=self.autocast, scaler=self.scaler,
+                                                        timer=self._ranged)
+            with collective("the gradient all-reduce of the tied embedding across stages", self.info.timeout_s):
+                layout.finish_backward()
+            with profiling.record("optimizer", device):
+                grad_norm = layout.optimizer_step(self.optimizer, self.scaler, o.grad_clip)
+            if it == self.start_iter:
+                self._log_bytes_held()
+            self.optimizer.zero_grad(set_to_none=True)
+        times = self.timer.pop()
+        self.interval.add(loss_sum)
+        if (it + 1) % t.log_interval == 0:
+            self._log_step(it + 1, loss_sum, times, grad_norm, lr_now)
+
+    def _log_step(self, it: int, loss_sum: torch.Tensor, times: dict, grad_norm, lr_now: float) -> None:
+        t, info = self.cfg.train, self.info
+        loss_value = self._mean_loss(loss_sum, "all_reduce of the training loss for logging")
+        _check_finite({"loss": loss_value}, it, self.run_dir)
+        rates = metrics.throughput(self.workload.batch_size, t.grad_accum, self.dims.dp_size, info.world_size,
+                                   self.workload.tokens_per_sample, times["dt"])
+        mfu, impossible = self.mfu_meter(rates["tps_per_gpu"]) if info.is_main else (None, None)
+        row = {"loss": loss_value, **times, **rates, "mfu": mfu, "lr": lr_now,
+               "mem_gb": metrics.peak_memory_bytes(self.device) / 2**30}
+        if grad_norm is not None:
+            row["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        self.sinks.log(it, row)
+        if impossible:
+            log.warning("%s", impossible)
+
+    def evaluate(self, it: int) -> None:
+        """The interval's summary and the workload's evaluation, logged; what the workload shows; a checkpoint."""
+        t = self.cfg.train
+        row = self.interval.summary(self._mean_loss, self.samples_per_iter, self.info)
+        self.model.eval()
+        started = time.perf_counter()
+        row |= self.workload.evaluate(self.layout, self.autocast, it)
+        row["eval_s"] = time.perf_counter() - started
+        self.model.train()
+        if self.epochs:
+            row["epoch"] = it / self.epochs
+        _check_finite(row, it, self.run_dir)
+        self.result.train_loss = row.get("train_loss", row.get("avg_loss", math.nan))
+        self.result.val_loss = row.get("val_loss", math.nan)
+        self.sinks.log(it, row)
+        self.workload.after_eval(it, self.layout, self.autocast, self.sinks, self.result)
+        if t.save_checkpoints and it > self.start_iter:
+            self.save(it, row)
+
+    def save(self, it: int, row: dict[str, float]) -> None:
+        """A distributed checkpoint of iteration `it`, with every rank's RNG and data states (collective)."""
+        info = self.info
+        ranks = gather_objects(_rank_state(self.batches, self.device), "all_gather_object of RNG and data states for "
+                               "the checkpoint", info.timeout_s)
+        trainer_state = {"scaler": self.scaler.state_dict(), "iteration": it, "config": config_mod.to_dict(self.cfg),
+                         "workload": self.spec.name, "spec": self.spec.source,
+                         "data_facts": self.workload.data_facts(), "ranks": ranks, "layout": _describe(self.dims),
+                         **row}
+        with collective("saving the distributed checkpoint", info.timeout_s):
+            path = self.layout.save_checkpoint(self.checkpointer, it, self.optimizer, trainer_state)
+        log.info("checkpoint: %s (iteration %d)%s", path, it,
+                 " writing in the background" if self.cfg.train.async_checkpoint else "")
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+    def _mean_loss(self, value: torch.Tensor, what: str) -> float:
+        """The mean over the ranks that hold a loss (under pp, those with the last stage; the others add 0)."""
+        return reduce_scalar(value, "sum", what, self.info.timeout_s) / self.layout.loss_ranks
+
+    def _ranged(self, section: str):
+        """A timer section that is also a profiler range (torch trace, NVTX under nsys)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.timer(section))
+        stack.enter_context(profiling.record(RANGES.get(section, section), self.device))
+        return stack
+
+    def _log_bytes_held(self) -> None:
+        info = self.info
+        held = gather_objects(bytes_held(self.model, self.optimizer), "all_gather_object of per-rank memory",
+                              info.timeout_s)
+        if info.is_main:
+            rows = [f"rank {r:>3}: params {_mib(h['params'])}, grads {_mib(h['grads'])}, optimizer "
+                    f"{_mib(h['optimizer'])}" for r, h in enumerate(held)]
+            log.info("what each rank holds after its first step (%s):\n%s", self.cfg.train.backend, "\n".join(rows))
+
+
+class _Interval:
+    """What happened since the previous evaluation (an epoch, when counting epochs): training time (wall time
+    between two synchronised ends, so unsynchronised iterations count in full), iterations, the sum of their
+    losses, and the memory high watermark."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.restart()
+
+    def restart(self) -> None:
+        self.iterations = 0
+        self.loss_sum = torch.zeros((), device=self.device)
+        metrics.reset_peak_memory(self.device)
+        synchronize(self.device)
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss
+        self.iterations += 1
+
+    def summary(self, mean_loss, samples_per_iter: int, info: DistInfo) -> dict[str, float]:
+        if not self.iterations:
+            return {}
+        synchronize(self.device)
+        seconds = time.perf_counter() - self.started
+        peak = reduce_scalar(metrics.peak_memory_bytes(self.device), "max", "all_reduce of the memory high "
+                             "watermark", info.timeout_s, self.device)
+        return {"avg_loss": mean_loss(self.loss_sum / self.iterations, "all_reduce of the interval's training loss"),
+                "train_s": seconds, "avg_sps": samples_per_iter * self.iterations / seconds,
+                "peak_gb": peak / 2**30}
+
+
+def _check_finite(row: dict[str, float], it: int, run_dir: Path) -> None:
+    bad = {k: v for k, v in row.items() if k.endswith("loss") and not math.isfinite(v)}
+    if bad:
+        what = f"training loss is {bad['loss']}" if "loss" in bad else f"evaluation gave {bad}"
+        raise TrainingDiverged(f"{what} at iteration {it}: the model diverged. The last good checkpoint in {run_dir} "
+                               "is left as it was; lower optimizer.lr or raise optimizer.warmup_iters and resume "
+                               "from it")
+
+
+def _rank_state(batches, device: torch.device) -> dict:
+    state = {"torch_rng": torch.get_rng_state(), "data": batches.state_dict()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _restore_rank_state(state: dict, batches, device: torch.device) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
+    batches.load_state_dict(state["data"])
+
+
+def _describe(dims: ParallelDims) -> str:
+    return " × ".join(f"{d}={getattr(dims, d)}" for d in dims.mesh_dims) + f", order {dims.order}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _out_of_time(started: float, max_minutes: float | None, info: DistInfo) -> bool:
+    """Every rank must stop at the same iteration, so the slowest clock decides for all."""
+    if max_minutes is None:
+        return False
+    over = float(time.perf_counter() - started > max_minutes * 60)
+    return reduce_scalar(over, "max", "all_reduce of the time-budget flag", info.timeout_s, info.torch_device) > 0
