@@ -1,6 +1,6 @@
 """The models meshtrain can train, each described by one ModelSpec; nothing outside a model's folder names it.
 
-    spec = registry.get("gpt")          # built in: gpt, vit; or an installed plugin; or "package.module:NAME"
+    spec = registry.get("gpt")          # built in: gpt, vit, llama; or an installed plugin; or "package.module:NAME"
     spec.run_config                     # the dataclass of a whole run (model, data, optimizer, train, parallel)
     spec.workload(cfg, info, dims)      # what the training loop drives: model, layout, batches, evaluation
 
@@ -48,6 +48,9 @@ class ModelShape:
     causal: bool  # causal attention: ring context parallel then cuts the sequence into 2·cp zigzag chunks
     batch_size: int  # samples per data-parallel rank and micro-step, as configured (a pipeline splits it)
     dropout: float  # ring attention has no attention dropout
+    # Elements one block saves for its backward, per token: fp32 eager, without dropout or activation checkpointing
+    # (tested against what autograd keeps); a cost model scales it by tokens, dtype and the layout's sharding.
+    activations_per_token: int | None = None
     parallelisms: frozenset[str] = frozenset({"tp", "cp", "pp", "deepspeed"})  # which this model's plan supports
     keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> config key, for messages
 

@@ -58,3 +58,36 @@ def test_bad_model_names_are_one_clear_error(own_model, name, message):
         registry.get(name)
     with pytest.raises(ConfigError, match=message):  # the same, as the config error `train` prints
         load_config([], name)
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("gpt", ["preset=cpu", "model.n_head=4", "model.n_embd=64", "model.block_size=32"]),
+    ("gpt", ["preset=cpu", "model.n_head=2", "model.n_embd=96", "model.block_size=16"]),
+    ("llama", ["preset=cpu", "model.n_kv_head=1", "model.ffn_hidden=160", "model.block_size=32"]),
+    ("llama", ["preset=cpu", "model.n_head=8", "model.n_kv_head=4", "model.n_embd=256", "model.block_size=16"]),
+    ("vit", ["preset=tiny", "model.mlp_ratio=2.0", "data.crop=[32,64]"]),
+])
+def test_activations_per_token_is_what_autograd_saves(name, overrides):
+    """The shape's activation count against the bytes autograd keeps for one block's backward (fp32, parameters
+    not counted, each storage once)."""
+    import torch
+
+    spec = registry.get(name)
+    cfg = load_config(overrides, name)
+    facts = {"meta": {"vocab_size": 65}, "img_size": [32, 64], "channels": 3}
+    torch.manual_seed(0)
+    model = spec.build_model(cfg, facts)
+    blocks = model.blocks if name == "vit" else model.transformer.h
+    block, tokens = blocks["0"], spec.shape(cfg).tokens
+    kwargs = model.block_kwargs(torch.arange(tokens)) if hasattr(model, "block_kwargs") else {}
+    x = torch.randn(2, tokens, next(block.parameters()).shape[-1], requires_grad=True)
+    params, saved = {p.untyped_storage().data_ptr() for p in block.parameters()}, {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        block(x, **kwargs)
+    assert sum(saved.values()) / 4 / (2 * tokens) == spec.shape(cfg).activations_per_token

@@ -128,6 +128,14 @@ class DropPath(nn.Module):
         return f"p={self.p}"
 
 
+def block_activations(width: int, heads: int, hidden: int) -> int:
+    """Elements a Block saves for its backward per token (fp32, no dropout or drop path, no activation
+    checkpointing), as autograd's saved-tensor hooks count them (tests/unit/test_registry.py): 8 × width for the
+    norms, projections and attention, 2 × hidden for the MLP's activations before and after its nonlinearity, a
+    log-sum-exp per head and the two norms' statistics (4)."""
+    return 8 * width + 2 * hidden + heads + 4
+
+
 class Block(nn.Module):
     """Pre-LN residual block: x + attn(ln(x)), then x + mlp(ln(x)), each branch under stochastic depth."""
 

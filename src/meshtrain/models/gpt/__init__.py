@@ -13,6 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from meshtrain.models.gpt.config import GPTRunConfig, validate
+from meshtrain.models.transformer import block_activations
 from meshtrain.registry import ModelShape, ModelSpec
 
 
@@ -31,7 +32,8 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 def _shape(cfg: GPTRunConfig) -> ModelShape:
     m = cfg.model
     return ModelShape(layers=m.n_layer, heads=m.n_head, kv_heads=m.n_head, mlp_hidden=4 * m.n_embd,
-                      tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS)
+                      tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS,
+                      activations_per_token=block_activations(m.n_embd, m.n_head, 4 * m.n_embd))
 
 
 def build_model(cfg: GPTRunConfig, data_facts: dict):

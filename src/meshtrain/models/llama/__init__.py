@@ -21,10 +21,16 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
                           "batch_size": "model.batch_size", "dropout": "model.dropout"})
 
 
+# Elements a block saves for its backward per token (fp32, no dropout), as autograd's saved-tensor hooks count them
+# (tests/unit/test_registry.py): 11 × width for the norms, projections, rotations and attention, 4 × ffn_hidden for
+# the SwiGLU's gate, up, silu and product, a log-sum-exp per head, half a head of rotary table, two rstds.
+
+
 def _shape(cfg: LlamaRunConfig) -> ModelShape:
     m = cfg.model
     return ModelShape(layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head, mlp_hidden=ffn_hidden(m),
-                      tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS)
+                      tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS,
+                      activations_per_token=11 * m.n_embd + 4 * ffn_hidden(m) + m.n_head + m.n_embd // m.n_head // 2 + 2)
 
 
 def build_model(cfg: LlamaRunConfig, data_facts: dict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import MappingProxyType
 
+from meshtrain.models.transformer import block_activations
 from meshtrain.models.vit.config import ViTRunConfig, validate
 from meshtrain.registry import ModelShape, ModelSpec
 
@@ -30,9 +31,11 @@ _KEYS = MappingProxyType({"layers": "model.depth", "heads": "model.num_heads", "
 def _shape(cfg: ViTRunConfig) -> ModelShape:
     m, crop = cfg.model, cfg.data.crop
     tokens = (crop[0] // m.patch_size) * (crop[1] // m.patch_size) if crop else None  # else the data's grid decides
-    return ModelShape(layers=m.depth, heads=m.num_heads, kv_heads=m.num_heads, mlp_hidden=int(m.embed_dim * m.mlp_ratio),
+    hidden = int(m.embed_dim * m.mlp_ratio)
+    return ModelShape(layers=m.depth, heads=m.num_heads, kv_heads=m.num_heads, mlp_hidden=hidden,
                       tokens=tokens, causal=False, batch_size=cfg.data.batch_size, dropout=m.dropout,
-                      parallelisms=frozenset({"tp", "cp"}), keys=_KEYS)
+                      parallelisms=frozenset({"tp", "cp"}), keys=_KEYS,
+                      activations_per_token=block_activations(m.embed_dim, m.num_heads, hidden))
 
 
 def build_model(cfg: ViTRunConfig, data_facts: dict):
