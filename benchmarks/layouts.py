@@ -26,18 +26,15 @@ ranks differ only under pp, where the table shows the largest stage):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from train_runs import torchrun_argv
 
 from meshtrain.models.gpt.config import GPTRunConfig
 from meshtrain.models.gpt.model import GPT, GPTConfig
@@ -46,6 +43,7 @@ from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import MeshError, ParallelDims
 from meshtrain.runtime import distributed
 from meshtrain.runtime.device import synchronize
+from meshtrain.runtime.results import record, run_ranks
 from meshtrain.train import metrics
 from meshtrain.train.optim import build_optimizer
 
@@ -162,7 +160,7 @@ def main() -> None:
         rows = [row for case in layouts if (row := bench(case, args, info)) is not None]
         if info.is_main:
             for row in rows:
-                print("ROW " + json.dumps(row), flush=True)
+                record(row["layout"], **row)  # for launch_each, when it started this job
             print_table(rows, args, f"{info.world_size} ranks on {info.torch_device} ({info.backend})")
 
 
@@ -172,11 +170,10 @@ def launch_each(args, argv: list[str]) -> None:
     passed = [a for a in argv if not a.startswith("--layouts") and a not in layouts]
     rows = []
     for case in layouts:
-        cmd = torchrun_argv(args.ranks, __file__, *passed, "--layouts", case)
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        found = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
-        if out.returncode or not found:
-            print(f"{case}: failed (exit {out.returncode})\n{out.stderr[-2000:]}", file=sys.stderr)
+        job = run_ranks(__file__, args.ranks, *passed, "--layouts", case, timeout=3600)
+        found = list(job.results.get(0, {}).values())
+        if job.returncode or not found:
+            print(f"{case}: failed (exit {job.returncode})\n{job.output[-2000:]}", file=sys.stderr)
             continue
         rows += found
         print(f"{case}: {found[0]['tok/s']:,.0f} tok/s", file=sys.stderr, flush=True)

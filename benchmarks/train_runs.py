@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtrain.runtime.results import torchrun_argv
+
 
 @dataclass
 class TrainRun:
@@ -31,11 +33,6 @@ class TrainRun:
     def dtype(self) -> str:
         return next(line.split(":")[1].strip() for line in self.config.splitlines()
                     if line.strip().startswith("dtype:"))
-
-
-def torchrun_argv(ranks: int, *args: str) -> list[str]:
-    """`torchrun --standalone --nproc-per-node RANKS ARGS` with this interpreter (what every benchmark launches)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
 
 
 def run_train(workload: str, ranks: int, overrides: list[str], timeout: float = 3600) -> TrainRun:

@@ -5,16 +5,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.driver_results import ENV as RESULTS_ENV
-from tests.distributed.driver_results import read_results
+from meshtrain.runtime.results import run_ranks, torchrun_argv
 
 REPO = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[\d;]*m")
@@ -43,9 +40,7 @@ def prepare_data(root: Path, name: str = "shakespeare_char", env: dict[str, str]
     return root
 
 
-def torchrun_cmd(nproc: int, *args: str) -> list[str]:
-    """`torchrun --standalone --nproc-per-node nproc ARGS` as an argv (this interpreter's torch.distributed.run)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+torchrun_cmd = torchrun_argv  # `torchrun --standalone --nproc-per-node N ARGS` with this interpreter
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
@@ -72,30 +67,19 @@ requires_mpirun = pytest.mark.skipif(
 
 
 def run_driver(script: str | Path, ranks: int, *args: str, timeout: float = 180) -> dict[int, dict[str, dict]]:
-    """torchrun the test driver `script ARGS` on `ranks` ranks; it must exit 0. Returns what its ranks recorded
-    through tests/distributed/driver_results.py: {rank: {case: fields}}, read from a fresh folder after the job.
-
-    On a timeout the whole job (torchrun and its ranks, one process group) is killed, so no orphaned rank keeps
-    loading the box for the tests after it; either failure shows the end of the job's output."""
+    """torchrun the test driver `script ARGS` on `ranks` ranks (meshtrain.runtime.results.run_ranks); it must exit 0.
+    Returns what its ranks recorded: {rank: {case: fields}}. Either failure shows the end of the job's output."""
     __tracebackhide__ = True
-    with tempfile.TemporaryDirectory(prefix="meshtrain-results-") as folder:
-        proc = subprocess.Popen(torchrun_cmd(ranks, str(script), *args), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=clean_env(**{RESULTS_ENV: folder}), cwd=REPO,
-                                start_new_session=True)
-        try:
-            text, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            text, _ = proc.communicate()
-            pytest.fail(f"{Path(script).name} {' '.join(args)} ran past {timeout} s:\n{ANSI.sub('', text)[-4000:]}")
-        results = read_results(folder)
-    text = ANSI.sub("", text)
-    if proc.returncode != 0:
-        unequal = [f"  {case} on rank {rank}: worst={fields.get('worst')}" for rank, cases in sorted(results.items())
-                   for case, fields in cases.items() if fields.get("equal") is False]
-        pytest.fail(f"{Path(script).name} {' '.join(args)} exited {proc.returncode}\n"
-                    + "".join(f"{line}\n" for line in ["not equal:", *unequal] if unequal) + text[-4000:])
-    return results
+    job = run_ranks(script, ranks, *args, timeout=timeout, env=clean_env(), cwd=REPO)
+    if job.returncode is None:
+        pytest.fail(f"{Path(script).name} {' '.join(args)} ran past {timeout} s:\n{job.output[-4000:]}")
+    if job.returncode != 0:
+        unequal = [f"  {case} on rank {rank}: worst={fields.get('worst')}"
+                   for rank, cases in sorted(job.results.items()) for case, fields in cases.items()
+                   if fields.get("equal") is False]
+        pytest.fail(f"{Path(script).name} {' '.join(args)} exited {job.returncode}\n"
+                    + "".join(f"{line}\n" for line in ["not equal:", *unequal] if unequal) + job.output[-4000:])
+    return job.results
 
 
 class SharedLaunches:

@@ -13,7 +13,7 @@
 One launch runs several cases (starting the process group is the slow part). The mesh is meshtrain's
 ParallelDims(world_size, cp=CP).build_mesh(...); gradients are averaged by DDP over the flattened dp_cp
 group (which is the cp group when dp = 1), exactly as the training loop averages them. Every rank records
-per case (driver_results.record) its verdict and worst differences, and exits non-zero if any case differs.
+per case (meshtrain.runtime.results.record) its verdict and worst differences, and exits non-zero if any case differs.
 """
 
 import sys
@@ -21,7 +21,6 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from driver_results import record
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.models.gpt.model import GPT, GPTConfig
@@ -38,6 +37,7 @@ from meshtrain.parallel.context_parallel import (
 )
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.runtime import distributed
+from meshtrain.runtime.results import record
 
 TOL, STEPS, LOCAL_BATCH = 1e-5, 3, 2
 KERNELS = {"ulysses": ulysses_attention, "ring": ring_attention}

@@ -7,7 +7,7 @@ One launch runs several cases (starting the processes is the slow part). For eac
 global batch and a single-process reference; the parallel model sees only this rank's share, in ACCUM
 micro-steps of which only the last synchronises (the loop's apply_data_parallel + build_optimizer +
 gradient_sync). Loss, gradients and parameters are compared after each of STEPS steps; sharded ones (FSDP's
-DTensors) are gathered first. Each rank records per case (driver_results.record) its verdict, the worst
+DTensors) are gathered first. Each rank records per case (meshtrain.runtime.results.record) its verdict, the worst
 differences and the bytes of parameters, gradients and optimizer state it holds and the whole model's.
 """
 
@@ -15,12 +15,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from driver_results import full, record
 
 from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.data_parallel import apply_data_parallel, bytes_held, gradient_sync
 from meshtrain.runtime import distributed
+from meshtrain.runtime.results import full, record
 from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, TOL = 2, 3, 3, 1e-5

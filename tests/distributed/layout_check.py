@@ -7,7 +7,7 @@ CASE is `backend:key=value,...` over cfg.parallel (and `ac=full|selective`), e.g
 layout's micro-step, tied-embedding, clipping and eval methods — for STEPS steps of ACCUM micro-steps on
 the same global batches as a single-process reference, and compares loss, every gradient (gathered) and
 every parameter after each step, then the eval loss; each rank records per case its verdict and the worst
-differences (driver_results.record).
+differences (meshtrain.runtime.results.record).
 
 --save DIR: after the last case, write a distributed checkpoint of it to DIR (parallel.state_dict +
 train.checkpoint.Checkpointer). --load DIR: for each case, load DIR into the fresh layout and write the
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from driver_results import full, record
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from meshtrain.models.gpt.config import GPTRunConfig
@@ -36,6 +35,7 @@ from meshtrain.parallel.state_dict import (
     full_model_state,
 )
 from meshtrain.runtime import distributed
+from meshtrain.runtime.results import full, record
 from meshtrain.train import checkpoint
 from meshtrain.train.metrics import StepTimer
 from meshtrain.train.optim import build_optimizer

@@ -4,16 +4,16 @@
         tp=2,dp_shard=2 dp_replicate=2,dp_shard=2
 
 Each argument is one layout (comma-separated ParallelDims fields; the world size comes from the job).
-Every rank records per layout (driver_results.record) equal=True when the groups match, else the problems.
+Every rank records per layout (meshtrain.runtime.results.record) equal=True when the groups match, else the problems.
 """
 
 import sys
 
 import torch
 import torch.distributed as dist
-from driver_results import record
 
 from meshtrain.parallel.mesh import DIMS, FLATTENED, ParallelDims, submesh
+from meshtrain.runtime.results import record
 from meshtrain.runtime.setup import collective, distributed
 
 

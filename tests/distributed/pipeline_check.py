@@ -11,7 +11,7 @@ compares the loss (last stage), the clipping norm, and the gradient and value of
 by full-model name (lm_head.weight and transformer.wte.weight both against the reference's one tied
 weight); before the last step it compares eval_loss, through the schedule's eval() and through the plain
 forward pass of older torch, so the last step also checks that training still matches after an eval.
-Each rank records per case (driver_results.record) its verdict, worst differences, dp rank and how many
+Each rank records per case (meshtrain.runtime.results.record) its verdict, worst differences, dp rank and how many
 parameters it holds; with --errors, per layout ("errors@LAYOUT") the message each bad layout fails with.
 """
 
@@ -20,13 +20,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-from driver_results import full, record
 
 from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.models.gpt.parallelize import SPLIT
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.pipeline import SINGLE_STAGE, PipelineError, build_pipeline
 from meshtrain.runtime import distributed
+from meshtrain.runtime.results import full, record
 
 ACCUM, ROWS, MICROBATCHES, STEPS, MAX_NORM, TOL = 2, 8, 4, 2, 0.3, 1e-5
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=True)

@@ -13,7 +13,7 @@ gathered), the clipped gradient norm and the parameters are compared after each 
 logits and greedy samples of a 5-token prompt (a length tp does not divide) and an evaluation loss outside
 loss_parallel_context. The vocabulary is 65, which no tp > 1 divides. Also checked: the activations have the
 promised layout, the tie survives, each rank holds its exact share of the block matrices and embedding rows
-(recorded for the test with the verdict and worst differences, driver_results.record), a head count tp does not
+(recorded for the test with the verdict and worst differences, meshtrain.runtime.results.record), a head count tp does not
 divide is refused, and with dropout the replicated parameters stay identical across the tp group.
 """
 
@@ -22,7 +22,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from driver_results import full, record
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtrain.models.gpt.model import GPT, GPTConfig
@@ -32,6 +31,7 @@ from meshtrain.parallel.data_parallel import apply_data_parallel, gradient_sync
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.tensor_parallel import loss_parallel_context
 from meshtrain.runtime import distributed
+from meshtrain.runtime.results import full, record
 from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, VOCAB = 2, 2, 3, 65

@@ -5,7 +5,7 @@ The file is both the pytest test and, run as a script under torchrun, the driver
     python -m torch.distributed.run --nproc-per-node 4 test_era5_sharding.py DATA_DIR
 4 ranks = dp 2 x tp 2 (dp_rank = rank // 2). Each rank loads 2 epochs with one worker process, gathers
 what every rank read, and matches each sample against the whole dataset read by this process alone; it records
-(driver_results.record) whether every sample equals one process's exactly, and which samples each dp rank read.
+(meshtrain.runtime.results.record) whether every sample equals one process's exactly, and which samples each dp rank read.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ RANKS, TP, BATCH, LIMIT = 4, 2, 2, 11
 
 
 def drive(root: Path) -> None:
-    from driver_results import record
-
     from meshtrain.data.era5 import ERA5Dataset
     from meshtrain.data.era5_batches import ERA5Batches
     from meshtrain.runtime import distributed
+    from meshtrain.runtime.results import record
 
     with distributed() as info:
         dp_rank, dp_size = info.rank // TP, info.world_size // TP

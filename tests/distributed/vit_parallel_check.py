@@ -16,7 +16,7 @@ Each training case builds a single-process reference from the same seed, trains 
 0.9) on the same global batch of random [B, C, H, W] fields, and compares loss, every gradient (gathered, relative to
 max(|ref|, 1e-2)), the gradient norm and every parameter, within 1e-5. CP cases also gather the prediction of the
 whole image (gather_tokens) after training and compare it with the reference's. Every rank records per case
-(driver_results.record) its verdict and worst differences, and exits non-zero if any differs.
+(meshtrain.runtime.results.record) its verdict and worst differences, and exits non-zero if any differs.
 """
 
 import sys
@@ -24,7 +24,6 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from driver_results import full, record
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -46,6 +45,7 @@ from meshtrain.parallel.context_parallel import (
 from meshtrain.parallel.data_parallel import apply_data_parallel
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.runtime import distributed
+from meshtrain.runtime.results import full, record
 
 TOL, STEPS, LOCAL_BATCH = 1e-5, 3, 2
 CONFIG = ViTConfig(img_size=(16, 32), patch_size=4, in_channels=3, out_channels=3, embed_dim=32, depth=2,

@@ -73,7 +73,7 @@ def record(case: str, **fields) -> None:
         return
     path = Path(directory) / f"rank-{rank}.json"
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(_recorded, sort_keys=True))
+    temporary.write_text(json.dumps(_recorded))  # insertion order: a table keeps its columns
     os.replace(temporary, path)
 
 
