@@ -6,25 +6,25 @@
     pipeline.sync_tied_embedding()          # after the last step() of an accumulation, before clipping
     pipeline.clip_grad_norm_(1.0); optimizer.step()
 
-The blocks are cut into S = pp × virtual_stages contiguous stages (split_layers, which counts the embedding
-and the head as blocks of work) and each pp rank holds the stages stage_ids gives it: rank r, r + pp, ... for
-the looped schedules, r and 2·pp-1-r for the V-shaped ones. A Stage holds the model's own submodules (which ones:
-the model's StageSplit), so
-its state_dict keys are the full model's: checkpoints load by name whatever the layout. build_pipeline takes
-the model apart, keeping only this rank's stages: every rank builds the whole model from the same seed (fine
-at test sizes); a big one can be built on the meta device, then each stage to_empty()'d and loaded by name.
+The blocks are cut into S = pp × virtual_stages contiguous stages (split_layers, which counts the embedding and
+the head as blocks of work) and each pp rank holds the stages stage_ids gives it: rank r, r + pp, ... for the
+looped schedules, r and 2·pp-1-r for the V-shaped ones. A Stage holds the model's own submodules (which ones: the
+model's StageSplit), so its state_dict keys are the full model's: checkpoints load by name whatever the layout.
+build_pipeline takes the model apart, keeping only this rank's stages: every rank builds the whole model from the
+same seed (fine at test sizes); a big one can be built on the meta device, then each stage to_empty()'d and
+loaded by name.
 
 Loss scale: torch calls loss_fn once per microbatch and backpropagates each result. Our loss_fn returns the
 microbatch's summed token loss divided by the number of targets (not -1) in the whole batch, and torch's own
 division by the number of microbatches is switched off (scale_grads=False; torch 2.6 has no such division),
 so the gradients are exactly those of the whole batch's mean loss, whatever the microbatches' token counts.
 
-Tied embedding (the GPT's; StageSplit.tied): wte (first stage) and lm_head (last stage) become separate parameters
-that start equal, also
-when one rank holds both (V schedules), so that every stage module owns its parameters (two FSDP units cannot
-share one, an optimizer must not see one twice). sync_tied_embedding() makes each copy's gradient the sum of
-both (an all-reduce over {first-stage rank, last-stage rank}, Megatron's embedding group; a local add on one
-rank), which is the tied weight's gradient, so both copies take the same step and stay equal.
+Tied embedding (the GPT's; StageSplit.tied): wte (first stage) and lm_head (last stage) become separate
+parameters that start equal, also when one rank holds both (V schedules), so that every stage module owns its
+parameters (two FSDP units cannot share one, an optimizer must not see one twice). sync_tied_embedding() makes
+each copy's gradient the sum of both (an all-reduce over {first-stage rank, last-stage rank}, Megatron's
+embedding group; a local add on one rank), which is the tied weight's gradient, so both copies take the same step
+and stay equal.
 
 Data parallel composes the way torchtitan does it: fully_shard each stage module (and its blocks) in place,
 or replace pipeline.stages[i] with DDP(pipeline.stages[i]); the schedule is rebuilt around whatever `stages`
