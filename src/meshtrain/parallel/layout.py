@@ -2,8 +2,9 @@
 
 A layout holds this rank's share of a model (`model`: its parameter names are the whole model's, so optimizers
 and checkpoints need no layout knowledge) and what a forward calls (`runnable`: the model under DDP / FSDP2 /
-compile, or a DeepSpeed engine). Each model's own module builds it and adds the steps that depend on the model:
-gpt_layout.py (pipeline, sequence shards, tied embedding) and vit_layout.py (token shards). The loop calls
+compile, or a DeepSpeed engine). A subclass adds the steps that depend on the kind of model: lm_layout.py
+(pipeline, sequence shards, a tied embedding) for the decoders, models/vit/parallelize.py (token bands) for the
+ViT. The trainer calls
 
     optimizer = layout.attach_optimizer(optimizer)
     loss = layout.train_micro_step(x, y, accum=, sync=, autocast=, scaler=, timer=)   # per micro-batch

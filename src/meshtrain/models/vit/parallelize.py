@@ -4,17 +4,17 @@
     loss = layout.train_micro_step(x, y, accum=, sync=, autocast=, scaler=, timer=)
     fields = layout.predict(x, autocast)          # whole predicted fields on every rank, for metrics and plots
 
-Order of application, as for the GPT (gpt_layout.py) without a pipeline:
+Order of application, as for the decoders (parallel/lm_layout.py) without a pipeline:
     tensor (+ sequence) parallel over heads and MLP (tp)  -> context parallel over patch tokens (cp)
     -> activation checkpointing per block -> data parallel (DDP over dp×cp, FSDP2 over dp_shard×cp), compile
 
 Under context parallel every cp rank of a replica reads the same images and handles a contiguous band of
-their patch tokens (vit_parallel.shard_tokens): training takes the MSE of its band, which averages over the
+their patch tokens (shard_tokens, below): training takes the MSE of its band, which averages over the
 cp ranks to the whole image's; prediction gathers the bands back into whole fields.
 
-The ViT's own parallel parts (the model holds no distributed code).
+Below, the ViT's own parallel parts (the model holds no distributed code).
 
-Tensor parallel (`apply_vit_tensor_parallel`), the GPT's Megatron plan on DTensor:
+Tensor parallel (`apply_vit_tensor_parallel`): the shared block plan (parallel/tensor_parallel.block_plan) on DTensor,
 
     attn.q/k/v_proj  colwise: rank r computes heads [r·heads/tp, (r+1)·heads/tp), whole heads, so attention needs
                      no communication (the model reads its local head count from q_proj's width)
@@ -33,9 +33,10 @@ attn / mlp all-gather from it once per sublayer; the head runs on the local toke
 model still returns whole fields. As for the GPT: build the model with the same weights on every rank before
 applying this (distribute_tensor keeps rank 0's values), and seed dropout by data-parallel rank.
 
-Context parallel (the shared `apply_context_parallel`, here full attention; `shard_tokens`, `cp_forward_loss`): the N patch tokens of every
-image are split over the cp ranks of a replica, which all read the same batch. Everything but attention is per token,
-so only attention talks; it is swapped in as `block.attn.attend`:
+Context parallel (the shared `apply_context_parallel`, whose kernels are full here; `shard_tokens`,
+`cp_forward_loss`): the N patch tokens of every image are split over the cp ranks of a replica, which all read the
+same batch. Everything but attention is per token, so only attention talks; it is swapped in as
+`block.attn.attend`:
 
     ulysses  all-to-all from [B, H, N/cp, hd] (token-sharded) to [B, H/cp, N, hd] (head-sharded), the model's own
              non-causal attention on whole sequences of H/cp heads, and an all-to-all back. Needs heads % cp == 0.
