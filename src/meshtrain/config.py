@@ -25,6 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from meshtrain import registry
 from meshtrain.errors import MeshtrainError
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: machine/precision.py chooses
@@ -114,8 +115,6 @@ ALIASES = {
 
 
 def _spec(workload: str):
-    from meshtrain import registry
-
     try:
         return registry.get(workload)
     except registry.RegistryError as e:
@@ -206,7 +205,7 @@ def validate(cfg) -> None:
                      "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters,
                      "train.log_interval": t.log_interval, "train.max_epochs": t.max_epochs,
                      "train.profile_steps": t.profile_steps, "optimizer.base_batch_size": o.base_batch_size})
-    spec = workload_spec(cfg)
+    spec = registry.spec_of(cfg)
     if spec.validate:
         spec.validate(cfg)
     if not 0 <= m.dropout < 1:
@@ -257,17 +256,6 @@ def _validate_layout(cfg) -> None:
         raise ConfigError(f"optimizer.lr={o.lr}, optimizer.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0")
     if o.warmup_iters < 0 or o.grad_clip < 0:
         raise ConfigError("optimizer.warmup_iters and optimizer.grad_clip must not be negative")
-
-
-def workload_spec(cfg):
-    """The registry's ModelSpec of a run config."""
-    from meshtrain import registry
-
-    return registry.spec_of(cfg)
-
-
-def workload_of(cfg) -> str:
-    return workload_spec(cfg).name
 
 
 def to_yaml(cfg) -> str:

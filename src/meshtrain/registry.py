@@ -20,6 +20,7 @@ and train it as `meshtrain train mymodel`. docs/models.md walks through one.
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,8 +101,8 @@ def get(name: str) -> ModelSpec:
 
 
 def spec_of(cfg) -> ModelSpec:
-    """The spec whose run config `cfg` is: one loaded already, else a built-in or installed one."""
-    for spec in (*_loaded.values(), *(get(name) for name in names())):
+    """The spec whose run config `cfg` is: one loaded already, else a built-in or installed one (loaded now)."""
+    for spec in itertools.chain(list(_loaded.values()), (get(name) for name in names())):
         if type(cfg) is spec.run_config:
             return spec
     raise RegistryError(f"a {type(cfg).__name__} is no registered model's run config")

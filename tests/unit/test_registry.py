@@ -7,7 +7,7 @@ import types
 import pytest
 
 from meshtrain import registry
-from meshtrain.config import ConfigError, load_config, workload_of
+from meshtrain.config import ConfigError, load_config
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_built_in_models_and_their_specs():
         spec = registry.get(name)
         assert spec.name == name and spec.presets.is_dir() and any(spec.presets.glob("*.yaml"))
         cfg = load_config([], name)
-        assert isinstance(cfg, spec.run_config) and workload_of(cfg) == name
+        assert isinstance(cfg, spec.run_config) and registry.spec_of(cfg).name == name
         assert spec.data_key.split(".")[1] in dataclasses.asdict(cfg.data)
 
 
@@ -38,7 +38,7 @@ def test_a_model_of_ones_own_by_path(own_model):
     spec = registry.get("my_models:SPEC")
     assert spec is own_model.SPEC and spec.source == "my_models:SPEC"
     cfg = load_config(["preset=cpu", "data=tinytext"], "my_models:SPEC")  # the GPT's presets and data key
-    assert type(cfg).__name__ == "MyRunConfig" and cfg.data.name == "tinytext" and workload_of(cfg) == "mine"
+    assert type(cfg).__name__ == "MyRunConfig" and cfg.data.name == "tinytext" and registry.spec_of(cfg).name == "mine"
     assert registry.get("mine") is spec  # by its name, once loaded
 
 

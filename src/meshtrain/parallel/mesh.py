@@ -147,12 +147,12 @@ class ParallelDims:
     def from_config(cls, cfg, world_size: int, local_world_size: int | None = None) -> ParallelDims:
         """The layout of a run config on `world_size` ranks, every rule that needs the world size, the node size
         or the model's shape checked (check_layout): what `train` and a planner accept is one set."""
-        from meshtrain.config import workload_spec
+        from meshtrain import registry
 
         p = cfg.parallel
         dims = cls.resolve(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
                            order=p.order)
-        check_layout(dims, cfg, workload_spec(cfg), local_world_size or world_size)
+        check_layout(dims, cfg, registry.spec_of(cfg), local_world_size or world_size)
         return dims
 
     # ---- the real mesh ------------------------------------------------------------------------------------

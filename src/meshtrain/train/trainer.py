@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from meshtrain import config as config_mod
-from meshtrain import machine
+from meshtrain import machine, registry
 from meshtrain.errors import MeshtrainError
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
@@ -63,7 +63,7 @@ def train(cfg, info: DistInfo) -> TrainResult:
 class Trainer:
     def __init__(self, cfg, info: DistInfo):
         self.info, self.device = info, info.torch_device
-        self.spec = config_mod.workload_spec(cfg)
+        self.spec = registry.spec_of(cfg)
         # Every rule that needs the world size, before any collective: all ranks fail alike, at once.
         self.dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
         self.cfg = self._resolve_precision(cfg)
