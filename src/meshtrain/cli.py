@@ -60,6 +60,16 @@ SUBCOMMANDS = {
         "with its config and tokenizer description to one file (torch.load(weights_only=True) reads it).",
         False,
     ),
+    "plan": (
+        "meshtrain.plan.command",
+        "which layout? every valid layout's predicted memory and speed on a machine, ranked (--validate: measured)",
+        "Enumerate every layout of a run config (dp × tp × cp × pp, backend, activation checkpointing, pipeline "
+        "schedule) that `train` would accept on N nodes of a system (this machine, measured, or a shipped one: "
+        "Polaris, Perlmutter, Aurora, Frontier, DGX H100), predict each one's memory per rank and step time, and "
+        "rank them. --explain shows one layout's terms; --validate runs layouts here and prints predicted against "
+        "measured.",
+        False,
+    ),
     "machine": (
         "meshtrain.machine.command",
         "measure and print what this machine can do: matmul peak per dtype, memory, bandwidth, collectives",

@@ -99,6 +99,7 @@ class ParallelSection:
     virtual_stages: int = 1  # stages per pipeline rank (interleaved/looped schedules need 2 or more)
     order: str = "tp-cp-dp-pp"  # the first dim's ranks are adjacent (on one node)
     cpu_offload: bool = False  # fsdp/zero2/zero3/hsdp: parameters and optimizer state live in host memory
+    plan: str = "manual"  # manual: the sizes above | auto: the fastest layout that fits, by `meshtrain plan`'s model
     zero_stage: int = 2  # train.backend=deepspeed: ZeRO stage 1 (optimizer), 2 (+ gradients) or 3 (+ parameters)
 
 
@@ -231,6 +232,9 @@ def _validate_layout(cfg) -> None:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: must be at least 1")
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"parallel.microbatches={p.microbatches}: must be at least 1 (or null for the default)")
+    if p.plan not in ("manual", "auto"):
+        raise ConfigError(f"parallel.plan={p.plan!r}: choose manual (the sizes you set) or auto (meshtrain plan "
+                          "picks the fastest layout that fits)")
     if p.cp_impl not in CP_IMPLS:
         raise ConfigError(f"parallel.cp_impl={p.cp_impl!r}: choose one of {', '.join(CP_IMPLS)}")
     if t.backend == "zero1" and max(p.tp, p.cp, p.pp) > 1:

@@ -42,6 +42,7 @@ class ModelShape:
     config alone, before anything is built."""
 
     layers: int  # transformer blocks: what a pipeline splits
+    width: int  # the residual stream's channels per token (embedding width)
     heads: int  # attention (query) heads: what tensor parallel and Ulysses split
     kv_heads: int  # key/value heads (fewer under grouped-query attention): tensor parallel splits them too
     mlp_hidden: int  # the MLP's hidden width: tensor parallel splits it
@@ -52,6 +53,7 @@ class ModelShape:
     # Elements one block saves for its backward, per token: fp32 eager, without dropout or activation checkpointing
     # (tested against what autograd keeps); a cost model scales it by tokens, dtype and the layout's sharding.
     activations_per_token: int | None = None
+    whole_output: bool = False  # its loss reads the whole output on every tp and cp rank (the ViT's whole field)
     parallelisms: frozenset[str] = frozenset({"tp", "cp", "pp", "deepspeed"})  # which this model's plan supports
     keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> config key, for messages
 
@@ -69,6 +71,10 @@ class ModelSpec:
     build_model: Callable | None = None  # (cfg, data_facts) -> nn.Module, for export and sample on one process
     legend: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # its metrics' meanings
     text: bool = False  # a language model: `meshtrain sample` can generate from it
+    # Where its blocks and ends are, by module path (parallel.pipeline_schedules.StageSplit): a pipeline cuts the model
+    # there, and the planner counts what a stage holds from it.
+    stage_split: object | None = None
+    data_facts: Callable | None = None  # (cfg) -> what build_model takes from the data, without opening a stream
     source: str = ""  # where it was found (set by get)
 
 

@@ -84,6 +84,14 @@ def _write_cache(data: dict) -> None:
         log.debug("could not write the machine profile %s: %s", path, err)
 
 
+def remember(section: str, key: str, value) -> None:
+    """Store a figure another module measured (e.g. the planner's fixed costs) under data[section][key]."""
+    with _locked():
+        data = read_cache()
+        data.setdefault(section, {})[key] = value
+        _write_cache(data)
+
+
 def clear(disk: bool = False) -> None:
     """Forget measured figures in this process (and on disk with disk=True): the next request measures."""
     _MEMO.clear()

@@ -235,13 +235,20 @@ def check_layout(dims: ParallelDims, cfg, spec, local_world_size: int) -> None:
             raise MeshError(f"{key('batch_size')}={shape.batch_size} does not split into parallel.microbatches="
                             f"{microbatches} for the pipeline: make the batch a multiple of {microbatches} (or change "
                             "microbatches)")
+        from meshtrain.parallel.pipeline_schedules import PipelineError, check_schedule
+
+        try:
+            check_schedule(p.pp_schedule, dims.pp, p.virtual_stages, microbatches)
+        except PipelineError as e:
+            raise MeshError(f"parallel.pp_schedule={p.pp_schedule}: {e}") from None
         if t.dtype == "fp16":
             raise MeshError("train.dtype=fp16 with parallel.pp > 1: the GradScaler cannot scale a loss inside the "
                             "pipeline schedule; use train.dtype=bf16")
-    if dims.tp > 1 and t.backend in ("ddp", "zero1") and dims.dp_size > 1:
-        raise MeshError(f"train.backend={t.backend} with parallel.tp={dims.tp} and {dims.dp_size} data-parallel "
-                        "ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use train.backend=fsdp "
-                        "(fsdp x tp) or zero2")
+    if dims.tp > 1 and t.backend in ("ddp", "zero1") and dims.size("dp_cp") > 1:
+        # DDP spans the context-parallel ranks too (they are replicas to it), so cp alone counts as well.
+        raise MeshError(f"train.backend={t.backend} with parallel.tp={dims.tp} and {dims.size('dp_cp')} data- or "
+                        "context-parallel ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use "
+                        "train.backend=fsdp (fsdp x tp) or zero2")
     if t.backend == "hsdp" and dims.cp > 1:
         raise MeshError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
     if t.backend == "deepspeed" and max(dims.tp, dims.cp, dims.pp) > 1:

@@ -60,6 +60,12 @@ from torch.distributed.tensor.parallel import (
 from meshtrain.parallel.mesh import MeshError
 
 BLOCKS = "transformer.h.*"  # a decoder's blocks; parallelize_module matches each path token with fnmatch
+# What the plans below shard, by module path suffix: the dim of its weight cut over tp ranks (colwise Linear 0,
+# rowwise Linear 1, vocab-parallel embedding 0), and which biases are cut with it (colwise ones). plan/shares.py
+# counts a rank's bytes from these without a mesh; plan --validate checks the count against real ranks.
+SHARDED_DIMS = {"attn.q_proj": 0, "attn.k_proj": 0, "attn.v_proj": 0, "mlp.c_fc": 0, "mlp.c_gate": 0, "lm_head": 0,
+                "attn.c_proj": 1, "mlp.c_proj": 1, "transformer.wte": 0}
+SHARDED_BIASES = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc", "mlp.c_gate", "lm_head")
 
 
 def check_tp_mesh(tp_mesh: DeviceMesh, who: str) -> None:

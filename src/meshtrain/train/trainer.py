@@ -64,6 +64,8 @@ class Trainer:
     def __init__(self, cfg, info: DistInfo):
         self.info, self.device = info, info.torch_device
         self.spec = registry.spec_of(cfg)
+        if cfg.parallel.plan == "auto":  # rank 0 plans for every rank, in the dtype the run will compute in
+            cfg = self._planned(self._resolve_precision(cfg))
         # Every rule that needs the world size, before any collective: all ranks fail alike, at once.
         self.dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
         self.cfg = self._resolve_precision(cfg)
@@ -74,6 +76,28 @@ class Trainer:
         self._start_reporting()
 
     # ---- set-up ------------------------------------------------------------------------------------------------
+    def _planned(self, cfg):
+        """parallel.plan=auto: the fastest layout that fits on this machine by `meshtrain plan`'s model, chosen by
+        rank 0 for every rank (the machine's figures are measured, and must not differ between ranks)."""
+        from meshtrain.plan import machines, search
+
+        info, layout = self.info, None
+        if info.is_main:
+            machine = machines.this_machine(info.local_world_size, str(self.device))
+            try:
+                chosen = search.best(cfg, info.world_size // info.local_world_size, info.local_world_size, machine)
+            except MeshtrainError as e:  # every rank raises it, none waits for a layout that never comes
+                layout = {"error": str(e)}
+            else:
+                layout = search.layout_of(chosen)
+                log.info("parallel.plan=auto chose %s: predicted %.1f ms per step, %.3f GiB peak per rank (`meshtrain "
+                         "plan` lists the alternatives)", chosen.label, chosen.cost.step_s * 1e3,
+                         chosen.cost.peak_bytes / 2**30)
+        layout = broadcast_object(layout, "broadcast of the planned layout", info.timeout_s)
+        if "error" in layout:
+            raise config_mod.ConfigError(layout["error"])
+        return search.with_layout(cfg, layout)
+
     def _resolve_precision(self, cfg):
         t, device = cfg.train, self.device
         if t.dtype == "fp16" and device.type != "cuda":
@@ -155,6 +179,7 @@ class Trainer:
         self.eval_interval = self.epochs or t.eval_interval
         self.decay_iters = cfg.optimizer.lr_decay_iters or self.max_iters
         self.timer = metrics.StepTimer(device)
+        self.interval = _Interval(device)
         self.profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
                                                out_dir=self.run_dir / "profile", rank=info.rank, device=device)
         if info.is_main:  # MFU is rank 0's figure: only it needs the peak (and only it measures one)
@@ -196,7 +221,6 @@ class Trainer:
         t = self.cfg.train
         self.result = result = TrainResult(run_dir=self.run_dir, iterations=self.start_iter)
         started = time.perf_counter()
-        self.interval = _Interval(self.device)
         it = self.start_iter
         with progress_bar(self.max_iters - it, "train", is_main=self.info.is_main) as bar, \
                 contextlib.closing(self.profiler):

@@ -14,7 +14,19 @@ from types import MappingProxyType
 
 from meshtrain.models.gpt.config import GPTRunConfig, validate
 from meshtrain.models.transformer import block_activations
+from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape, ModelSpec
+
+# Split by pipeline stages, lm_head keeps its own copy of the tied embedding; a checkpoint from any layout has the
+# embedding's optimizer state, which the copy's equals (see parallel.state_dict).
+SPLIT = StageSplit(blocks="transformer.h", first=("transformer.wte", "transformer.wpe", "transformer.drop"),
+                   last=("transformer.ln_f", "lm_head"), tied=("lm_head.weight", "transformer.wte.weight"))
+
+
+def _data_facts(cfg) -> dict:
+    from meshtrain.models.language.workload import text_data_facts
+
+    return text_data_facts(cfg)
 
 
 def _workload(cfg, info, dims):
@@ -31,7 +43,7 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 
 def _shape(cfg: GPTRunConfig) -> ModelShape:
     m = cfg.model
-    return ModelShape(layers=m.n_layer, heads=m.n_head, kv_heads=m.n_head, mlp_hidden=4 * m.n_embd,
+    return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_head, mlp_hidden=4 * m.n_embd,
                       tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS,
                       activations_per_token=block_activations(m.n_embd, m.n_head, 4 * m.n_embd))
 
@@ -62,4 +74,6 @@ SPEC = ModelSpec(
     validate=validate,
     build_model=build_model,
     text=True,
+    stage_split=SPLIT,
+    data_facts=_data_facts,
 )

@@ -47,6 +47,11 @@ class _Batches:
             batches.load_state_dict(state[f"eval_{split}"])
 
 
+def text_data_facts(cfg) -> dict:
+    """What a language model's build takes from its data (the vocabulary in meta.json), without opening the tokens."""
+    return {"meta": load_meta(Path(cfg.data.root) / cfg.data.name)}
+
+
 class LanguageModelWorkload:
     def __init__(self, cfg, info: DistInfo, dims: ParallelDims, *, build_model: Callable, build_layout: Callable):
         """build_model(cfg, data_facts) -> the model; build_layout(model, cfg, dims, mesh, device, rank) -> its
@@ -54,7 +59,7 @@ class LanguageModelWorkload:
         self.cfg, self.info, self.dims, self.device = cfg, info, dims, info.torch_device
         self._build_model, self._build_layout = build_model, build_layout
         self.data_dir = Path(cfg.data.root) / cfg.data.name
-        self.meta = load_meta(self.data_dir)
+        self.meta = text_data_facts(cfg)["meta"]
         self.tokenizer = tokenizer_from_meta(self.meta)
         try:  # the prompt is first used at the first evaluation: find a bad one now
             self.prompt_ids = self.tokenizer.encode(cfg.train.prompt)

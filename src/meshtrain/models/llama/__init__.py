@@ -14,7 +14,12 @@ from pathlib import Path
 from types import MappingProxyType
 
 from meshtrain.models.llama.config import LlamaRunConfig, ffn_hidden, validate
+from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape, ModelSpec
+
+# The output head is its own matrix: nothing tied across the first and last stages.
+SPLIT = StageSplit(blocks="transformer.h", first=("transformer.wte", "transformer.drop"),
+                   last=("transformer.ln_f", "lm_head"))
 
 _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "kv_heads": "model.n_kv_head",
                           "mlp_hidden": "model.ffn_hidden", "tokens": "model.block_size",
@@ -28,7 +33,7 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 
 def _shape(cfg: LlamaRunConfig) -> ModelShape:
     m = cfg.model
-    return ModelShape(layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head, mlp_hidden=ffn_hidden(m),
+    return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head, mlp_hidden=ffn_hidden(m),
                       tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS,
                       activations_per_token=11 * m.n_embd + 4 * ffn_hidden(m) + m.n_head + m.n_embd // m.n_head // 2 + 2)
 
@@ -41,6 +46,12 @@ def build_model(cfg: LlamaRunConfig, data_facts: dict):
     return Llama(LlamaConfig(block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer,
                              n_head=m.n_head, n_kv_head=m.n_kv_head, n_embd=m.n_embd, ffn_hidden=ffn_hidden(m),
                              rope_theta=m.rope_theta, dropout=m.dropout))
+
+
+def _data_facts(cfg) -> dict:
+    from meshtrain.models.language.workload import text_data_facts
+
+    return text_data_facts(cfg)
 
 
 def _workload(cfg, info, dims):
@@ -61,4 +72,6 @@ SPEC = ModelSpec(
     validate=validate,
     build_model=build_model,
     text=True,
+    stage_split=SPLIT,
+    data_facts=_data_facts,
 )

@@ -8,13 +8,9 @@ from functools import partial
 
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+from meshtrain.models.llama import SPLIT
 from meshtrain.parallel.lm_layout import build_language_model_layout
-from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.parallel.tensor_parallel import apply_decoder_tensor_parallel
-
-# The output head is its own matrix: nothing tied across the first and last stages.
-SPLIT = StageSplit(blocks="transformer.h", first=("transformer.wte", "transformer.drop"),
-                   last=("transformer.ln_f", "lm_head"))
 
 apply_tensor_parallel = partial(apply_decoder_tensor_parallel, block_extras={"mlp.c_gate": ColwiseParallel()})
 build_llama_layout = partial(build_language_model_layout, split=SPLIT, tensor_parallel=apply_tensor_parallel)

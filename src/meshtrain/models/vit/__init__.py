@@ -14,7 +14,28 @@ from types import MappingProxyType
 
 from meshtrain.models.transformer import block_activations
 from meshtrain.models.vit.config import ViTRunConfig, validate
+from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape, ModelSpec
+
+# No pipeline plan (parallelisms below): the split only says where the blocks and ends are, for the planner.
+SPLIT = StageSplit(blocks="blocks", first=("patch_embed",), last=("norm", "head"))
+ERA5_GRID, ERA5_CHANNELS = (721, 1440), 20  # NERSC's ERA5 at 0.25 degrees, what a plan assumes without the data
+
+
+def _data_facts(cfg) -> dict:
+    """The grid (after cropping) and channels of the configured data; NERSC's ERA5 when it is not on this machine,
+    so that a plan for a machine one does not have needs no copy of the data."""
+    d = cfg.data
+    if (Path(d.root) / "train").is_dir():
+        from meshtrain.data.era5 import ERA5Dataset
+
+        data = ERA5Dataset(d.root, "train", crop=tuple(d.crop) if d.crop else None, channels=d.channels)
+        try:
+            return {"img_size": list(data.img_size), "channels": data.num_channels}
+        finally:
+            data.close()
+    rows, columns = (min(a, b) for a, b in zip(ERA5_GRID, d.crop or ERA5_GRID, strict=True))
+    return {"img_size": [rows, columns], "channels": len(d.channels) if d.channels else ERA5_CHANNELS}
 
 
 def _workload(cfg, info, dims):
@@ -32,9 +53,9 @@ def _shape(cfg: ViTRunConfig) -> ModelShape:
     m, crop = cfg.model, cfg.data.crop
     tokens = (crop[0] // m.patch_size) * (crop[1] // m.patch_size) if crop else None  # else the data's grid decides
     hidden = int(m.embed_dim * m.mlp_ratio)
-    return ModelShape(layers=m.depth, heads=m.num_heads, kv_heads=m.num_heads, mlp_hidden=hidden,
+    return ModelShape(width=m.embed_dim, layers=m.depth, heads=m.num_heads, kv_heads=m.num_heads, mlp_hidden=hidden,
                       tokens=tokens, causal=False, batch_size=cfg.data.batch_size, dropout=m.dropout,
-                      parallelisms=frozenset({"tp", "cp"}), keys=_KEYS,
+                      parallelisms=frozenset({"tp", "cp"}), keys=_KEYS, whole_output=True,
                       activations_per_token=block_activations(m.embed_dim, m.num_heads, hidden))
 
 
@@ -58,6 +79,8 @@ SPEC = ModelSpec(
     shape=_shape,
     validate=validate,
     build_model=build_model,
+    stage_split=SPLIT,
+    data_facts=_data_facts,
     legend=MappingProxyType({
         "val_rmse_u10": "RMSE of the u10 forecast in m/s, per sample over the grid, mean over the validation set",
         "persistence_rmse_u10": "the same RMSE for the persistence forecast (forecast = input): the score to beat",

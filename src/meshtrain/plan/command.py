@@ -1,0 +1,214 @@
+"""`meshtrain plan`: which layout should this run use? Every valid layout, its predicted memory and speed, ranked.
+
+    meshtrain plan gpt preset=gpt2 --system polaris --nodes 2                  the 8 GPUs of two Polaris nodes
+    meshtrain plan vit preset=mp --system perlmutter --nodes 4 --top 5
+    meshtrain plan gpt preset=cpu --system this --gpus-per-node 4 --explain 1  the first row, term by term
+    meshtrain plan gpt preset=cpu --system this --gpus-per-node 4 --validate 12   run 12 layouts here and compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from meshtrain import config as config_mod
+from meshtrain.plan import calibrate, machines, search, systems, validate
+from meshtrain.plan.cost import predict
+from meshtrain.plan.search import Candidate
+from meshtrain.plan.workload import ModelFacts
+from meshtrain.runtime.log import configure_logging, get_logger, print_rich
+
+log = get_logger("plan")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="gpt, vit, llama, or a package.module:SPEC of your own")
+    parser.add_argument("overrides", nargs="*", help="preset=NAME and group.key=value, as for `meshtrain train`")
+    parser.add_argument("--system", default="this", help=f"this (measured here), or one of {', '.join(systems.names())}")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the system's devices per node")
+    parser.add_argument("--device-memory", type=float, default=None, help="GiB per device, replacing the system's")
+    parser.add_argument("--intra-node-bw", type=float, default=None, help="GB/s per device inside a node")
+    parser.add_argument("--inter-node-bw", type=float, default=None, help="GB/s per device between nodes")
+    parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    parser.add_argument("--explain", default=None, help="a row number or layout label: its terms, one by one")
+    parser.add_argument("--json", action="store_true", help="every candidate as JSON")
+    parser.add_argument("--validate", type=int, default=None, metavar="N",
+                        help="run N layouts on this machine (a spread of the ranked ones) and compare")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout with --validate")
+
+
+def machine_of(args) -> machines.Machine:
+    if args.system == "this":
+        machine = machines.this_machine(args.gpus_per_node or 1)
+    else:
+        system = systems.get(args.system)
+        if any(v is not None for v in (args.device_memory, args.intra_node_bw, args.inter_node_bw)):
+            system = systems.custom(system, device_memory_gib=args.device_memory, intra_node_gbs=args.intra_node_bw,
+                                    inter_node_gbs=args.inter_node_bw)
+        machine = machines.from_system(system)
+    if args.system == "this" and args.device_memory:
+        machine.device_memory_bytes = args.device_memory * 2**30
+    return machine
+
+
+def run(args) -> int:
+    configure_logging()
+    cfg = config_mod.load_config(args.overrides, args.model)
+    machine = machine_of(args)
+    per_node = args.gpus_per_node or machine.devices_per_node
+    facts = ModelFacts.of(cfg)
+    ranked, refused = search.search(cfg, args.nodes, per_node, machine, facts)
+    if args.json:
+        print(json.dumps([as_dict(c) for c in ranked], indent=1))
+        return 0
+    where = f"{args.nodes} node(s) × {per_node} on {machine.name}"
+    print_rich(table(ranked[:args.top], f"{facts.spec.name}: {facts.num_params / 1e6:.1f}M parameters, "
+                                        f"{len(ranked)} valid layouts on {where}"))
+    if refused:
+        log.info("refused: %s", "; ".join(f"{n} × {why}" for why, n in refused.most_common(6)))
+    for i, candidate in enumerate(ranked[:3], 1):
+        log.info("%d. %s: %s", i, candidate.label, reason(candidate, ranked, machine))
+    if ranked:
+        log.info("train the first with: meshtrain train %s %s", args.model,
+                 " ".join([*args.overrides, *ranked[0].overrides]))
+    if args.explain:
+        print_rich(explain(pick(ranked, args.explain), machine))
+    if args.validate:
+        return _validate(args, cfg, ranked, per_node * args.nodes)
+    return 0
+
+
+def pick(ranked: list[Candidate], which: str) -> Candidate:
+    if which.isdigit() and 1 <= int(which) <= len(ranked):
+        return ranked[int(which) - 1]
+    found = [c for c in ranked if c.label == which.strip()]
+    if not found:
+        raise systems.PlanError(f"--explain {which!r}: no such layout; give a row number (1-{len(ranked)}) or a "
+                                "label as the table prints it")
+    return found[0]
+
+
+def as_dict(c: Candidate) -> dict:
+    return {"layout": c.label, "overrides": c.overrides, "fits": c.fits, "memory_bytes": c.cost.memory,
+            "time_s": c.cost.time, "comm_bytes": c.cost.comm_bytes, "samples_per_s": c.throughput,
+            "tokens_per_s": c.cost.tokens_per_iteration / c.cost.step_s, "bottleneck": c.cost.bottleneck}
+
+
+def _mfu(c: Candidate, machine: machines.Machine) -> float:
+    label = "bf16" if c.cfg.train.dtype in ("bf16", "fp16") else "fp32"
+    peak = machine.peak.get(label) or machine.peak["fp32"]
+    return c.cost.flops_per_iteration / c.cost.step_s / (peak * c.dims.world_size)
+
+
+def table(rows: list[Candidate], title: str):
+    from rich.table import Table
+
+    out = Table(title=title, title_justify="left")
+    for column in ("#", "layout", "fits", "peak GiB", "step ms", "samples/s", "tokens/s", "bottleneck"):
+        out.add_column(column, justify="left" if column in ("layout", "bottleneck") else "right")
+    for i, c in enumerate(rows, 1):
+        out.add_row(str(i), c.label, "yes" if c.fits else "NO", f"{c.cost.peak_bytes / 2**30:.3f}",
+                    f"{c.cost.step_s * 1e3:.1f}", f"{c.throughput:,.1f}",
+                    f"{c.cost.tokens_per_iteration / c.cost.step_s:,.0f}", c.cost.bottleneck)
+    return out
+
+
+def explain(c: Candidate, machine: machines.Machine):
+    from rich.table import Table
+
+    out = Table(title=f"{c.label}: the terms, rank 0 of the fullest (memory) and slowest (time) pipeline stage",
+                title_justify="left")
+    for column in ("term", "value"):
+        out.add_column(column)
+    for key, value in c.cost.memory.items():
+        out.add_row(f"memory: {key}", f"{value / 2**20:,.2f} MiB")
+    for key, value in c.cost.time.items():
+        out.add_row(f"time: {key}", f"{value * 1e3:,.2f} ms")
+    for key, value in c.cost.comm_bytes.items():
+        out.add_row(f"sent per iteration: {key}", f"{value / 2**20:,.2f} MiB")
+    out.add_row("MFU", f"{_mfu(c, machine):.1%}")
+    for key, source in machine.sources.items():
+        out.add_row(f"source: {key}", source)
+    return out
+
+
+def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> str:
+    """Why this layout, in the terms of the usual advice: DDP when the model fits, sharding when it does not,
+    tensor parallel inside a node, pipelines across nodes, context parallel for long sequences."""
+    p, t, dims = c.cfg.parallel, c.cfg.train, c.dims
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    plain = next((r for r in ranked if r.cfg.train.backend == "ddp" and dims.world_size == r.dims.dp_size
+                  and r.cfg.train.activation_checkpointing == "none"), None)
+    said = []
+    if t.backend in ("ddp", "zero1") and dims.dp_size == dims.world_size:
+        said.append("the model fits on one device, so data parallelism alone: one gradient all-reduce per step")
+    elif plain is not None and not plain.fits:
+        said.append(f"plain DDP would need {gib(plain.cost.peak_bytes)} per device (more than "
+                    f"{gib(machine.device_memory_bytes)}); {t.backend} holds {gib(c.cost.peak_bytes)}")
+    elif plain is not None:
+        said.append(f"{c.throughput / plain.throughput:.2f}× plain DDP's throughput")
+    if dims.tp > 1:
+        said.append(f"tensor parallel over {dims.tp} ranks of one node (its all-reduces per block stay on the fast "
+                    "links)")
+    if dims.pp > 1:
+        said.append(f"pipeline of {dims.pp} stages, the bubble {c.cost.time['bubble'] / c.cost.step_s:.0%} of a step")
+    if dims.cp > 1:
+        said.append(f"{p.cp_impl} context parallel: {c.cost.tokens_per_iteration // c.cost.samples_per_iteration} "
+                    f"tokens per sample split over {dims.cp} ranks")
+    if t.activation_checkpointing != "none":
+        said.append(f"{t.activation_checkpointing} activation checkpointing: recomputes to save activations")
+    said.append(f"bound by {c.cost.bottleneck}")
+    return "; ".join(said)
+
+
+def _validate(args, cfg, ranked: list[Candidate], ranks: int) -> int:
+    """Run a spread of the ranked layouts here and print predicted against measured."""
+    if args.system != "this":
+        raise systems.PlanError("--validate runs layouts on this machine: use --system this")
+    chosen = spread(ranked, args.validate)
+    kinds = sorted({k for c in chosen for k in calibrate.kinds_of(c.cfg, c.dims)})
+    calibrate.calibrate(ranks, kinds, progress=log.info)
+    machine, facts = machine_of(args), ModelFacts.of(cfg)  # now with the fixed costs: predict again
+    chosen = [replace(c, cost=predict(facts, c.cfg, c.dims, machine)) for c in chosen]
+    checks = validate.run(args.model, args.overrides, chosen, ranks, steps=args.steps,
+                          progress=lambda c: log.info("measured %s", c.candidate.label))
+    print_rich(validation_table(checks))
+    log.info("summary: %s", validate.summary(checks))
+    return 0
+
+
+def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
+    """`count` layouts across the meshes (tp, cp and its impl, pp and its schedule), in turns: the best of each mesh,
+    then the next best of each, ...; meshes of one kind of parallelism before combinations, so that a validation
+    spans the kinds of layout, not the top rows alone."""
+    by_mesh: dict[tuple, list[Candidate]] = {}
+    for c in ranked:
+        p = c.cfg.parallel
+        by_mesh.setdefault((c.dims.tp, c.dims.cp, p.cp_impl, c.dims.pp, p.pp_schedule), []).append(c)
+    kinds = lambda mesh: sum(size > 1 for size in (mesh[0], mesh[1], mesh[3]))  # noqa: E731
+    by_mesh = dict(sorted(by_mesh.items(), key=lambda item: kinds(item[0])))  # stable: ranked order within
+    chosen, depth = [], 0
+    while len(chosen) < count and any(len(group) > depth for group in by_mesh.values()):
+        chosen += [group[depth] for group in by_mesh.values() if len(group) > depth][:count - len(chosen)]
+        depth += 1
+    return chosen
+
+
+def validation_table(checks: list[validate.Check]):
+    from rich.table import Table
+
+    out = Table(title="predicted / measured, rank 0 of the fullest stage", title_justify="left")
+    for column in ("layout", "params MiB", "grads MiB", "optim MiB", "peak MiB", "peak err", "step ms", "step err"):
+        out.add_column(column, justify="left" if column == "layout" else "right")
+    mib = lambda v: f"{v / 2**20:.2f}"  # noqa: E731
+    for c in checks:
+        if not c.measured:
+            out.add_row(c.candidate.label, *["—"] * 7)
+            continue
+        p, m = c.predicted, c.measured
+        out.add_row(c.candidate.label, *(f"{mib(p[k])} / {mib(m[k])}" for k in validate.STATES),
+                    f"{mib(p['peak'])} / {mib(m['peak'])}", f"{c.relative('peak'):+.1%}",
+                    f"{p['step_s'] * 1e3:.1f} / {m['step_s'] * 1e3:.1f}", f"{c.relative('step_s'):+.1%}")
+    return out

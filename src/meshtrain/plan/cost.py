@@ -1,0 +1,275 @@
+"""The cost of one layout on one machine, per rank: memory (what a rank holds at its peak) and step time (compute,
+the communication it cannot hide, the pipeline's bubble), each term kept so that `plan --explain` can show it.
+
+Memory, in bytes of rank 0 of the heaviest pipeline stage:
+
+    states       parameters, gradients, AdamW's two moments: plan/shares.py, exact (fp32 master copies)
+    activations  what the blocks save for backward: ModelShape.activations_per_token (exact for fp32 eager, tp=1)
+                 × the tokens a micro-batch puts on this rank (batch / microbatches × tokens / cp) × the micro-batches
+                 a schedule keeps in flight × the blocks on the stage; under tp, the parts of a block the plan shards
+                 divide by tp (with sequence parallel all but the two gathered inputs of attention and MLP, without
+                 it all but the four norm inputs and outputs); activation checkpointing keeps a block's input instead,
+                 plus one block's activations while it is recomputed; under autocast all but the two norms' inputs
+                 are 16-bit
+    head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
+                 bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel; the ViT's
+                 whole field on every rank)
+    buffers      DDP's gradient buckets (a second copy of the gradients); FSDP2's gathered parameters (the blocks in
+                 use and the root's; zero2 keeps every gathered block from forward to backward)
+    peak         max(backward's start: states without gradients, activations, head, buffers, gradients already
+                 accumulated; the optimizer step: states, buffers)
+
+Step time, seconds per iteration:
+
+    compute      per linear: 6 × tokens × in × out FLOPs at the machine's matmul rate for that size (a measured curve
+                 on `this`, a fraction of the datasheet peak elsewhere), attention 12 × heads × head_dim × context
+                 per token, elementwise traffic (activations written and read, the optimizer's 10 passes over the
+                 states) at memory bandwidth, and a fixed cost per block and micro-step (operator dispatch; measured
+                 on `this`)
+    comm         each collective's bytes over the bus bandwidth of the link its group crosses (inside a node or
+                 between nodes, by the mesh order), plus its latency: data parallel once per iteration, tensor and
+                 context parallel per block and micro-step, pipeline sends per micro-batch and stage boundary
+    exposed      what compute does not hide: on accelerators the data-parallel traffic overlaps backward; tp, cp and
+                 pipeline traffic sits on the critical path; on a CPU (gloo shares the cores) nothing overlaps
+    bubble       the schedule's idle fraction: (pp - 1) / (microbatches × virtual stages) of the pipelined work
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from meshtrain.parallel.data_parallel import SHARDED
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan.machines import Machine
+from meshtrain.plan.shares import Share, stage_shares, tp_local_shape
+from meshtrain.plan.workload import ModelFacts
+
+FP32 = 4
+
+
+@dataclass
+class Cost:
+    """Predicted figures of one layout on one machine (bytes and seconds), with the terms they are made of."""
+
+    memory: dict[str, float] = field(default_factory=dict)  # params, grads, optimizer, activations, head, buffers, peak
+    time: dict[str, float] = field(default_factory=dict)  # compute, comm (per kind), exposed, bubble, step
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # bytes this rank sends per iteration, per kind
+    tokens_per_iteration: int = 0
+    samples_per_iteration: int = 0
+    flops_per_iteration: float = 0.0  # the model's (6N + attention) × tokens: what MFU counts
+    bottleneck: str = ""
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.memory["peak"]
+
+    @property
+    def step_s(self) -> float:
+        return self.time["step"]
+
+
+def predict(facts: ModelFacts, cfg, dims: ParallelDims, machine: Machine) -> Cost:
+    """Memory and step time of `cfg`'s layout `dims` (already checked by ParallelDims.from_config) on `machine`."""
+    p, t = cfg.parallel, cfg.train
+    facts = facts.for_dp(dims.dp_size)
+    shares = stage_shares(facts.model, facts.split, dims, t.backend, schedule=p.pp_schedule,
+                          virtual_stages=p.virtual_stages if dims.pp > 1 else 1)
+    micro = _Micro.of(facts, cfg, dims)
+    cost = Cost()
+    stage_costs = [(_memory(facts, cfg, dims, share, micro, machine), _time(facts, cfg, dims, share, micro, machine))
+                   for share in shares]
+    cost.memory = max((m for m, _ in stage_costs), key=lambda m: m["peak"])  # the fullest stage
+    cost.time, cost.comm_bytes = max((tm for _, tm in stage_costs), key=lambda tm: tm[0]["step"])  # the slowest
+    cost.samples_per_iteration = facts.batch_size * t.grad_accum * dims.dp_size
+    cost.tokens_per_iteration = cost.samples_per_iteration * facts.tokens
+    cost.flops_per_iteration = float(facts.flops_per_token) * cost.tokens_per_iteration
+    terms = {k: v for k, v in cost.time.items() if k in ("compute", "exposed", "bubble")}
+    cost.bottleneck = max(terms, key=terms.get)
+    return cost
+
+
+@dataclass(frozen=True)
+class _Micro:
+    """One micro-batch as a rank sees it."""
+
+    samples: int  # per micro-batch (a pipeline's microbatch)
+    count: int  # micro-batches per iteration (grad_accum × pipeline microbatches)
+    tokens: int  # tokens a micro-batch puts on this rank (after cp)
+    in_flight: int  # micro-batches whose activations a stage holds at once
+
+    @classmethod
+    def of(cls, facts: ModelFacts, cfg, dims: ParallelDims) -> _Micro:
+        p, t = cfg.parallel, cfg.train
+        microbatches = (p.microbatches or dims.pp * p.virtual_stages) if dims.pp > 1 else 1
+        samples = facts.batch_size // microbatches
+        if dims.pp == 1:
+            in_flight = 1
+        elif p.pp_schedule in ("gpipe", "looped_bfs"):
+            in_flight = microbatches  # every forward before any backward
+        else:  # 1F1B-like: the first stage holds pp micro-batches (interleaved: a few more chunks)
+            in_flight = min(microbatches, dims.pp + (dims.pp - 1) // max(1, p.virtual_stages))
+        return cls(samples=samples, count=t.grad_accum * microbatches, tokens=samples * facts.tokens // dims.cp,
+                   in_flight=in_flight)
+
+
+def _block_activation_bytes(facts: ModelFacts, cfg, dims: ParallelDims, tokens: int) -> tuple[float, float, float]:
+    """(bytes one block saves for one micro-batch on this rank, bytes of its input alone, what it would save without
+    tensor parallelism)."""
+    width, sp = facts.shape.width, cfg.parallel.sequence_parallel and dims.pp == 1
+    whole = facts.shape.activations_per_token
+    kept_whole = (2 if sp else 4) * width if dims.tp > 1 else 0  # gathered inputs (sp) / norm ins and outs (no sp)
+    per_token = kept_whole + (whole - kept_whole) / dims.tp
+    # Under autocast what matmuls and attention save is 16-bit; the two norms' inputs (the fp32 residual) are not.
+    scale = (2 * width * FP32 + (whole - 2 * width) * 2) / (whole * FP32) if cfg.train.dtype in ("bf16", "fp16") \
+        else 1.0
+    block_input = width / (dims.tp if sp else 1)
+    return per_token * tokens * FP32 * scale, block_input * tokens * FP32, whole * tokens * FP32 * scale
+
+
+def _head_bytes(facts: ModelFacts, cfg, dims: ParallelDims, micro: _Micro) -> float:
+    """The output layer's output, what the loss saves of it and its gradient, for one micro-batch: a decoder's logits
+    on this rank's tokens (vocabulary-sharded under loss parallel), or the ViT's whole field on every rank."""
+    if facts.shape.whole_output:
+        return 3 * micro.samples * facts.tokens * facts.head_features * FP32
+    sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
+    return 3 * micro.tokens * facts.head_features / sharded * FP32
+
+
+def _memory(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro,
+            machine: Machine) -> dict[str, float]:
+    t = cfg.train
+    block, block_input, whole_block = _block_activation_bytes(facts, cfg, dims, micro.tokens)
+    checkpointed = {"none": 0, "full": share.blocks,
+                    "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
+    kept = (share.blocks - checkpointed) * block + checkpointed * block_input
+    activations = kept * micro.in_flight + (block if checkpointed else 0)  # one block recomputed at a time
+    head = _head_bytes(facts, cfg, dims, micro) if share.last else 0.0
+    if dims.cp > 1 and cfg.parallel.cp_impl == "ulysses":  # q, k, v and the output, after their all-to-alls
+        activations += 4 * facts.shape.width / dims.tp * micro.tokens * FP32 * share.blocks * micro.in_flight
+    # Backward's working set at its start: the last block's gradients of what it saved, whole under tp (the
+    # gradients of gathered inputs and of partial sums are not sharded), and where the attention kernel does not
+    # tile (CPUs), one whole score matrix and its gradient for the micro-batch
+    heads = facts.shape.heads // dims.tp // (dims.cp if cfg.parallel.cp_impl == "ulysses" else 1)
+    queries = micro.tokens * (dims.cp if dims.cp > 1 and cfg.parallel.cp_impl == "ulysses" else 1)
+    keys = facts.tokens // (dims.cp if cfg.parallel.cp_impl == "ring" else 1)
+    scores = 2 * heads * queries * keys * FP32 if machine.dense_attention else 0.0
+    working = whole_block + scores if share.blocks else 0.0
+    if share.first:  # the embedding's output feeds the first block, and a linear embedding keeps its input
+        embedded = sum(shape[1] for name, shape in facts.linears if name in facts.split.first) if facts.split else 0
+        activations += (block_input + embedded * micro.tokens * FP32) * micro.in_flight
+    params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
+    buffers = 0.0
+    if t.backend in ("ddp", "zero1") and dims.size("dp_cp") > 1:
+        buffers = grads  # DDP's buckets: a flat copy of the gradients, kept for the run
+    elif t.backend in SHARDED and dims.size("dp_shard_cp") > 1:
+        gathered = share.stage_params - share.blocks * share.block_params  # the root's (embeddings, head, norms)
+        blocks_gathered = share.blocks if t.backend == "zero2" else 2  # in use + prefetched
+        buffers = (gathered + blocks_gathered * share.block_params) * FP32 + share.block_params * FP32  # + reduce
+    accumulated = grads if (t.grad_accum > 1 or micro.count > 1) else 0.0
+    backward_start = params + optimizer + activations + head + buffers + accumulated + working
+    optimizer_step = params + grads + optimizer + buffers
+    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
+            "buffers": buffers, "backward working set": working, "peak": max(backward_start, optimizer_step)}
+
+
+def _time(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro,
+          machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
+    t, p = cfg.train, cfg.parallel
+    label = "bf16" if t.dtype in ("bf16", "fp16") else "fp32"
+    tokens = micro.tokens
+    # compute of one micro-batch on this stage
+    matmul = 0.0
+    for name, shape in facts.linears:
+        if not _on_stage(name, facts, share, dims, p):
+            continue
+        out_features, in_features = tp_local_shape(name + ".weight", shape, dims.tp)
+        matmul += 6 * tokens * in_features * out_features / machine.matmul_rate(label, tokens, in_features,
+                                                                                 out_features)
+    heads = facts.shape.heads // dims.tp
+    head_dim = facts.shape.width // facts.shape.heads
+    context = facts.tokens  # causal or not, the attention kernels here compute the whole score matrix
+    attention = share.blocks * 12 * heads * head_dim * context * tokens / machine.matmul_rate(
+        label, tokens, head_dim, context)
+    block, _, _ = _block_activation_bytes(facts, cfg, dims, tokens)
+    recompute = {"none": 0, "full": 1, "selective": 1 / t.ac_every}[t.activation_checkpointing]
+    elementwise = 4 * share.blocks * block / machine.memory_bps
+    per_micro = (matmul + attention + elementwise) * (1 + recompute / 3)
+    optimizer_s = 10 * share.params * FP32 / machine.memory_bps
+    compute = (per_micro * micro.count + optimizer_s) * machine.slowdown
+    compute += _fixed_costs(facts, cfg, dims, share, micro, machine)
+
+    sent, seconds = _communication(facts, cfg, dims, share, micro, machine)
+    dp_time = seconds.get("dp", 0.0)
+    critical = sum(v for k, v in seconds.items() if k != "dp")
+    backward = per_micro * micro.count * machine.slowdown * 2 / 3
+    hidden = min(dp_time, 0.8 * backward) if machine.overlap else 0.0
+    exposed = critical + dp_time - hidden
+    bubble = 0.0
+    if dims.pp > 1:
+        microbatches = micro.count // t.grad_accum
+        bubble = (dims.pp - 1) / (microbatches * p.virtual_stages) * per_micro * micro.count * machine.slowdown
+    step = compute + exposed + bubble
+    return ({"compute": compute, **{f"comm {k}": v for k, v in seconds.items()}, "exposed": exposed,
+             "bubble": bubble, "step": step}, sent)
+
+
+def _fixed_costs(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro, machine: Machine) -> float:
+    """What a step costs beyond arithmetic and bytes: calibrated per kind of layout where calibrate.py measured
+    this machine (with ranks sharing cores already in it), else the dispatch of one block per micro-step."""
+    from meshtrain.plan.calibrate import kinds_of
+
+    kinds = kinds_of(cfg, dims)
+    if machine.fixed and all(k in machine.fixed for k in kinds):
+        accum = cfg.train.grad_accum
+        return sum(machine.fixed[k][0] * facts.shape.layers * accum + machine.fixed[k][1] for k in kinds)
+    dispatch = share.blocks * machine.block_overhead_s * micro.count + share.tensors * machine.optimizer_tensor_s
+    return dispatch * machine.slowdown
+
+
+def _on_stage(name: str, facts: ModelFacts, share: Share, dims: ParallelDims, p) -> bool:
+    """Whether linear `name` runs on this rank's stage."""
+    if dims.pp == 1 or facts.split is None:
+        return True
+    return name in facts.stage_linears(dims.pp, share.stage, p.pp_schedule, p.virtual_stages)
+
+
+def _communication(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro,
+                   machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes this rank sends per iteration, and their seconds, by kind (dp, tp, cp, pp)."""
+    t, p = cfg.train, cfg.parallel
+    act_bytes = 2 if t.dtype in ("bf16", "fp16") else FP32
+    sent, seconds = {}, {}
+
+    def add(kind: str, op: str, dim: str, nbytes: float, times: float) -> None:
+        if nbytes <= 0 or times <= 0 or dims.size(dim) == 1:
+            return
+        sent[kind] = sent.get(kind, 0.0) + nbytes * times
+        seconds[kind] = seconds.get(kind, 0.0) + times * machine.collective_s(op, nbytes, dims, dim)
+
+    grads = share.stage_params * FP32
+    if t.backend in ("ddp", "zero1"):
+        add("dp", "all_reduce", "dp_cp", grads, 1)
+        if t.backend == "zero1":
+            add("dp", "broadcast", "dp_cp", grads, 1)  # each owner sends its updated parameters
+    elif t.backend in SHARDED:
+        shard_dim = "dp_shard" if t.backend == "hsdp" else "dp_shard_cp"
+        gathers = micro.count * (1 if t.backend == "zero2" else 2)  # forward, and again for backward
+        add("dp", "all_gather", shard_dim, share.stage_params * act_bytes if t.dtype != "fp32" else grads, gathers)
+        add("dp", "reduce_scatter", shard_dim, grads, 1)
+        if t.backend == "hsdp":
+            add("dp", "all_reduce", "dp_replicate", grads / dims.dp_shard, 1)
+    stream = micro.tokens * facts.shape.width * act_bytes  # one block's input on this rank (whole sequence over tp)
+    if dims.tp > 1:  # two all-reduces (or all-gather + reduce-scatter pairs) forward, two backward, per block
+        add("tp", "all_reduce", "tp", stream, 4 * share.blocks * micro.count)
+    if dims.cp > 1:
+        kv = 2 * stream / dims.tp * facts.shape.kv_heads / facts.shape.heads
+        if p.cp_impl == "ring":  # K and V go round the ring forward; K, V and their gradients backward
+            add("cp", "send_recv", "cp", kv, 3 * (dims.cp - 1) * share.blocks * micro.count)
+        else:  # Ulysses: q, k, v and the output all-to-all, forward and backward
+            add("cp", "all_to_all", "cp", 2 * stream / dims.tp, 2 * share.blocks * micro.count)
+    if dims.pp > 1:  # activations forward, their gradients backward, per micro-batch and boundary
+        boundaries = 2 * p.virtual_stages if not (share.first or share.last) else 2 * p.virtual_stages - 1
+        add("pp", "send_recv", "pp", micro.samples * facts.tokens * facts.shape.width * act_bytes,
+            boundaries * micro.count)
+    return sent, seconds

@@ -1,0 +1,212 @@
+"""The machine a plan is for, as the cost model reads it: matmul rates by size, memory bandwidth, fixed costs, and
+collective time by message size and link. Two sources:
+
+    from_system(System)   a shipped description (plan/systems.py): datasheet peaks × an efficiency curve for GEMM
+                          sizes (no measurement of a machine we do not have), alpha-beta links per node and between
+    this_machine(...)     this machine, measured (machine/profile.py's cache): a curve of matmul rates by size at
+                          the threads one rank gets, copy bandwidth, the fixed cost of a block's forward and
+                          backward and of an optimizer step per tensor, and the collective timings `meshtrain
+                          machine --ranks N` recorded; ranks that share cores slow each other down (slowdown)
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan.systems import System
+
+# A GEMM's efficiency on an accelerator (fraction of the dense datasheet peak) by the cube root of m·n·k: large
+# GEMMs reach ~75% on cuBLAS/rocBLAS, small ones fall off. An assumption for machines not measured; `--system this`
+# on a GPU measures its own curve instead.
+ACCELERATOR_EFFICIENCY = ((64, 0.05), (256, 0.3), (1024, 0.6), (4096, 0.75))
+BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+       "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+       "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}
+
+
+@dataclass
+class Machine:
+    name: str
+    devices_per_node: int
+    device_memory_bytes: float
+    peak: dict[str, float]  # dense FLOP/s per device by dtype label
+    memory_bps: float  # elementwise traffic, bytes/s
+    intra_bps: float  # bus bandwidth inside a node, bytes/s per device
+    inter_bps: float
+    intra_latency_s: float
+    inter_latency_s: float
+    overlap: bool  # data-parallel traffic can hide behind backward (an accelerator's own copy engines and streams)
+    dense_attention: bool = False  # attention's backward holds a whole score matrix (CPU kernels; GPUs tile it)
+    slowdown: float = 1.0  # ranks sharing cores: compute runs this many times slower
+    block_overhead_s: float = 0.0  # fixed cost of one block's forward and backward (operator dispatch)
+    optimizer_tensor_s: float = 0.0  # fixed cost per parameter tensor of an optimizer step
+    fixed: dict[str, list[float]] = field(default_factory=dict)  # calibrate.py: kind -> [per block, per step] s
+    curve: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # label -> [(size, FLOP/s)] measured
+    collectives: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)  # (op, n) -> [(B, s)]
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def matmul_rate(self, label: str, m: int, k: int, n: int) -> float:
+        """FLOP/s of an m×k by k×n matmul."""
+        size = (m * k * n) ** (1 / 3)
+        if label in self.curve:
+            return _interpolate(self.curve[label], size, log_y=True)
+        peak = self.peak.get(label) or self.peak["fp32"]
+        return peak * _interpolate(list(ACCELERATOR_EFFICIENCY), size, log_y=False)
+
+    def collective_s(self, op: str, nbytes: float, dims: ParallelDims, dim: str) -> float:
+        """Seconds of `op` on `nbytes` (nccl-tests' size: the whole buffer) over rank 0's group of `dim`."""
+        group = dims.group_of(0, dim)
+        n = len(group)
+        measured = self._measured(op, n)
+        if measured:  # with calibrated fixed costs, which hold the latency, only the bandwidth's share
+            seconds = _interpolate(measured, nbytes, log_y=True, grow=True)
+            return max(0.0, seconds - measured[0][1]) if self.fixed else seconds
+        nodes = len({r // self.devices_per_node for r in group})
+        bps, latency = (self.inter_bps, self.inter_latency_s) if nodes > 1 else (self.intra_bps, self.intra_latency_s)
+        steps = 2 * (n - 1) if op == "all_reduce" else (1 if op in ("send_recv", "broadcast") else n - 1)
+        return steps * latency + BUS[op](n) * nbytes / bps
+
+    def _measured(self, op: str, n: int) -> list[tuple[float, float]] | None:
+        """Recorded timings of `op` on n ranks (a point-to-point send as a 2-rank broadcast), else the nearest n."""
+        op = "broadcast" if op == "send_recv" else op
+        sizes = sorted(size for kind, size in self.collectives if kind == op)
+        if not sizes:
+            return None
+        nearest = min(sizes, key=lambda s: (abs(math.log(s / (2 if op == "broadcast" and n == 2 else n))), s))
+        return self.collectives[op, nearest]
+
+
+def _interpolate(points: list[tuple[float, float]], x: float, *, log_y: bool, grow: bool = False) -> float:
+    """y at x, linear in log x (and in log y with log_y) between points; before the first, its y; past the last, its
+    y (a rate saturates) or, with grow, y ∝ x (a time grows with the bytes)."""
+    xs = [p[0] for p in points]
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return points[0][1]
+    if i == len(points):
+        return points[-1][1] * (x / points[-1][0] if grow else 1.0)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0))) if log_y else y0 + w * (y1 - y0)
+
+
+def from_system(system: System) -> Machine:
+    return Machine(name=system.name, devices_per_node=system.devices_per_node,
+                   device_memory_bytes=system.device_memory_bytes,
+                   peak={k: v for k, v in system.peak_flops.items() if v}, memory_bps=system.memory_gbs * 1e9,
+                   intra_bps=system.intra_node_gbs * 1e9, inter_bps=system.inter_node_gbs * 1e9,
+                   intra_latency_s=system.intra_node_latency_s, inter_latency_s=system.inter_node_latency_s,
+                   overlap=True, sources=dict(system.sources))
+
+
+# ------------------------------------------------------------------------------------------------- this machine
+def this_machine(ranks_per_node: int, device: str | None = None) -> Machine:
+    """This machine as `ranks_per_node` ranks of a job see it (each with the threads the launcher gives it), with
+    the fixed costs calibrate.py measured for that many ranks, if any."""
+    from meshtrain.machine import profile
+    from meshtrain.machine.hardware import describe
+    from meshtrain.plan import calibrate
+    from meshtrain.runtime.device import pick_device, threads_per_rank
+
+    dev = torch.device(device) if device else pick_device(0)
+    hw = describe(dev)
+    threads = threads_per_rank(ranks_per_node) if dev.type == "cpu" else 0
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        labels = ["fp32"] + (["bf16"] if hw.bf16 else [])
+        curve = {label: _curve(dev, label) for label in labels}
+        memory = profile.measured(dev, "memory")["gbs"] * 1e9
+        block_s, tensor_s = _fixed_costs(dev)
+    finally:
+        torch.set_num_threads(before)
+    cores = hw.cores if dev.type == "cpu" else 0
+    slowdown = max(1.0, ranks_per_node * threads / cores) if cores else 1.0
+    collectives = _recorded_collectives(hw, dev)
+    intra = min((max(p[0] / p[1] for p in pts) for pts in collectives.values()), default=1e9)
+    return Machine(name="this", devices_per_node=ranks_per_node,
+                   # a CPU's ranks share the host's memory
+                   device_memory_bytes=hw.device_memory_bytes or hw.host_memory_bytes / ranks_per_node,
+                   peak={label: max(r for _, r in points) for label, points in curve.items()}, memory_bps=memory,
+                   intra_bps=intra, inter_bps=intra, intra_latency_s=50e-6, inter_latency_s=50e-6,
+                   overlap=dev.type != "cpu", dense_attention=dev.type == "cpu", slowdown=slowdown, block_overhead_s=block_s,
+                   optimizer_tensor_s=tensor_s, curve=curve, collectives=collectives,
+                   fixed=calibrate.cached(ranks_per_node),
+                   sources={"matmul": f"measured here: matmul rate by size at {threads or 'all'} thread(s)",
+                            "memory": "measured here: copy bandwidth (machine profile)",
+                            "collectives": "recorded by `meshtrain machine --ranks N`" if collectives else
+                            "none recorded: `meshtrain machine --ranks N` measures them (assumed 1 GB/s, 50 µs)",
+                            "slowdown": f"{ranks_per_node} rank(s) × {threads} thread(s) on {cores} core(s)",
+                            "fixed costs": "calibrated here on a tiny GPT (plan/calibrate.py)" if
+                            calibrate.cached(ranks_per_node) else "dispatch of one block, measured (no calibration)"})
+
+
+_CURVES: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+
+
+def _curve(device: torch.device, label: str) -> list[tuple[float, float]]:
+    """FLOP/s of square matmuls of 32..1024 (the sizes small models run), best of a few calls each."""
+    key = (str(device), label, torch.get_num_threads())
+    if key not in _CURVES:
+        dtype = torch.bfloat16 if label == "bf16" else torch.float32
+        points = []
+        for n in (32, 64, 128, 256, 512, 1024):
+            a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+            reps = max(1, int(2e8 / n**3))
+            run = lambda a=a, b=b, reps=reps: [torch.mm(a, b) for _ in range(reps)]  # noqa: E731
+            best = min(_timed(run, device) for _ in range(5))
+            points.append((float(n), 2 * n**3 * reps / best))
+        _CURVES[key] = points
+    return _CURVES[key]
+
+
+def _timed(fn, device: torch.device) -> float:
+    from meshtrain.runtime.device import synchronize
+
+    synchronize(device)
+    started = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def _fixed_costs(device: torch.device) -> tuple[float, float]:
+    """(seconds of a tiny transformer block's forward and backward, seconds per tensor of a fused AdamW step):
+    what a step costs beyond its arithmetic, the operators' dispatch."""
+    from meshtrain.models.transformer import Block
+
+    torch.manual_seed(0)
+    block = Block(16, 2, 64, causal=True, dropout=0.0, bias=False).to(device)
+    x = torch.randn(1, 4, 16, device=device, requires_grad=True)
+    run = lambda: block(x).sum().backward()  # noqa: E731
+    run()
+    block_s = statistics.median(_timed(run, device) for _ in range(30))
+    params = [torch.nn.Parameter(torch.randn(16, device=device)) for _ in range(64)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=device.type in ("cpu", "cuda"))
+    optimizer.step()
+    tensor_s = statistics.median(_timed(optimizer.step, device) for _ in range(20)) / len(params)
+    return block_s, tensor_s
+
+
+def _recorded_collectives(hw, device: torch.device) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    from meshtrain.machine import profile
+
+    found = {}
+    for key, entry in profile.read_cache().get("collectives", {}).items():
+        parts = key.split("|")
+        if parts[1:3] != [device.type, hw.name] or "nodes=1" not in parts or f"torch={torch.__version__}" not in parts:
+            continue
+        world = int(next(p for p in parts if p.startswith("world="))[6:])
+        for op, record in entry.get("ops", {}).items():
+            found[op, world] = list(zip(map(float, record["bytes"]), record["seconds"], strict=True))
+    return found

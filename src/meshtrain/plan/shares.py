@@ -1,0 +1,135 @@
+"""What one rank holds of a model under a layout, counted without processes: parameters, gradients and optimizer
+state, exact to the element (plan --validate compares them with what a run's ranks hold).
+
+The count follows what each parallelism does to a parameter, in the order the layouts apply them:
+
+    pp    a stage holds its blocks (pipeline_schedules.split_layers) and the modules the model's StageSplit gives the
+          first or the last stage; a tied pair is one parameter on one stage and a copy on each end of a pipeline
+    tp    tensor_parallel.SHARDED_DIMS says which dim of which module's weight (and bias) a plan shards; a shard is
+          torch.chunk's: rank 0 holds ceil(size / tp), the largest
+    dp    ddp and zero1 replicate parameters and gradients; zero1's ZeroRedundancyOptimizer gives each parameter's
+          state to the rank with the fewest elements so far, largest parameters first, group by group; FSDP2 (zero2,
+          fsdp, hsdp) chunks dim 0 of each (tp-local) parameter over the ranks it shards across
+
+The largest share is rank 0's of each stage (every chunk above gives rank 0 the rounded-up part), so `stage_shares`
+reports one row per pipeline stage, for the ranks at coordinate 0 of every other dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshtrain.parallel.data_parallel import SHARDED
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.pipeline_schedules import StageSplit, split_layers, stage_ids
+from meshtrain.parallel.tensor_parallel import SHARDED_BIASES, SHARDED_DIMS
+
+
+@dataclass(frozen=True)
+class Share:
+    """Elements one rank holds (fp32 master copies: 4 bytes each), and what its stage computes with."""
+
+    stage: int  # pp rank
+    params: int  # after every sharding: what the rank keeps between steps
+    grads: int
+    optimizer: int  # AdamW: two moments per element it steps
+    stage_params: int  # the pp stage's parameters after tp, before data-parallel sharding (what FSDP gathers)
+    blocks: int  # transformer blocks on this pp rank
+    first: bool  # holds the embeddings
+    last: bool  # holds the head (and computes the loss)
+    block_params: int  # one block's parameters after tp (what FSDP gathers per block)
+    tensors: int  # parameter tensors the rank's optimizer steps
+
+
+def chunk(size: int, parts: int, index: int = 0) -> int:
+    """torch.chunk's share of `size` for part `index` of `parts` (DTensor's Shard and FSDP2 cut this way)."""
+    step = math.ceil(size / parts)
+    return max(0, min(step, size - index * step))
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape of parameter `name` on tp rank 0."""
+    module, _, kind = name.rpartition(".")
+    suffix = next((s for s in SHARDED_DIMS if module == s or module.endswith("." + s)), None)
+    if tp == 1 or suffix is None or (kind == "bias" and suffix not in SHARDED_BIASES):
+        return shape
+    dim = SHARDED_DIMS[suffix] if kind != "bias" else 0
+    if dim >= len(shape):
+        return shape
+    return shape[:dim] + (chunk(shape[dim], tp),) + shape[dim + 1:]
+
+
+def _stage_parameters(model: nn.Module, split: StageSplit | None, dims: ParallelDims, schedule: str,
+                      virtual_stages: int) -> list[dict[str, tuple[int, ...]]]:
+    """{name: shape} of the parameters each pp rank holds, the whole model on one stage when pp == 1."""
+    params = dict((n, tuple(p.shape)) for n, p in model.named_parameters())  # a tied weight once
+    if dims.pp == 1 or split is None:
+        return [params]
+    every = dict((n, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False))
+    n_layer = len(model.get_submodule(split.blocks))
+    n_stages = dims.pp * virtual_stages
+    blocks = split_layers(n_layer, n_stages)
+    stages = []
+    for pp_rank in range(dims.pp):
+        mine = stage_ids(pp_rank, dims.pp, virtual_stages, schedule)
+        owned = {f"{split.blocks}.{i}." for s in mine for i in blocks[s]}
+        ends = (split.first if 0 in mine else ()) + (split.last if n_stages - 1 in mine else ())
+        prefixes = tuple(owned) + tuple(f"{m}." for m in ends)
+        held = {n: s for n, s in every.items() if n.startswith(prefixes)}
+        if split.tied and split.tied[0] in held and split.tied[1] in held:  # both ends on one rank: one tensor
+            del held[split.tied[0]]
+        stages.append(held)
+    return stages
+
+
+def _zero1_partition(groups: list[list[int]], ranks: int) -> int:
+    """Elements of optimizer state ZeroRedundancyOptimizer gives rank 0: largest first, to the emptiest rank."""
+    sizes = [0] * ranks
+    for group in groups:
+        for numel in sorted(group, reverse=True):
+            sizes[sizes.index(min(sizes))] += numel
+    return sizes[0]
+
+
+def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims, backend: str, *,
+                 schedule: str = "1f1b", virtual_stages: int = 1) -> list[Share]:
+    """What rank 0 of each pipeline stage holds of `model` (the whole model, built anywhere: the meta device is
+    free) laid out as `dims` with data-parallel `backend`."""
+    shard_ranks = (dims.dp_shard if backend == "hsdp" else dims.size("dp_shard_cp")) if backend in SHARDED else 1
+    n_stages = dims.pp * virtual_stages
+    blocks = split_layers(len(model.get_submodule(split.blocks)), n_stages) if dims.pp > 1 and split else None
+    shares = []
+    for pp_rank, held in enumerate(_stage_parameters(model, split, dims, schedule, virtual_stages)):
+        local = {n: tp_local_shape(n, s, dims.tp) for n, s in held.items()}
+        numel = {n: math.prod(s) for n, s in local.items()}
+        kept = {n: chunk(s[0], shard_ranks) * math.prod(s[1:]) if s else 1 for n, s in local.items()} \
+            if shard_ranks > 1 else numel
+        params = sum(kept.values())
+        if backend == "zero1" and dims.dp_size > 1:  # the optimizer's groups: matrices (decayed), then the rest
+            groups = [[v for n, v in numel.items() if len(local[n]) >= 2], [v for n, v in numel.items() if len(local[n]) < 2]]
+            optimizer = 2 * _zero1_partition(groups, dims.dp_size)
+        else:
+            optimizer = 2 * params
+        mine = stage_ids(pp_rank, dims.pp, virtual_stages, schedule) if blocks else [0]
+        count = sum(len(blocks[s]) for s in mine) if blocks else _count_blocks(held, split)
+        block_prefix = f"{split.blocks}." if split else None
+        per_block = _one_block(numel, block_prefix) if block_prefix else 0
+        shares.append(Share(stage=pp_rank, params=params, grads=params, optimizer=optimizer,
+                            stage_params=sum(numel.values()), blocks=count, first=0 in mine,
+                            last=n_stages - 1 in mine or dims.pp == 1, block_params=per_block,
+                            tensors=len(held)))
+    return shares
+
+
+def _count_blocks(held: dict, split: StageSplit | None) -> int:
+    if split is None:
+        return 0
+    return len({n[len(split.blocks) + 1:].split(".")[0] for n in held if n.startswith(split.blocks + ".")})
+
+
+def _one_block(numel: dict[str, int], prefix: str) -> int:
+    first = next((n[len(prefix):].split(".")[0] for n in numel if n.startswith(prefix)), None)
+    return sum(v for n, v in numel.items() if n.startswith(f"{prefix}{first}.")) if first is not None else 0

@@ -1,0 +1,55 @@
+"""The planner against real ranks: what it predicts each rank holds is what the ranks hold (exactly), its peak is
+near the tensors' own peak, and parallel.plan=auto trains with the layout it picks."""
+
+from __future__ import annotations
+
+import pytest
+from tests.conftest import output, prepare_data, torchrun
+
+from meshtrain import config as config_mod
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan import machines, systems, validate
+from meshtrain.plan.cost import predict
+from meshtrain.plan.search import Candidate
+from meshtrain.plan.workload import ModelFacts
+
+LAYOUTS = {  # one of each way of holding a model: replicated, sharded, tensor-parallel, pipelined
+    "ddp": ["train.backend=ddp"],
+    "zero1": ["train.backend=zero1"],
+    "fsdp tp2": ["train.backend=fsdp", "parallel.tp=2"],
+    "ddp pp2": ["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=4"],
+}
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return prepare_data(tmp_path_factory.mktemp("plan-data"))
+
+def test_predicted_bytes_are_what_ranks_hold(data_root):
+    base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=fp32", "model.batch_size=8"]
+    machine = machines.from_system(systems.get("polaris"))  # times are not scored here, only bytes
+    candidates = []
+    for overrides in LAYOUTS.values():
+        cfg = config_mod.load_config([*base, *overrides], "gpt")
+        dims = ParallelDims.from_config(cfg, 4, 4)
+        candidates.append(Candidate(cfg, dims, predict(ModelFacts.of(cfg), cfg, dims, machine), fits=True))
+    checks = validate.run("gpt", base, candidates, 4, steps=1, progress=lambda _: None)
+    for name, check in zip(LAYOUTS, checks, strict=True):
+        assert check.measured, f"{name}: {check.error}"
+        for key in validate.STATES:
+            assert round(check.predicted[key]) == check.measured[key], (name, key, check.predicted, check.measured)
+        # The target is 15%; pipelines and fsdp × tp reach 17-20% today (docs/plan.md), and one layout's CPU peak
+        # moves by up to 8% between runs: 20% here, so that a regression fails and noise does not.
+        assert abs(check.relative("peak")) <= 0.20, (name, check.predicted["peak"], check.measured["peak"])
+
+def test_auto_plan_trains_with_the_layout_it_chose(data_root, tmp_path):
+    out = torchrun(2, "train", "gpt", "preset=cpu", f"data.root={data_root}", f"train.out_dir={tmp_path}",
+                   "parallel.plan=auto", "train.max_iters=4", "train.eval_interval=4", "train.eval_iters=1",
+                   "train.save_checkpoints=false", timeout=300)
+    assert out.returncode == 0, output(out)
+    text = out.stdout + out.stderr
+    chosen = next((line for line in text.splitlines() if "parallel.plan=auto chose" in line), None)
+    assert chosen, output(out)
+    backend = chosen.split("chose ")[1].split()[0]
+    assert f"layout: {backend} over 2 rank(s)" in text, output(out)
+    config = next(tmp_path.glob("gpt/*/*/*/config.yaml")).read_text()
+    assert "plan: manual" in config and f"backend: {backend}" in config

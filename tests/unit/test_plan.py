@@ -1,0 +1,164 @@
+"""The planner's arithmetic against analytic counts: what a rank holds under each parallelism, the activation and
+bubble terms, collective times on a described machine, and that every layout it lists is one `train` accepts."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from tests.conftest import REPO, clean_env, prepare_data
+
+from meshtrain import config as config_mod
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan import machines, search, systems
+from meshtrain.plan.cost import FP32, predict
+from meshtrain.plan.shares import chunk, stage_shares, tp_local_shape
+from meshtrain.plan.workload import ModelFacts
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return prepare_data(tmp_path_factory.mktemp("plan-data"))
+
+
+def gpt_config(data_root, *overrides):
+    return config_mod.load_config(["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", *overrides], "gpt")
+
+
+def polaris():
+    return machines.from_system(systems.get("polaris"))
+
+
+@pytest.mark.parametrize("size,parts", [(65, 2), (64, 4), (10, 4), (3, 4), (1024, 3)])
+def test_chunk_is_torch_chunk(size, parts):
+    pieces = [len(p) for p in torch.arange(size).chunk(parts)] + [0] * parts
+    assert [chunk(size, parts, i) for i in range(parts)] == pieces[:parts]
+
+
+def test_tp_local_shapes_follow_the_plans():
+    assert tp_local_shape("transformer.h.0.attn.q_proj.weight", (128, 128), 4) == (32, 128)  # colwise: out
+    assert tp_local_shape("transformer.h.0.attn.q_proj.bias", (128,), 4) == (32,)
+    assert tp_local_shape("transformer.h.0.mlp.c_proj.weight", (128, 512), 4) == (128, 128)  # rowwise: in
+    assert tp_local_shape("transformer.h.0.mlp.c_proj.bias", (128,), 4) == (128,)  # rowwise bias: replicated
+    assert tp_local_shape("transformer.wte.weight", (65, 128), 2) == (33, 128)  # vocab, chunked like torch
+    assert tp_local_shape("transformer.h.0.ln_1.weight", (128,), 4) == (128,)
+    assert tp_local_shape("blocks.3.mlp.c_fc.weight", (512, 128), 2) == (256, 128)  # the ViT's blocks too
+
+
+def test_shares_of_data_parallel_backends(data_root):
+    cfg = gpt_config(data_root)
+    facts = ModelFacts.of(cfg)
+    params = dict(facts.model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    dims = ParallelDims.resolve(4)
+    ddp, = stage_shares(facts.model, facts.split, dims, "ddp")
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (total, total, 2 * total)
+    fsdp, = stage_shares(facts.model, facts.split, dims, "fsdp")
+    assert fsdp.params == sum(chunk(p.shape[0], 4) * math.prod(p.shape[1:]) for p in params.values())
+    zero1, = stage_shares(facts.model, facts.split, dims, "zero1")
+    assert zero1.params == total and total / 2 < zero1.optimizer < 2 * total  # about a quarter of the moments
+    hsdp, = stage_shares(facts.model, facts.split, ParallelDims.resolve(4, dp_replicate=2), "hsdp")
+    assert hsdp.params == sum(chunk(p.shape[0], 2) * math.prod(p.shape[1:]) for p in params.values())
+
+
+def test_pipeline_stages_hold_their_blocks_and_a_copy_of_the_tie(data_root):
+    cfg = gpt_config(data_root)
+    facts = ModelFacts.of(cfg)
+    total = sum(p.numel() for p in facts.model.parameters())
+    wte = facts.model.transformer.wte.weight.numel()
+    first, last = stage_shares(facts.model, facts.split, ParallelDims.resolve(2, pp=2), "ddp", schedule="1f1b")
+    assert first.first and not first.last and last.last and not last.first
+    assert first.blocks + last.blocks == cfg.model.n_layer
+    assert first.params + last.params == total + wte  # lm_head's own copy of the tied embedding
+
+
+def test_activations_without_parallelism_are_the_shape_s(data_root):
+    cfg = gpt_config(data_root, "train.dtype=fp32")
+    facts = ModelFacts.of(cfg)
+    cost = predict(facts, cfg, ParallelDims.resolve(1), polaris())
+    m = cfg.model
+    tokens = m.batch_size * m.block_size
+    blocks = facts.shape.activations_per_token * tokens * m.n_layer * FP32
+    embedding = m.n_embd * tokens * FP32  # the first block's input
+    assert cost.memory["activations"] == pytest.approx(blocks + embedding)
+    assert cost.memory["head"] == pytest.approx(3 * tokens * facts.head_features * FP32)
+    assert facts.head_features == 65  # the shakespeare_char vocabulary
+
+
+def test_checkpointing_sharding_and_pipelines_move_the_terms(data_root):
+    cfg = gpt_config(data_root, "train.dtype=fp32")
+    facts, machine = ModelFacts.of(cfg), polaris()
+
+    def cost(**changes):
+        train = {k: v for k, v in changes.items() if k in ("backend", "activation_checkpointing")}
+        parallel = {k: v for k, v in changes.items() if k not in train}
+        run = config_mod.load_config(["preset=cpu", f"data.root={cfg.data.root}", "model.dropout=0.0",
+                                      "train.dtype=fp32", *(f"train.{k}={v}" for k, v in train.items()),
+                                      *(f"parallel.{k}={v}" for k, v in parallel.items())], "gpt")
+        return predict(facts, run, ParallelDims.from_config(run, 4, 4), machine)
+
+    ddp, full = cost(backend="ddp"), cost(backend="ddp", activation_checkpointing="full")
+    assert full.memory["activations"] < ddp.memory["activations"] / 3
+    assert full.time["compute"] > ddp.time["compute"]
+    fsdp = cost(backend="fsdp")
+    assert fsdp.memory["params"] < ddp.memory["params"] / 3 and fsdp.comm_bytes["dp"] > ddp.comm_bytes["dp"]
+    pipeline = cost(backend="ddp", pp=2, pp_schedule="gpipe", microbatches=4)
+    assert pipeline.time["bubble"] > 0 and "pp" in pipeline.comm_bytes
+    tp = cost(backend="fsdp", tp=2)
+    assert "tp" in tp.comm_bytes and tp.memory["activations"] < fsdp.memory["activations"]
+
+
+def test_collectives_cross_nodes_by_the_mesh_order():
+    machine, system = polaris(), systems.get("polaris")
+    dims = ParallelDims.resolve(8, tp=4)  # tp-cp-dp-pp: a tp group is one node's 4 GPUs, dp spans the 2 nodes
+    nbytes = 64 * 2**20
+    tp = machine.collective_s("all_reduce", nbytes, dims, "tp")
+    assert tp == pytest.approx(6 * system.intra_node_latency_s + 1.5 * nbytes / (system.intra_node_gbs * 1e9))
+    dp = machine.collective_s("all_reduce", nbytes, dims, "dp")
+    assert dp == pytest.approx(2 * system.inter_node_latency_s + 1.0 * nbytes / (system.inter_node_gbs * 1e9))
+
+
+def test_every_listed_layout_is_one_train_accepts(data_root):
+    cfg = gpt_config(data_root)
+    ranked, refused = search.search(cfg, 2, 4, polaris())
+    assert ranked and refused  # zero1 with model parallelism, too many stages, ... are refused
+    for candidate in ranked:
+        chosen = search.with_layout(cfg, search.layout_of(candidate))
+        config_mod.validate(chosen)
+        assert ParallelDims.from_config(chosen, 8, 4) == candidate.dims
+        assert candidate.dims.tp <= 4  # never across nodes
+        assert not (chosen.train.backend == "zero1" and max(chosen.parallel.tp, chosen.parallel.pp) > 1)
+    fits = [c.fits for c in ranked]
+    assert fits == sorted(fits, reverse=True)  # those that fit come first
+    throughputs = [c.throughput for c in ranked if c.fits]
+    assert throughputs == sorted(throughputs, reverse=True)
+
+
+def test_no_layout_fits_names_the_smallest(data_root):
+    cfg = gpt_config(data_root)
+    machine = polaris()
+    machine.device_memory_bytes = 1024  # a kilobyte per device
+    with pytest.raises(config_mod.ConfigError, match="no layout fits in .* the smallest"):
+        search.best(cfg, 1, 4, machine)
+
+
+def test_plan_command_prints_json_and_explains(data_root):
+    argv = [sys.executable, "-m", "meshtrain", "plan", "gpt", "preset=cpu", f"data.root={data_root}",
+            "--system", "perlmutter", "--nodes", "2"]
+    out = subprocess.run([*argv, "--json"], capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout)
+    assert rows and all(r["fits"] for r in rows[:3]) and {"peak", "params"} <= set(rows[0]["memory_bytes"])
+    assert rows[0]["samples_per_s"] >= rows[1]["samples_per_s"]
+    out = subprocess.run([*argv, "--top", "3", "--explain", "2"], capture_output=True, text=True, env=clean_env(),
+                         cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert "memory: peak" in text and "time: step" in text and "train the first with" in text
+    bad = subprocess.run([*argv[:-4], "--system", "summit"], capture_output=True, text=True, env=clean_env(),
+                         cwd=REPO, timeout=300)
+    assert bad.returncode != 0 and "polaris" in bad.stdout + bad.stderr
