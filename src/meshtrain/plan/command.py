@@ -57,6 +57,8 @@ def run(args) -> int:
     configure_logging()
     cfg = config_mod.load_config(args.overrides, args.model)
     machine = machine_of(args)
+    if cfg.train.dtype == "auto":  # what train.dtype=auto picks there: bf16 on every shipped system
+        cfg = replace(cfg, train=replace(cfg.train, dtype="bf16" if args.system != "this" else _auto_dtype()))
     per_node = args.gpus_per_node or machine.devices_per_node
     facts = ModelFacts.of(cfg)
     ranked, refused = search.search(cfg, args.nodes, per_node, machine, facts)
@@ -78,6 +80,14 @@ def run(args) -> int:
     if args.validate:
         return _validate(args, cfg, ranked, per_node * args.nodes)
     return 0
+
+
+def _auto_dtype() -> str:
+    from meshtrain.machine.hardware import describe
+    from meshtrain.machine.precision import auto_dtype
+    from meshtrain.runtime.device import pick_device
+
+    return auto_dtype(describe(pick_device(0))).dtype
 
 
 def pick(ranked: list[Candidate], which: str) -> Candidate:

@@ -111,8 +111,6 @@ def search(base, nodes: int, per_node: int, machine: Machine, facts: ModelFacts 
         except MeshtrainError as e:
             refused[str(e).split(":")[0][:60]] += 1
             continue
-        if cfg.parallel.pp > 1 and dims.pp == 1:
-            continue
         cost = predict(facts, cfg, dims, machine)
         ranked.append(Candidate(cfg, dims, cost, fits=cost.peak_bytes <= HEADROOM * machine.device_memory_bytes))
     ranked.sort(key=lambda c: (not c.fits, -c.throughput, c.cost.peak_bytes))
