@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from tests.conftest import REPO, clean_env, prepare_data
 
 from meshtrain import config as config_mod
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan import machines, search, systems
+from meshtrain.plan import machines, measure, search, systems
 from meshtrain.plan.cost import FP32, predict
 from meshtrain.plan.shares import chunk, stage_shares, tp_local_shape
 from meshtrain.plan.workload import ModelFacts
@@ -110,6 +111,30 @@ def test_checkpointing_sharding_and_pipelines_move_the_terms(data_root):
     assert pipeline.time["bubble"] > 0 and "pp" in pipeline.comm_bytes
     tp = cost(backend="fsdp", tp=2)
     assert "tp" in tp.comm_bytes and tp.memory["activations"] < fsdp.memory["activations"]
+
+
+def test_tensor_bytes_counts_each_storage_until_it_dies_in_any_thread():
+    tracker = measure.TensorBytes()
+    with tracker:
+        a = torch.ones(1024)  # 4 KiB
+        view = a[:10] * 0 + a[:10]  # a new 40-byte storage; a[:10] itself is a view of a, not counted again
+        b = torch.empty(2048)  # 8 KiB
+        assert tracker.alive == 4096 + 40 + 8192
+        del a, view
+        tracker.mark()  # peaks from here
+        assert tracker.peak() == 8192
+        b.untyped_storage().resize_(0)  # how FSDP2 frees a gathered parameter
+        assert tracker.alive == 0
+        c = torch.zeros(256)
+        holder = [c]
+        del c
+        # the last reference goes in another thread, as gloo drops a collective's buffers
+        threading.Thread(target=holder.clear).start()
+        for _ in range(100):
+            if tracker.alive == 0:
+                break
+            threading.Event().wait(0.01)
+        assert tracker.alive == 0 and tracker.peak() == 8192
 
 
 def test_collectives_cross_nodes_by_the_mesh_order():

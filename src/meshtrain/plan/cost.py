@@ -1,23 +1,29 @@
 """The cost of one layout on one machine, per rank: memory (what a rank holds at its peak) and step time (compute,
 the communication it cannot hide, the pipeline's bubble), each term kept so that `plan --explain` can show it.
 
-Memory, in bytes of rank 0 of the heaviest pipeline stage:
+Memory, in bytes of rank 0 of the heaviest pipeline stage (checked against the tensors' own peak on real ranks:
+plan/measure.py, docs/plan.md):
 
     states       parameters, gradients, AdamW's two moments: plan/shares.py, exact (fp32 master copies)
     activations  what the blocks save for backward: ModelShape.activations_per_token (exact for fp32 eager, tp=1)
-                 × the tokens a micro-batch puts on this rank (batch / microbatches × tokens / cp) × the micro-batches
-                 a schedule keeps in flight × the blocks on the stage; under tp, the parts of a block the plan shards
-                 divide by tp (with sequence parallel all but the two gathered inputs of attention and MLP, without
-                 it all but the four norm inputs and outputs); activation checkpointing keeps a block's input instead,
-                 plus one block's activations while it is recomputed; under autocast all but the two norms' inputs
-                 are 16-bit
+                 × the tokens a micro-batch puts on this rank (batch / microbatches × tokens / cp) × the blocks on
+                 the stage, plus each chunk's input; under tp, the parts of a block the plan shards divide by tp
+                 (with sequence parallel all but the two gathered inputs of attention and MLP, without it all but
+                 the four norm inputs and outputs); activation checkpointing keeps a block's input instead; under
+                 autocast all but the two norms' inputs are 16-bit. Times the micro-batches the stage holds when a
+                 backward starts (`held`: the pipeline schedule's own order)
     head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
-                 bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel; the ViT's
-                 whole field on every rank)
+                 bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
+                 for the ViT's whole field on every rank (its patches are copied once more into the field)
     buffers      DDP's gradient buckets (a second copy of the gradients); FSDP2's gathered parameters (the blocks in
-                 use and the root's; zero2 keeps every gathered block from forward to backward)
-    peak         max(backward's start: states without gradients, activations, head, buffers, gradients already
-                 accumulated; the optimizer step: states, buffers)
+                 use and the root's; zero2 keeps every gathered block from forward to backward); a pipeline's
+                 receive buffers (one per micro-batch for each stage's input and its output's gradient)
+    working set  what backward holds beside the saved tensors: the gradients flowing through one block (its MLP's
+                 hidden one and the stream's), the block being recomputed under checkpointing, ring attention's
+                 score blocks
+    peak         max(a backward's start: states without gradients, buffers, activations and head, working set,
+                 and the gradients that exist by then: from earlier accumulation micro-steps at the first backward,
+                 all of them at a later one, which may hold fewer micro-batches; the optimizer step: states, buffers)
 
 Step time, seconds per iteration:
 
@@ -53,6 +59,7 @@ class Cost:
     """Predicted figures of one layout on one machine (bytes and seconds), with the terms they are made of."""
 
     memory: dict[str, float] = field(default_factory=dict)  # params, grads, optimizer, activations, head, buffers, peak
+    memory_stage: int = 0  # the pipeline stage `memory` is of: the fullest
     time: dict[str, float] = field(default_factory=dict)  # compute, comm (per kind), exposed, bubble, step
     comm_bytes: dict[str, float] = field(default_factory=dict)  # bytes this rank sends per iteration, per kind
     tokens_per_iteration: int = 0
@@ -77,9 +84,10 @@ def predict(facts: ModelFacts, cfg, dims: ParallelDims, machine: Machine) -> Cos
                           virtual_stages=p.virtual_stages if dims.pp > 1 else 1)
     micro = _Micro.of(facts, cfg, dims)
     cost = Cost()
-    stage_costs = [(_memory(facts, cfg, dims, share, micro, machine), _time(facts, cfg, dims, share, micro, machine))
+    stage_costs = [(_memory(facts, cfg, dims, share, micro), _time(facts, cfg, dims, share, micro, machine))
                    for share in shares]
-    cost.memory = max((m for m, _ in stage_costs), key=lambda m: m["peak"])  # the fullest stage
+    fullest = max(range(len(shares)), key=lambda i: stage_costs[i][0]["peak"])
+    cost.memory, cost.memory_stage = stage_costs[fullest][0], shares[fullest].stage
     cost.time, cost.comm_bytes = max((tm for _, tm in stage_costs), key=lambda tm: tm[0]["step"])  # the slowest
     cost.samples_per_iteration = facts.batch_size * t.grad_accum * dims.dp_size
     cost.tokens_per_iteration = cost.samples_per_iteration * facts.tokens
@@ -95,27 +103,41 @@ class _Micro:
 
     samples: int  # per micro-batch (a pipeline's microbatch)
     count: int  # micro-batches per iteration (grad_accum × pipeline microbatches)
+    microbatches: int  # the pipeline's micro-batches per micro-step (1 without a pipeline)
     tokens: int  # tokens a micro-batch puts on this rank (after cp)
-    in_flight: int  # micro-batches whose activations a stage holds at once
 
     @classmethod
     def of(cls, facts: ModelFacts, cfg, dims: ParallelDims) -> _Micro:
         p, t = cfg.parallel, cfg.train
         microbatches = (p.microbatches or dims.pp * p.virtual_stages) if dims.pp > 1 else 1
         samples = facts.batch_size // microbatches
-        if dims.pp == 1:
-            in_flight = 1
-        elif p.pp_schedule in ("gpipe", "looped_bfs"):
-            in_flight = microbatches  # every forward before any backward
-        else:  # 1F1B-like: the first stage holds pp micro-batches (interleaved: a few more chunks)
-            in_flight = min(microbatches, dims.pp + (dims.pp - 1) // max(1, p.virtual_stages))
-        return cls(samples=samples, count=t.grad_accum * microbatches, tokens=samples * facts.tokens // dims.cp,
-                   in_flight=in_flight)
+        return cls(samples=samples, count=t.grad_accum * microbatches, microbatches=microbatches,
+                   tokens=samples * facts.tokens // dims.cp)
 
 
-def _block_activation_bytes(facts: ModelFacts, cfg, dims: ParallelDims, tokens: int) -> tuple[float, float, float]:
-    """(bytes one block saves for one micro-batch on this rank, bytes of its input alone, what it would save without
-    tensor parallelism)."""
+def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> tuple[float, float | None]:
+    """Micro-batches' activations pipeline rank `stage` holds when its first backward starts, and when a later one
+    starts (by then gradients exist; None without a pipeline: one backward per micro-step), in units of the rank's
+    whole share of blocks, as torch's schedules order the work: GPipe runs every forward first; 1F1B runs
+    pp - stage forwards, then a backward before each further forward; interleaved 1F1B runs
+    (v - 1)·pp + 2·(pp - 1 - stage) chunk forwards, then a forward before each backward."""
+    if pp == 1:
+        return 1.0, None
+    if schedule in ("gpipe", "looped_bfs"):
+        return float(microbatches), microbatches - 1 / virtual
+    if schedule == "1f1b":
+        warm = min(microbatches, pp - stage)
+        return float(warm), float(warm if microbatches > warm else warm - 1)
+    chunks = microbatches * virtual  # interleaved and zero-bubble schedules: counted in one chunk's blocks
+    per_round = microbatches // max(1, microbatches // pp)
+    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - stage), chunks)
+    first = min(warm + 1, chunks)
+    later = first if chunks - warm > 1 else first - 1
+    return first / virtual, later / virtual
+
+
+def _block_activation_bytes(facts: ModelFacts, cfg, dims: ParallelDims, tokens: int) -> tuple[float, float]:
+    """(bytes one block saves for one micro-batch on this rank, bytes of its input alone)."""
     width, sp = facts.shape.width, cfg.parallel.sequence_parallel and dims.pp == 1
     whole = facts.shape.activations_per_token
     kept_whole = (2 if sp else 4) * width if dims.tp > 1 else 0  # gathered inputs (sp) / norm ins and outs (no sp)
@@ -124,40 +146,45 @@ def _block_activation_bytes(facts: ModelFacts, cfg, dims: ParallelDims, tokens: 
     scale = (2 * width * FP32 + (whole - 2 * width) * 2) / (whole * FP32) if cfg.train.dtype in ("bf16", "fp16") \
         else 1.0
     block_input = width / (dims.tp if sp else 1)
-    return per_token * tokens * FP32 * scale, block_input * tokens * FP32, whole * tokens * FP32 * scale
+    return per_token * tokens * FP32 * scale, block_input * tokens * FP32
 
 
 def _head_bytes(facts: ModelFacts, cfg, dims: ParallelDims, micro: _Micro) -> float:
     """The output layer's output, what the loss saves of it and its gradient, for one micro-batch: a decoder's logits
-    on this rank's tokens (vocabulary-sharded under loss parallel), or the ViT's whole field on every rank."""
+    on this rank's tokens (vocabulary-sharded under loss parallel), or the ViT's whole field on every rank, which
+    is also copied once when its patches are put back together into the field."""
     if facts.shape.whole_output:
-        return 3 * micro.samples * facts.tokens * facts.head_features * FP32
+        return 4 * micro.samples * facts.tokens * facts.head_features * FP32
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
     return 3 * micro.tokens * facts.head_features / sharded * FP32
 
 
-def _memory(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro,
-            machine: Machine) -> dict[str, float]:
-    t = cfg.train
-    block, block_input, whole_block = _block_activation_bytes(facts, cfg, dims, micro.tokens)
+def _memory(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro) -> dict[str, float]:
+    t, p = cfg.train, cfg.parallel
+    block, block_input = _block_activation_bytes(facts, cfg, dims, micro.tokens)
     checkpointed = {"none": 0, "full": share.blocks,
                     "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
     kept = (share.blocks - checkpointed) * block + checkpointed * block_input
-    activations = kept * micro.in_flight + (block if checkpointed else 0)  # one block recomputed at a time
+    # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
+    # embedding keeps its own input
+    virtual = p.virtual_stages if dims.pp > 1 else 1
+    kept += virtual * block_input
+    if share.first and facts.split:
+        kept += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
     head = _head_bytes(facts, cfg, dims, micro) if share.last else 0.0
-    if dims.cp > 1 and cfg.parallel.cp_impl == "ulysses":  # q, k, v and the output, after their all-to-alls
-        activations += 4 * facts.shape.width / dims.tp * micro.tokens * FP32 * share.blocks * micro.in_flight
-    # Backward's working set at its start: the last block's gradients of what it saved, whole under tp (the
-    # gradients of gathered inputs and of partial sums are not sharded), and where the attention kernel does not
-    # tile (CPUs), one whole score matrix and its gradient for the micro-batch
-    heads = facts.shape.heads // dims.tp // (dims.cp if cfg.parallel.cp_impl == "ulysses" else 1)
-    queries = micro.tokens * (dims.cp if dims.cp > 1 and cfg.parallel.cp_impl == "ulysses" else 1)
-    keys = facts.tokens // (dims.cp if cfg.parallel.cp_impl == "ring" else 1)
-    scores = 2 * heads * queries * keys * FP32 if machine.dense_attention else 0.0
-    working = whole_block + scores if share.blocks else 0.0
-    if share.first:  # the embedding's output feeds the first block, and a linear embedding keeps its input
-        embedded = sum(shape[1] for name, shape in facts.linears if name in facts.split.first) if facts.split else 0
-        activations += (block_input + embedded * micro.tokens * FP32) * micro.in_flight
+    first, later = held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
+    # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
+    # what autograd holds beside the saved tensors, measured by plan/measure.py), the block being recomputed under
+    # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
+    act_bytes = 2 if t.dtype in ("bf16", "fp16") else FP32
+    working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
+    blocks_per_chunk = share.blocks // virtual
+    step = 1 if t.activation_checkpointing == "full" else t.ac_every
+    if checkpointed and (blocks_per_chunk - 1) % step == 0:  # backward starts by recomputing the last block
+        working += block - block_input
+    if dims.cp > 1 and p.cp_impl == "ring":
+        working += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
+    working = working if share.blocks else 0.0
     params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
     buffers = 0.0
     if t.backend in ("ddp", "zero1") and dims.size("dp_cp") > 1:
@@ -166,11 +193,20 @@ def _memory(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Mi
         gathered = share.stage_params - share.blocks * share.block_params  # the root's (embeddings, head, norms)
         blocks_gathered = share.blocks if t.backend == "zero2" else 2  # in use + prefetched
         buffers = (gathered + blocks_gathered * share.block_params) * FP32 + share.block_params * FP32  # + reduce
-    accumulated = grads if (t.grad_accum > 1 or micro.count > 1) else 0.0
-    backward_start = params + optimizer + activations + head + buffers + accumulated + working
+    if dims.pp > 1:  # a receive buffer per micro-batch for each stage's input and its output's gradient
+        stages = [share.stage + k * dims.pp for k in range(virtual)]
+        ends = sum((s > 0) + (s < dims.pp * virtual - 1) for s in stages)
+        buffers += ends * micro.microbatches * block_input
+    # Backward peaks where its first micro-batch starts (gradients only from earlier accumulation micro-steps) or
+    # where a later one does (gradients of this step too, perhaps fewer micro-batches held): whichever is more
+    earlier = grads if t.grad_accum > 1 else 0.0
+    in_flight, held_grads = (later, grads) if later is not None and later * (kept + head) + grads > \
+        first * (kept + head) + earlier else (first, earlier)
+    activations, head = in_flight * kept, in_flight * head
+    backward = params + optimizer + buffers + activations + head + held_grads + working
     optimizer_step = params + grads + optimizer + buffers
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
-            "buffers": buffers, "backward working set": working, "peak": max(backward_start, optimizer_step)}
+            "buffers": buffers, "backward working set": working, "peak": max(backward, optimizer_step)}
 
 
 def _time(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro,
@@ -191,7 +227,7 @@ def _time(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micr
     context = facts.tokens  # causal or not, the attention kernels here compute the whole score matrix
     attention = share.blocks * 12 * heads * head_dim * context * tokens / machine.matmul_rate(
         label, tokens, head_dim, context)
-    block, _, _ = _block_activation_bytes(facts, cfg, dims, tokens)
+    block, _ = _block_activation_bytes(facts, cfg, dims, tokens)
     recompute = {"none": 0, "full": 1, "selective": 1 / t.ac_every}[t.activation_checkpointing]
     elementwise = 4 * share.blocks * block / machine.memory_bps
     per_micro = (matmul + attention + elementwise) * (1 + recompute / 3)

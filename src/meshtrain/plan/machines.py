@@ -43,7 +43,6 @@ class Machine:
     intra_latency_s: float
     inter_latency_s: float
     overlap: bool  # data-parallel traffic can hide behind backward (an accelerator's own copy engines and streams)
-    dense_attention: bool = False  # attention's backward holds a whole score matrix (CPU kernels; GPUs tile it)
     slowdown: float = 1.0  # ranks sharing cores: compute runs this many times slower
     block_overhead_s: float = 0.0  # fixed cost of one block's forward and backward (operator dispatch)
     optimizer_tensor_s: float = 0.0  # fixed cost per parameter tensor of an optimizer step
@@ -137,7 +136,7 @@ def this_machine(ranks_per_node: int, device: str | None = None) -> Machine:
                    device_memory_bytes=hw.device_memory_bytes or hw.host_memory_bytes / ranks_per_node,
                    peak={label: max(r for _, r in points) for label, points in curve.items()}, memory_bps=memory,
                    intra_bps=intra, inter_bps=intra, intra_latency_s=50e-6, inter_latency_s=50e-6,
-                   overlap=dev.type != "cpu", dense_attention=dev.type == "cpu", slowdown=slowdown, block_overhead_s=block_s,
+                   overlap=dev.type != "cpu", slowdown=slowdown, block_overhead_s=block_s,
                    optimizer_tensor_s=tensor_s, curve=curve, collectives=collectives,
                    fixed=calibrate.cached(ranks_per_node),
                    sources={"matmul": f"measured here: matmul rate by size at {threads or 'all'} thread(s)",

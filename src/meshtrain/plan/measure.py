@@ -2,10 +2,10 @@
 exactly as `train` does (the Trainer, in a scratch directory), steps it, and records per rank:
 
     params, grads, optimizer   bytes held after a step (parallel.data_parallel.bytes_held)
-    peak                       the most bytes of tensors alive at once during the measured steps: CUDA's
-                               max_memory_allocated on a GPU; on a CPU, the allocator's own count, read from the
-                               torch profiler's memory events (every allocation and free, from the process's start)
-    step_s                     the median wall time of a step, timed without the profiler
+    peak                       the most bytes of tensors alive at once during the measured step: CUDA's
+                               max_memory_allocated on a GPU; on a CPU, the storages every op made, counted from
+                               the process's start until each dies (TensorBytes)
+    step_s                     the median wall time of a step, timed without the counting
 
     python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measure gpt preset=cpu train.backend=fsdp
 """
@@ -17,8 +17,12 @@ import contextlib
 import statistics
 import tempfile
 import time
+import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from meshtrain import config as config_mod
 from meshtrain import registry
@@ -27,41 +31,73 @@ from meshtrain.runtime import distributed
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.results import record
 
-WINDOW = "meshtrain.plan.measured_step"
 
+class TensorBytes(TorchDispatchMode):
+    """Bytes of tensor storages alive at once, counted as this process's ops create them and as they die.
 
-class TensorBytes:
-    """Bytes of tensors alive over time on a CPU, from the profiler's record of every allocation and free."""
+    Every op dispatched on this thread is seen here, those autograd and DDP's reducer issue from C++ included, and
+    each new storage is counted until its last reference goes, in whatever thread that happens. That last point is
+    why this is not the profiler's allocation record: gloo drops the buffers of a collective in its own threads,
+    whose frees the profiler never sees, so its running total grows by megabytes a step under tensor parallelism.
+    Storages resized in place (FSDP2 frees and regathers parameters that way) are followed through resize_. What
+    kernels allocate for themselves and never hand back as a tensor is not counted: it is not the tensors' bytes."""
 
     def __init__(self):
-        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        self.window = torch.profiler.record_function(WINDOW)
-        self.marked = False
+        super().__init__()
+        self.alive = self.peak_bytes = 0
+        self.sizes: dict[int, int] = {}  # id of a counted storage -> its bytes
+        self.refs: dict[int, weakref.ref] = {}
+        self.resize = torch.UntypedStorage.resize_
 
     def __enter__(self):
-        self.profiler.start()
-        return self
+        tracker = self
+
+        def resize_(storage, size):
+            tracker.resize(storage, size)
+            key = id(storage)
+            if key in tracker.sizes and tracker.refs[key]() is storage:
+                tracker._add(storage.nbytes() - tracker.sizes[key])
+                tracker.sizes[key] = storage.nbytes()
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self.resize
+        return super().__exit__(*exc)
 
     def mark(self) -> None:
-        """Peaks count from here on (the measured steps); allocations before still count as alive."""
-        self.window.__enter__()
-        self.marked = True
-
-    def __exit__(self, *exc) -> None:
-        if self.marked:
-            self.window.__exit__(None, None, None)
-        self.profiler.stop()
+        """Peaks count from here on (the measured steps); storages made before still count as alive."""
+        self.peak_bytes = self.alive
 
     def peak(self) -> int:
-        recorded = self.profiler.profiler.kineto_results.events()
-        events = sorted((e.start_ns(), e.nbytes()) for e in recorded if e.name() == "[memory]")
-        start = min((e.start_ns() for e in recorded if e.name() == WINDOW), default=0)
-        alive = best = 0
-        for when, nbytes in events:
-            alive += nbytes
-            if when >= start:
-                best = max(best, alive)
-        return best
+        return self.peak_bytes
+
+    def _add(self, nbytes: int) -> None:
+        self.alive += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.alive)
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.sizes and self.refs[key]() is storage:
+            return
+        self.sizes[key] = storage.nbytes()
+        self.refs[key] = weakref.ref(storage, lambda _, key=key: self._gone(key))
+        self._add(self.sizes[key])
+
+    def _gone(self, key: int) -> None:
+        self.alive -= self.sizes.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn it into ops on local tensors, which come back through here
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._count, out)
+        return out
 
 
 def main(argv: list[str] | None = None) -> None:

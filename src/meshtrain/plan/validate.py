@@ -27,7 +27,8 @@ STATES = ("params", "grads", "optimizer")
 @dataclass
 class Check:
     candidate: Candidate
-    measured: dict | None  # rank 0 of the fullest stage: params, grads, optimizer, peak, step_s; None if it failed
+    measured: dict | None  # params, grads, optimizer of rank 0 of the predicted stage, the largest peak and
+    # step_s over the ranks; None if it failed
     error: str = ""
 
     @property
@@ -56,7 +57,9 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
             tail = job.output.strip().splitlines()[-1:] or ["no output"]
             checks.append(Check(candidate, None, f"exit {job.returncode}: {tail[0][:200]}"))
         else:
-            fullest = max(rows, key=lambda r: (r["params"], -r["rank"]))  # rank 0 of the heaviest stage
+            stage = candidate.cost.memory_stage  # the stage whose states were predicted; peak and time: the worst
+            fullest = min((r for r in rows if candidate.dims.coords(r["rank"]).get("pp", 0) == stage),
+                          key=lambda r: r["rank"])
             fullest = dict(fullest, peak=max(r["peak"] for r in rows), step_s=max(r["step_s"] for r in rows))
             checks.append(Check(candidate, fullest))
         progress(checks[-1])
