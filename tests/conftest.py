@@ -25,7 +25,8 @@ def output(proc: subprocess.CompletedProcess) -> str:
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment minus any launcher/scheduler variables the test runner itself might carry."""
     prefixes = ("SLURM_", "PBS_", "OMPI_", "PMI_", "PMIX_", "PALS_", "MPI_LOCAL", "TORCHELASTIC_")
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+             "MESHTRAIN_FAULT", "MESHTRAIN_RESTART_COUNT")
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
     env.update(PYTHONUNBUFFERED="1", MESHTRAIN_DEVICE="cpu", OMP_NUM_THREADS="1", **extra)
     return env

@@ -69,7 +69,9 @@ class TrainSection:
     max_minutes: float | None = None  # stop (with a checkpoint) once this wall-clock budget is spent
     seed: int = 1337
     max_epochs: int | None = None  # passes over the data (ViT); when set, it replaces max_iters and eval_interval
-    init_from: str = "scratch"  # scratch | resume | what else a model's own rules accept (the GPT: GPT-2 weights)
+    # scratch | resume | auto (resume if the run has a checkpoint, else scratch: for job scripts that re-queue) |
+    # what else a model's own rules accept (the GPT: GPT-2 weights)
+    init_from: str = "scratch"
     out_dir: str = "outputs/runs"
     run_dir: str | None = None  # the run to resume (default: the latest run of this workload/backend)
     save_checkpoints: bool = True

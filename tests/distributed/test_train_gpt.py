@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,12 +117,115 @@ def test_resume_after_a_kill_continues_bit_exactly(data_root, tmp_path):
     assert [r["val_loss"] for r in rows if "val_loss" in r and r["step"] == 30] == final_val
 
 
+def _start_and_wait_for_steps(world: int, data_root: Path, out_dir: Path, steps: int, *overrides: str):
+    """A run with no end in sight, once it has logged `steps` iterations."""
+    import time
+
+    args = ["-m", "meshtrain", "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}",
+            "train.max_iters=100000", *overrides]
+    cmd = torchrun_cmd(world, *args) if world > 1 else [sys.executable, *args]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
+                           cwd=REPO, start_new_session=True)
+    from meshtrain.train.sinks import read_jsonl  # skips a line being written
+
+    deadline = time.monotonic() + 120
+    while True:
+        latest = out_dir / "gpt/ddp/latest"
+        metrics = run_dir_of(out_dir) / "metrics.jsonl" if latest.exists() else None
+        rows = read_jsonl(metrics) if metrics and metrics.exists() else []
+        if sum("loss" in r for r in rows) >= steps:
+            return job
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
+        time.sleep(0.05)
+
+
+def test_a_signal_stops_every_rank_with_a_checkpoint_and_exit_code_75(data_root, tmp_path):
+    import signal
+
+    job = _start_and_wait_for_steps(1, data_root, tmp_path, 3, "train.log_interval=1", "train.eval_interval=1000")
+    job.send_signal(signal.SIGTERM)  # as SLURM at the time limit, or PBS at the walltime
+    text = job.communicate(timeout=120)[0]
+    assert job.returncode == 75, text[-3000:]
+    stopped_at = saved_iteration(run_dir_of(tmp_path))
+    assert stopped_at >= 3 and "stopped by a signal (SIGTERM on this rank) after iteration" in text
+
+
+def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, tmp_path):
+    import signal
+
+    from meshtrain.train.sinks import read_jsonl
+
+    common = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30", "train.init_from=auto"]
+    full = train(2, data_root, tmp_path / "full", "train.max_iters=30", *common)
+    assert full.returncode == 0, output(full)[-3000:]
+    reference = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "full")) if "loss" in r}
+
+    out_dir = tmp_path / "preempted"
+    job = _start_and_wait_for_steps(2, data_root, out_dir, 3, *common)
+    ranks = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+    assert len(ranks) == 2, ranks
+    os.kill(int(ranks[-1]), signal.SIGUSR1)  # one rank only: SLURM's --signal warning, say; both must stop
+    text = job.communicate(timeout=120)[0]
+    assert "exitcode  : 75" in text and "stopped by a signal" in text, text[-3000:]
+    stopped_at = saved_iteration(run_dir_of(out_dir))
+    if stopped_at >= 30:
+        pytest.skip(f"this machine was too busy: the job reached iteration {stopped_at} before the signal")
+
+    resumed = train(2, data_root, out_dir, "train.max_iters=30", *common)  # the re-queued job
+    assert resumed.returncode == 0, output(resumed)[-3000:]
+    assert f"resuming at iteration {stopped_at}" in output(resumed)
+    rows = read_jsonl(run_dir_of(out_dir) / "metrics.jsonl")
+    after = {r["step"]: r["loss"] for r in rows if r["step"] > stopped_at and "loss" in r}
+    assert sorted(after) == list(range(stopped_at + 1, 31))
+    assert all(after[step] == reference[step] for step in after), "losses differ after the preemption"
+
+
+def test_fault_drill_restarts_by_itself_and_finishes_bit_exactly(data_root, tmp_path):
+    """Two ranks killed in one job (rank 1 after iteration 13, rank 0 after 27 in the first restart): torchrun
+    restarts it, each attempt resumes its latest checkpoint, and the finished history equals an uninterrupted run."""
+    from meshtrain.train.sinks import read_jsonl
+
+    common = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30", "train.max_iters=30",
+              "train.init_from=auto"]
+    full = train(2, data_root, tmp_path / "full", *common)
+    assert full.returncode == 0, output(full)[-3000:]
+    reference = read_jsonl(run_dir_of(tmp_path / "full") / "metrics.jsonl")
+
+    drilled = tmp_path / "drilled"
+    job = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "--max-restarts", "3", "--", "python", "-m",
+                          "meshtrain", "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={drilled}",
+                          *common], capture_output=True, text=True, cwd=REPO, timeout=600,
+                         env=clean_env(MESHTRAIN_FAULT="kill:rank=1:step=13,kill:rank=0:step=27:attempt=1"))
+    text = output(job)
+    assert job.returncode == 0, text[-4000:]
+    assert "done 3 iteration(s) past this checkpoint" in text and "done 7 iteration(s) past this checkpoint" in text
+    rows = read_jsonl(run_dir_of(drilled) / "metrics.jsonl")
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert losses == {r["step"]: r["loss"] for r in reference if "loss" in r}
+    assert [r["val_loss"] for r in rows if "val_loss" in r] == [r["val_loss"] for r in reference if "val_loss" in r]
+
+
 def test_missing_data_names_the_path_and_the_command(tmp_path):
     out = train(1, tmp_path / "nowhere", tmp_path, "train.max_iters=1")
     text = output(out)
     assert out.returncode == 1
     assert str(tmp_path / "nowhere" / "shakespeare_char") in text and "meshtrain prepare shakespeare_char" in text
     assert "Traceback" not in text
+
+
+def test_a_failed_start_leaves_latest_at_the_good_run_and_auto_resumes_it(data_root, tmp_path):
+    good = train(1, data_root, tmp_path, "train.max_iters=4", "train.eval_interval=4", "train.init_from=auto")
+    assert good.returncode == 0, output(good)[-2000:]
+    good_run = run_dir_of(tmp_path)
+    runs = sorted(tmp_path.glob("gpt/ddp/*/*"))
+    for bad in (f"data.root={tmp_path / 'typo'}", "model.block_size=200000"):  # fails as the run is built
+        out = train(1, data_root, tmp_path, "train.max_iters=4", bad)
+        assert out.returncode == 1 and "Traceback" not in output(out), output(out)[-2000:]
+        assert run_dir_of(tmp_path) == good_run and sorted(tmp_path.glob("gpt/ddp/*/*")) == runs, bad
+    assert "train.init_from=auto: no checkpoint yet, from scratch" in output(good)
+    resumed = train(1, data_root, tmp_path, "train.max_iters=6", "train.init_from=auto")  # as a re-queued job
+    assert resumed.returncode == 0, output(resumed)[-2000:]
+    assert "resuming at iteration 4" in output(resumed) and saved_iteration(good_run) == 6
 
 
 def test_prompt_outside_the_vocabulary_fails_before_training(data_root, tmp_path):

@@ -38,6 +38,22 @@ def test_resume_without_any_run_is_a_clear_error(tmp_path):
         checkpoint.latest_run(tmp_path, "gpt", "ddp")
 
 
+def test_auto_resumes_only_a_run_with_a_complete_checkpoint(tmp_path):
+    assert checkpoint.resumable_run(tmp_path, "gpt", "ddp") is None  # no run yet: start fresh
+    run = checkpoint.new_run_dir(tmp_path, "gpt", "ddp", now=0)
+    checkpoint.record_run(tmp_path, "gpt", "ddp", run)
+    assert checkpoint.resumable_run(tmp_path, "gpt", "ddp") is None  # killed before its first save
+    step = run / "checkpoints" / "step-0000010"
+    step.mkdir(parents=True)
+    (step / "trainer_state.pt").write_bytes(b"")
+    (run / "checkpoints" / "latest").write_text("step-0000010\n")
+    assert checkpoint.resumable_run(tmp_path, "gpt", "ddp") == run.resolve()
+    assert checkpoint.resumable_run(tmp_path / "elsewhere", "gpt", "ddp", run_dir=run) == run  # train.run_dir
+    (run / "checkpoints" / "latest").write_text("step-0000020\n")  # names a step that is not there
+    with pytest.raises(checkpoint.CheckpointError, match="names step-0000020, which is missing or incomplete"):
+        checkpoint.resumable_run(tmp_path, "gpt", "ddp")
+
+
 @pytest.fixture()
 def one_rank(tmp_path):
     """A one-process gloo group: the Checkpointer's collectives then run for real."""

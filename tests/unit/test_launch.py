@@ -7,7 +7,8 @@ import pytest
 from tests.conftest import clean_env
 
 from meshtrain.runtime.env import LaunchEnvError
-from meshtrain.runtime.launch import Machine, build_command
+from meshtrain.runtime.launch import Machine, build_command, relaunch
+from meshtrain.train import faults
 
 GPU_NODE = Machine(accelerators=4, cpus=64)
 CPU_BOX = Machine(accelerators=0, cpus=2)
@@ -26,6 +27,20 @@ def test_pbs_pals_mpiexec_uses_hostfile_ppn_and_depth_binding(pbs):
     argv = build_command(USER, environ=pbs, machine=GPU_NODE, flavor="pals")
     assert argv == ["mpiexec", "-n", "8", "--ppn", "4", "--hostfile", pbs["PBS_NODEFILE"], "--depth", "16",
                     "--cpu-bind", "depth", "--envall", PY, "-m", "meshtrain", "test-dist"]
+
+
+def test_pbs_ranks_per_node_come_from_the_nodefile_slots_on_a_cpu_node(tmp_path):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x1\n" * 4 + "x2\n" * 4)  # select=2:mpiprocs=4: one line per slot
+    env = {"PBS_JOBID": "2.pbs", "PBS_NODEFILE": str(nodefile)}
+    argv = build_command(USER, environ=env, machine=CPU_BOX, flavor="pals")
+    assert argv[:5] == ["mpiexec", "-n", "8", "--ppn", "4"]
+    assert build_command(USER, nproc=8, environ=env, machine=CPU_BOX, flavor="pals")[:5] == argv[:5]
+    with pytest.raises(LaunchEnvError, match="-n 9 needs 3 nodes at --ppn 4"):
+        build_command(USER, nproc=9, environ=env, machine=CPU_BOX, flavor="pals")
+    # accelerators, where a node has them, say how many ranks it runs
+    assert build_command(USER, environ=env, machine=Machine(accelerators=2, cpus=8), flavor="pals")[:5] == \
+        ["mpiexec", "-n", "4", "--ppn", "2"]
 
 
 def test_pbs_explicit_n_and_ppn(pbs):
@@ -118,3 +133,30 @@ def test_cli_error_is_one_clear_line(tmp_path):
     assert out.returncode == 1
     assert "Traceback" not in out.stdout + out.stderr
     assert "cannot read the hostfile" in out.stdout
+
+
+def test_restarts_torchrun_by_flag_and_mpiexec_by_running_it_again(tmp_path, capsys):
+    argv = build_command(USER, environ=clean_env(), machine=CPU_BOX, max_restarts=3)
+    assert "--max-restarts=3" in argv and argv.index("--max-restarts=3") < argv.index("-m")
+    # attempts 0 and 1 fail, attempt 2 succeeds: each sees its attempt number, as torchrun's workers do
+    script = 'echo "$MESHTRAIN_RESTART_COUNT" >> {log}; [ "$MESHTRAIN_RESTART_COUNT" -ge 2 ]'.format(
+        log=tmp_path / "attempts")
+    assert relaunch(["sh", "-c", script], max_restarts=3) == 0
+    assert (tmp_path / "attempts").read_text().split() == ["0", "1", "2"]
+    assert "attempt 1 failed with exit code 1" in capsys.readouterr().out
+    assert relaunch(["sh", "-c", "exit 4"], max_restarts=1) == 4  # out of restarts: the last failure is the job's
+    assert relaunch(["sh", "-c", "echo again >> {}; exit 75".format(tmp_path / "preempted")], max_restarts=3) == 75
+    assert (tmp_path / "preempted").read_text().split() == ["again"]  # preempted: not restarted
+
+
+def test_fault_specs_parse_and_fire_in_their_attempt_only(monkeypatch):
+    assert faults.parse("kill:rank=1:step=13, kill:rank=0:step=27:attempt=1") == [
+        faults.Fault(rank=1, step=13), faults.Fault(rank=0, step=27, attempt=1)]
+    for bad in ("kill:rank=1", "stop:rank=1:step=2", "kill:rank=one:step=2", "kill:rank=1:step=2:when=3"):
+        with pytest.raises(faults.FaultSpecError, match="each fault is kill:rank=R:step=S"):
+            faults.parse(bad)
+    monkeypatch.setenv("MESHTRAIN_FAULT", "kill:rank=1:step=13,kill:rank=0:step=27:attempt=1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert faults.Drill(rank=0).steps == {27} and faults.Drill(rank=1).steps == set()
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert faults.Drill(rank=1).steps == {13}

@@ -315,6 +315,19 @@ def test_truncated_bins_are_named(char_copy):
         TokenBatches(char_copy, "train", block_size=8, batch_size=2)
 
 
+def test_token_ids_beyond_the_vocabulary_are_named(char_copy):
+    val = char_copy / "val.bin"
+    tokens = np.fromfile(val, dtype=np.uint16)
+    tokens[1234] = 65  # the vocabulary is 0..64
+    tokens.tofile(val)
+    with pytest.raises(DataError, match=r"val\.bin holds token id 65, but .*meta\.json gives a vocabulary of 65 "
+                                        r"\(ids 0\.\.64\).*Re-run `meshtrain prepare shakespeare_char"):
+        TokenBatches(char_copy, "val", block_size=8, batch_size=2)
+    tokens[1234] = 64
+    tokens.tofile(val)
+    TokenBatches(char_copy, "val", block_size=8, batch_size=2).next_batch()  # the largest id is fine
+
+
 def test_block_size_longer_than_the_split(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("abcdefghij" * 10, encoding="utf-8")  # 100 chars: train 90 tokens, val 10

@@ -331,6 +331,13 @@ def check_split(data_dir: Path, split: str, block_size: int | None = None, meta:
     if n_tokens != expected:
         raise DataError(f"{path} holds {n_tokens:,} tokens but {data_dir / 'meta.json'} expects {expected:,}: "
                         f"truncated or stale. Re-run `{prepare_command(data_dir)}`")
+    # A foreign or corrupt file of the right length would otherwise end in the embedding's IndexError, mid-step.
+    # One pass of max() over the mapped file: ~1 ms for Shakespeare, seconds for a 9B-token corpus.
+    largest = int(np.memmap(path, dtype=TOKEN_DTYPE, mode="r").max()) if n_tokens else -1
+    if largest >= int(meta["vocab_size"]):
+        raise DataError(f"{path} holds token id {largest:,}, but {data_dir / 'meta.json'} gives a vocabulary of "
+                        f"{int(meta['vocab_size']):,} (ids 0..{int(meta['vocab_size']) - 1:,}): the file was not "
+                        f"written with this meta.json's tokenizer, or is corrupt. Re-run `{prepare_command(data_dir)}`")
     if block_size is not None and n_tokens < block_size + 1:
         raise DataError(f"block_size={block_size} needs windows of {block_size + 1:,} tokens (inputs and the "
                         f"shifted targets), but the {split} split ({path}) has only {n_tokens:,} tokens: "

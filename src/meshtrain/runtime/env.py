@@ -192,16 +192,22 @@ def _expand_range(spec: str) -> list[str]:
 
 def read_hostfile(path: str | os.PathLike) -> list[str]:
     """Unique hosts of a PBS/MPI hostfile in order of first appearance (PBS repeats a host per slot)."""
+    return list(hostfile_slots(path))
+
+
+def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
+    """Each host of a PBS/MPI hostfile, in order of first appearance, with its slots: the lines naming it (PBS
+    writes one per MPI rank a chunk asked for with mpiprocs)."""
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise LaunchEnvError(f"cannot read the hostfile {path} (PBS_NODEFILE): {e.strerror}") from None
-    hosts: list[str] = []
+    slots: dict[str, int] = {}
     for line in text.splitlines():
         host = line.split("#", 1)[0].split()
-        if host and host[0] not in hosts:
-            hosts.append(host[0])
-    return hosts
+        if host:
+            slots[host[0]] = slots.get(host[0], 0) + 1
+    return slots
 
 
 def derived_port(job_id: str) -> int:

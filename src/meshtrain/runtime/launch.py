@@ -16,10 +16,11 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from meshtrain.runtime.env import LaunchEnvError, scheduler_info
+from meshtrain.runtime.env import LaunchEnvError, hostfile_slots, scheduler_info
 
 PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
 MPI_FLAVORS = ("pals", "openmpi", "mpich")
@@ -60,14 +61,26 @@ def _as_interpreter(command: list[str]) -> list[str]:
     return command
 
 
-def _torchrun(nproc: int, command: list[str]) -> list[str]:
+def _torchrun(nproc: int, command: list[str], max_restarts: int = 0) -> list[str]:
     beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
     head = [beside if os.path.exists(beside) else "torchrun", "--standalone", f"--nproc-per-node={nproc}"]
+    head += [f"--max-restarts={max_restarts}"] if max_restarts else []
     if len(command) >= 3 and command[0] in PYTHON_NAMES and command[1] == "-m":
         return [*head, "-m", *command[2:]]
     if len(command) >= 2 and command[0] in PYTHON_NAMES and not command[1].startswith("-"):
         return [*head, *command[1:]]
     return [*head, "--no-python", *command]
+
+
+def _scheduler_ppn(scheduler: str, env: Mapping[str, str]) -> int | None:
+    """Ranks per node as the job asked for them: SLURM's tasks per node, or the slots PBS wrote per host in its
+    nodefile (the fewest, should the chunks differ)."""
+    if scheduler == "slurm":
+        tasks = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        return int(tasks) if tasks.isdigit() else None
+    if scheduler == "pbs" and env.get("PBS_NODEFILE"):
+        return min(hostfile_slots(env["PBS_NODEFILE"]).values(), default=None)
+    return None
 
 
 def build_command(
@@ -78,6 +91,7 @@ def build_command(
     flavor: str = "auto",
     environ: Mapping[str, str] | None = None,
     machine: Machine | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The full launcher argv for `command` on this machine (see the module docstring)."""
     env = os.environ if environ is None else environ
@@ -88,11 +102,10 @@ def build_command(
     if launcher == "auto":
         launcher = {"pbs": "mpiexec", "slurm": "srun"}.get(scheduler, "torchrun")
     if launcher == "torchrun":
-        return _torchrun(nproc or machine.accelerators or 2, command)
+        return _torchrun(nproc or machine.accelerators or 2, command, max_restarts)
 
     nodes = len(hosts) or int(env.get("SLURM_NNODES", "0") or 0) or 1
-    scheduler_ppn = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-    ppn = ppn or machine.accelerators or (int(scheduler_ppn) if scheduler_ppn.isdigit() else 1)
+    ppn = ppn or machine.accelerators or _scheduler_ppn(scheduler, env) or 1
     nproc = nproc or nodes * ppn
     if nproc > nodes * ppn:
         raise LaunchEnvError(
@@ -135,22 +148,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--nproc", type=int, default=None,
                         help="total ranks (default: nodes x ppn; locally the accelerators here, or 2 on a CPU-only box)")
     parser.add_argument("--ppn", type=int, default=None,
-                        help="ranks per node (default: accelerators per node, else the scheduler's tasks per node, else 1)")
+                        help="ranks per node (default: accelerators per node, else SLURM's tasks per node or the slots "
+                             "PBS_NODEFILE lists per host, else 1)")
     parser.add_argument("--launcher", choices=("auto", "torchrun", "mpiexec", "srun"), default="auto",
                         help="auto: mpiexec under PBS, srun under SLURM, torchrun --standalone elsewhere")
     parser.add_argument("--mpi", dest="flavor", choices=("auto", *MPI_FLAVORS), default="auto",
                         help="which mpiexec's flags to write (auto: ask `mpiexec --version`; PALS if it cannot tell)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="restart the whole job up to N times when a rank fails (torchrun's elastic restarts; "
+                             "under mpiexec or srun, launch runs it again); pair with train.init_from=auto")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command each rank runs")
 
 
 def run(args: argparse.Namespace) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    argv = build_command(command, nproc=args.nproc, ppn=args.ppn, launcher=args.launcher, flavor=args.flavor)
+    if args.max_restarts < 0:
+        raise LaunchEnvError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
+    argv = build_command(command, nproc=args.nproc, ppn=args.ppn, launcher=args.launcher, flavor=args.flavor,
+                         max_restarts=args.max_restarts)
     print(shlex.join(argv), flush=True)
     if args.dry_run:
         return 0
     if shutil.which(argv[0]) is None:
         raise LaunchEnvError(f"{argv[0]} is not on PATH here: load the module that provides it, or pick --launcher")
-    os.execvp(argv[0], argv)  # the launcher takes over this process: its exit code and signals are the job's
-    return 1  # unreachable
+    if args.max_restarts == 0 or os.path.basename(argv[0]) == "torchrun":  # torchrun restarts by itself
+        os.execvp(argv[0], argv)  # the launcher takes over this process: its exit code and signals are the job's
+    return relaunch(argv, args.max_restarts)
+
+
+def relaunch(argv: list[str], max_restarts: int) -> int:
+    """Run `argv` (mpiexec or srun) again while it fails, up to `max_restarts` more times, telling the ranks which
+    attempt they are (MESHTRAIN_RESTART_COUNT, as torchrun's TORCHELASTIC_RESTART_COUNT). A job stopped by a
+    preemption signal (exit 75) is not restarted here: its nodes are going away; the job script re-queues it."""
+    from meshtrain.train.stopping import PREEMPTED
+
+    for attempt in range(max_restarts + 1):
+        started = time.monotonic()
+        code = subprocess.run(argv, env={**os.environ, "MESHTRAIN_RESTART_COUNT": str(attempt)}).returncode
+        if code in (0, PREEMPTED) or attempt == max_restarts:
+            return code
+        print(f"meshtrain launch: attempt {attempt} failed with exit code {code} after "
+              f"{time.monotonic() - started:.1f} s; restarting ({max_restarts - attempt} restart(s) left)", flush=True)
+    return code

@@ -101,6 +101,18 @@ def _mpi_rendezvous(launch: launch_env.LaunchEnv) -> tuple[str, int, str] | None
     return addr, port, "broadcast from rank 0 over MPI (mpi4py)"
 
 
+def _attempt_store(addr: str, port: int, rank: int, world_size: int, timeout: float):
+    """Under torchrun, each restart's ranks meet in the agent's store, which still holds the previous attempt's keys
+    (its ranks' gloo addresses): a restarted rank reads them and dials a dead process ("connection refused"). A
+    prefix per attempt keeps the attempts apart. None outside torchrun: init_process_group makes its own store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    store = dist.TCPStore(addr, port, world_size, is_master=hosts_store, timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(f"meshtrain/attempt_{attempt}", store)
+
+
 def setup(device: str | None = None, backend: str | None = None, timeout: float | None = None) -> DistInfo:
     """Find this rank, pick its device, join the process group, and log the set-up table on rank 0."""
     launch = launch_env.detect()
@@ -125,6 +137,8 @@ def setup(device: str | None = None, backend: str | None = None, timeout: float 
     torch.set_num_threads(threads)
 
     kwargs = {"device_id": torch_device} if torch_device.type == "cuda" else {}
+    store = _attempt_store(master_addr, master_port, launch.rank, launch.world_size, timeout)
+    kwargs |= {"store": store} if store is not None else {}
     try:
         dist.init_process_group(
             backend=backend, rank=launch.rank, world_size=launch.world_size,

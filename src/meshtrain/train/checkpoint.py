@@ -62,6 +62,18 @@ def latest_run(out_dir: str | Path, workload: str, backend: str) -> Path:
     return Path(latest.read_text().strip())
 
 
+def resumable_run(out_dir: str | Path, workload: str, backend: str, run_dir: str | Path | None = None) -> Path | None:
+    """The run train.init_from=auto continues: `run_dir`, else the latest run, if it has saved a checkpoint; None
+    when there is no such run or it saved none yet. A checkpoint pointer that names a missing step is an error,
+    not a fresh start: starting over would silently throw the run's progress away."""
+    latest = Path(out_dir) / workload / backend / LATEST
+    run = Path(run_dir) if run_dir else Path(latest.read_text().strip()) if latest.is_file() else None
+    if run is None or not (run / CHECKPOINTS / LATEST).is_file():
+        return None
+    latest_checkpoint(run)  # complete, or a clear error
+    return run
+
+
 class Checkpointer:
     """Saves distributed checkpoints of one run: `checkpoints/step-NNNNNNN/` directories and a `latest`
     file naming the last complete one.

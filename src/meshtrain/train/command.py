@@ -8,6 +8,7 @@ from meshtrain import registry
 from meshtrain.config import ALIASES, load_config
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.setup import distributed
+from meshtrain.train.stopping import PREEMPTED
 
 log = get_logger("train")
 
@@ -34,4 +35,4 @@ def run(args: argparse.Namespace) -> int:
             sample = (f"; sample from it with `meshtrain sample --run {result.run_dir}`"
                       if registry.get(args.workload).text else "")
             log.info("run directory %s: config.yaml, checkpoints/, metrics.jsonl%s", result.run_dir, sample)
-    return 0
+    return PREEMPTED if result.preempted else 0

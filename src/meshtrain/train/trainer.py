@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -34,9 +35,10 @@ from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.log import get_logger, print_rich
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
-from meshtrain.train import checkpoint, metrics, profiling
+from meshtrain.train import checkpoint, faults, metrics, profiling
 from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
 from meshtrain.train.sinks import build_sinks, progress_bar
+from meshtrain.train.stopping import PREEMPTED, Stopping
 
 log = get_logger("train")
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,6 +56,7 @@ class TrainResult:
     train_loss: float = math.nan
     val_loss: float = math.nan
     samples: list[str] = field(default_factory=list)  # a language model's text samples
+    preempted: bool = False  # stopped by a signal (SIGTERM, SIGUSR1), with a checkpoint
 
 
 def train(cfg, info: DistInfo) -> TrainResult:
@@ -71,9 +74,16 @@ class Trainer:
         self.cfg = self._resolve_precision(cfg)
         self.resumed, self.checkpoint_dir = None, None
         self.run_dir = self._open_run_dir()
-        self._build()
-        self.start_iter = self._resume() if self.resumed else 0
-        self._start_reporting()
+        try:
+            self._build()
+            self.start_iter = self._resume() if self.resumed else 0
+            self._start_reporting()
+        except BaseException:
+            if info.is_main and not self.resumed:  # a run that never started leaves nothing behind
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+        if info.is_main and not self.resumed:  # only now is it the run `train.init_from=resume` should find
+            checkpoint.record_run(self.cfg.train.out_dir, self.spec.name, self.cfg.train.backend, self.run_dir)
 
     # ---- set-up ------------------------------------------------------------------------------------------------
     def _planned(self, cfg):
@@ -111,18 +121,23 @@ class Trainer:
         return replace(cfg, train=replace(t, dtype=dtype))
 
     def _open_run_dir(self) -> Path:
-        """The run to resume (its saved architecture replaces cfg.model), or a new run directory."""
+        """The run to resume (its saved architecture replaces cfg.model), or a new run directory; init_from=auto
+        becomes resume where the run (train.run_dir, else the latest) has a checkpoint, else scratch."""
         t, name, info = self.cfg.train, self.spec.name, self.info
+        if t.init_from == "auto":  # a re-queued job continues; rank 0 looks, so that every rank decides alike
+            found = checkpoint.resumable_run(t.out_dir, name, t.backend, t.run_dir) if info.is_main else None
+            found = broadcast_object(found and str(found), "broadcast of the run to resume", info.timeout_s)
+            t = replace(t, init_from="resume" if found else "scratch", run_dir=found or t.run_dir)
+            self.cfg = replace(self.cfg, train=t)
+            if info.is_main:
+                log.info("train.init_from=auto: %s", f"resuming {found}" if found else "no checkpoint yet, from scratch")
         if t.init_from == "resume":
             run_dir = Path(t.run_dir) if t.run_dir else checkpoint.latest_run(t.out_dir, name, t.backend)
             self.checkpoint_dir = checkpoint.latest_checkpoint(run_dir)
             self.resumed = checkpoint.load_trainer_state(self.checkpoint_dir)
             self.cfg = replace(self.cfg, model=config_mod.from_dict(self.resumed["config"], name).model)
             return run_dir
-        run_dir = None
-        if info.is_main:
-            run_dir = checkpoint.new_run_dir(t.out_dir, name, t.backend)
-            checkpoint.record_run(t.out_dir, name, t.backend, run_dir)
+        run_dir = checkpoint.new_run_dir(t.out_dir, name, t.backend) if info.is_main else None
         return Path(broadcast_object(str(run_dir) if run_dir else None, "broadcast of the run directory",
                                      info.timeout_s))
 
@@ -168,6 +183,10 @@ class Trainer:
             log.warning("checkpoint was written under %s, this run is %s: data and RNG streams restart from the "
                         "seed (the model and optimizer state carry over exactly; the run is not bit-exact)",
                         resumed.get("layout"), _describe(dims))
+        cost = faults.restart_cost(self.run_dir / "metrics.jsonl", resumed["iteration"]) if self.info.is_main else None
+        if cost:
+            log.info("restart: the previous attempt had done %d iteration(s) past this checkpoint, to be done again, "
+                     "and last logged %.1f s ago", *cost)
         return resumed["iteration"]
 
     def _start_reporting(self) -> None:
@@ -179,6 +198,7 @@ class Trainer:
         self.eval_interval = self.epochs or t.eval_interval
         self.decay_iters = cfg.optimizer.lr_decay_iters or self.max_iters
         self.timer = metrics.StepTimer(device)
+        self.drill = faults.Drill(info.rank)  # MESHTRAIN_FAULT: rehearsed failures
         self.interval = _Interval(device)
         self.profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
                                                out_dir=self.run_dir / "profile", rank=info.rank, device=device)
@@ -220,12 +240,11 @@ class Trainer:
     def run(self) -> TrainResult:
         t = self.cfg.train
         self.result = result = TrainResult(run_dir=self.run_dir, iterations=self.start_iter)
-        started = time.perf_counter()
         it = self.start_iter
         with progress_bar(self.max_iters - it, "train", is_main=self.info.is_main) as bar, \
-                contextlib.closing(self.profiler):
+                contextlib.closing(self.profiler), Stopping(t.max_minutes, self.info) as stopping:
             while True:
-                stop = it >= self.max_iters or _out_of_time(started, t.max_minutes, self.info)
+                stop = it >= self.max_iters or stopping.check() is not None
                 if it % self.eval_interval == 0 or stop:
                     if not (self.resumed and it == self.start_iter):  # done before that checkpoint was written
                         self.evaluate(it)
@@ -234,11 +253,17 @@ class Trainer:
                     break
                 self.step(it)
                 it += 1
+                self.drill.after(it)
                 result.iterations = it
                 bar.update()
         self.checkpointer.wait()
         self.batches.close()  # loader workers
         self.sinks.close()
+        if stopping.reason == "signal":
+            result.preempted = True
+            log.warning("stopped by a signal (%s) after iteration %d, with a checkpoint: exiting with %d so that a job "
+                        "script can re-queue; train.init_from=auto continues from here",
+                        f"{stopping.received} on this rank" if stopping.received else "on another rank", it, PREEMPTED)
         return result
 
     def step(self, it: int) -> None:
@@ -402,11 +427,3 @@ def _describe(dims: ParallelDims) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-def _out_of_time(started: float, max_minutes: float | None, info: DistInfo) -> bool:
-    """Every rank must stop at the same iteration, so the slowest clock decides for all."""
-    if max_minutes is None:
-        return False
-    over = float(time.perf_counter() - started > max_minutes * 60)
-    return reduce_scalar(over, "max", "all_reduce of the time-budget flag", info.timeout_s, info.torch_device) > 0

@@ -68,8 +68,9 @@ def validate(cfg: ViTRunConfig) -> None:
         raise ConfigError(f"data.loader={d.loader!r}: choose pytorch or dali")
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers={d.num_workers}: 0 reads in the training process, N > 0 in N workers")
-    if t.init_from not in ("scratch", "resume"):
-        raise ConfigError(f"train.init_from={t.init_from!r}: the ViT starts from scratch or resumes its latest run")
+    if t.init_from not in ("scratch", "resume", "auto"):
+        raise ConfigError(f"train.init_from={t.init_from!r}: the ViT starts from scratch, resumes its latest run, "
+                          "or (auto) resumes it where it has a checkpoint")
     if p.cp > 1 and m.loss != "mse":
         raise ConfigError(f"model.loss={m.loss} with parallel.cp={p.cp}: context parallel ranks each hold a part "
                           "of every image, and the relative L2 needs whole-image norms; use model.loss=mse")

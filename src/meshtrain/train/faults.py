@@ -1,0 +1,86 @@
+"""Fault drills and what a restart cost.
+
+MESHTRAIN_FAULT makes chosen ranks die at chosen iterations, so that restarts and resumes can be tested and
+rehearsed on a real job:
+
+    MESHTRAIN_FAULT=kill:rank=1:step=37                       rank 1 kills itself (SIGKILL) once iteration 37 is done
+    MESHTRAIN_FAULT=kill:rank=1:step=13,kill:rank=0:step=27:attempt=1
+
+A fault fires in one attempt of the job only (`attempt`, 0 by default: the first launch), so that the restarted job,
+which replays the iterations since its checkpoint, does not meet it again. The attempt is torchrun's
+TORCHELASTIC_RESTART_COUNT, or MESHTRAIN_RESTART_COUNT that `meshtrain launch --max-restarts` sets for mpiexec and
+srun.
+
+`restart_cost` reads what a resumed run lost from its metrics.jsonl: the iterations done since the checkpoint (to
+be done again) and the seconds since the previous attempt last logged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshtrain.errors import MeshtrainError
+
+ENV = "MESHTRAIN_FAULT"
+
+
+class FaultSpecError(MeshtrainError, ValueError):
+    """MESHTRAIN_FAULT does not parse."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    attempt: int = 0
+
+
+def attempt() -> int:
+    """Which launch of the job this is: 0 first, then one more per restart."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("MESHTRAIN_RESTART_COUNT") or 0)
+
+
+def parse(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, *fields = item.split(":")
+        try:
+            values = dict(field.split("=", 1) for field in fields)
+            fault = Fault(**{key: int(value) for key, value in values.items()})
+        except (ValueError, TypeError):
+            fault = None
+        if kind != "kill" or fault is None:
+            raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A] (comma-separated), "
+                                 f"not {item!r}")
+        faults.append(fault)
+    return faults
+
+
+class Drill:
+    """The faults meant for this rank in this attempt; `after(it)` carries them out."""
+
+    def __init__(self, rank: int):
+        now = attempt()
+        self.steps = {f.step for f in parse(os.environ.get(ENV, "")) if f.rank == rank and f.attempt == now}
+
+    def after(self, iteration: int) -> None:
+        """Called once iteration `iteration` (counting from 1) is done."""
+        if iteration in self.steps:
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no last words: as a node that dies
+
+
+def restart_cost(metrics: Path, resumed_at: int) -> tuple[int, float] | None:
+    """(iterations the previous attempt did after the checkpoint at `resumed_at`, seconds since it last logged), or
+    None when it logged nothing after that checkpoint (a resume after a clean stop)."""
+    from meshtrain.train.sinks import read_jsonl
+
+    if not metrics.is_file():
+        return None
+    after = [row for row in read_jsonl(metrics) if row["step"] > resumed_at]
+    if not after:
+        return None
+    return after[-1]["step"] - resumed_at, time.time() - after[-1]["time"]

@@ -1,0 +1,69 @@
+"""Stopping early, on every rank at the same iteration, with a checkpoint: the time budget (train.max_minutes) and
+the signals a scheduler sends before it takes the nodes back.
+
+    SIGTERM  SLURM at the time limit or on scancel (SIGKILL follows after KillWait, 30 s by default), PBS on qdel or
+             at the walltime (SIGKILL after kill_delay), torchrun passing its own shutdown on to the ranks
+    SIGUSR1  an early warning: SLURM's `#SBATCH --signal=USR1@120`, or anyone's `kill -USR1`
+
+A handler only notes the signal (nothing else is safe inside one). After each iteration the loop asks whether any
+rank noted one, or has run out of time: one all-reduce of a flag, so that all ranks stop after the same iteration.
+The flag travels on a CPU (gloo) group, so that asking never waits for a GPU's queue to drain.
+The run then evaluates and saves a checkpoint as at any other stop, and `meshtrain train` exits with PREEMPTED, a
+code a job script tests to re-queue itself; the re-queued job continues with train.init_from=auto:
+
+    meshtrain train gpt train.init_from=auto ...; [ $? -eq 75 ] && sbatch "$0"   # mpiexec and srun pass it on
+
+torchrun reports its ranks' codes (75 each) in its failure summary but exits 1 itself.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.runtime.setup import DistInfo, collective
+
+PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, try again later
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Stopping:
+    """`with Stopping(max_minutes, info) as stopping:` ... `reason = stopping.check()` after each iteration."""
+
+    def __init__(self, max_minutes: float | None, info: DistInfo):
+        self.max_minutes, self.info = max_minutes, info
+        self.received: str | None = None  # the signal this rank got, by name
+        self.reason: str | None = None  # why every rank stopped: "signal" or "time"; None while running
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Stopping:
+        self.started = time.perf_counter()
+        self.group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:  # a collective: every rank enters together
+            self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _note(self, signum: int, _frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def check(self) -> str | None:
+        """"signal" if any rank got one, "time" if any rank's clock passed max_minutes, else None: the same answer
+        on every rank (a collective: every rank calls it after every iteration)."""
+        over = self.max_minutes is not None and time.perf_counter() - self.started > self.max_minutes * 60
+        flag = torch.tensor(2 if self.received else 1 if over else 0)
+        if self.group is not None:
+            with collective("all_reduce of the stop flags (signals, time budget)", self.info.timeout_s):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.reason = {2: "signal", 1: "time"}.get(int(flag))
+        return self.reason
