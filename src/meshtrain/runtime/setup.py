@@ -137,9 +137,9 @@ def setup(device: str | None = None, backend: str | None = None, timeout: float 
     torch.set_num_threads(threads)
 
     kwargs = {"device_id": torch_device} if torch_device.type == "cuda" else {}
-    store = _attempt_store(master_addr, master_port, launch.rank, launch.world_size, timeout)
-    kwargs |= {"store": store} if store is not None else {}
     try:
+        store = _attempt_store(master_addr, master_port, launch.rank, launch.world_size, timeout)
+        kwargs |= {"store": store} if store is not None else {}
         dist.init_process_group(
             backend=backend, rank=launch.rank, world_size=launch.world_size,
             timeout=datetime.timedelta(seconds=timeout), **kwargs,
