@@ -129,11 +129,9 @@ def test_tensor_bytes_counts_each_storage_until_it_dies_in_any_thread():
         holder = [c]
         del c
         # the last reference goes in another thread, as gloo drops a collective's buffers
-        threading.Thread(target=holder.clear).start()
-        for _ in range(100):
-            if tracker.alive == 0:
-                break
-            threading.Event().wait(0.01)
+        other = threading.Thread(target=holder.clear)
+        other.start()
+        other.join()
         assert tracker.alive == 0 and tracker.peak() == 8192
 
 

@@ -198,9 +198,18 @@ def distributed(device: str | None = None, backend: str | None = None, timeout: 
     cleanup(clean=True)
 
 
+def cpu_group():
+    """A gloo group of every rank (the default group when that is gloo): small flags reduced on it never wait for a
+    GPU's queue to drain. Creating one is a collective. None in a one-process job."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
 def reduce_scalar(value: float | torch.Tensor, op: str, what: str, timeout: float | None = None,
-                  device: torch.device | str = "cpu") -> float:
-    """`value` combined over every rank: op is "sum", "mean", "max" or "min"; one process gives it back."""
+                  device: torch.device | str = "cpu", group=None) -> float:
+    """`value` combined over every rank (of `group`, if given): op is "sum", "mean", "max" or "min"; one process
+    gives it back."""
     t = value.detach().double().clone() if torch.is_tensor(value) else torch.tensor(float(value), dtype=torch.float64,
                                                                                       device=device)
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -208,8 +217,8 @@ def reduce_scalar(value: float | torch.Tensor, op: str, what: str, timeout: floa
     reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                  "min": dist.ReduceOp.MIN}[op]
     with collective(what, timeout):
-        dist.all_reduce(t, op=reduce_op)
-    return t.item() / (dist.get_world_size() if op == "mean" else 1)
+        dist.all_reduce(t, op=reduce_op, group=group)
+    return t.item() / (dist.get_world_size(group) if op == "mean" else 1)
 
 
 def broadcast_object(obj, what: str, timeout: float | None = None):

@@ -22,10 +22,7 @@ import signal
 import threading
 import time
 
-import torch
-import torch.distributed as dist
-
-from meshtrain.runtime.setup import DistInfo, collective
+from meshtrain.runtime.setup import DistInfo, cpu_group, reduce_scalar
 
 PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, try again later
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -42,9 +39,7 @@ class Stopping:
 
     def __enter__(self) -> Stopping:
         self.started = time.perf_counter()
-        self.group = None
-        if dist.is_initialized() and dist.get_world_size() > 1:  # a collective: every rank enters together
-            self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.group = cpu_group()  # a collective: every rank enters together
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._note)
@@ -61,9 +56,7 @@ class Stopping:
         """"signal" if any rank got one, "time" if any rank's clock passed max_minutes, else None: the same answer
         on every rank (a collective: every rank calls it after every iteration)."""
         over = self.max_minutes is not None and time.perf_counter() - self.started > self.max_minutes * 60
-        flag = torch.tensor(2 if self.received else 1 if over else 0)
-        if self.group is not None:
-            with collective("all_reduce of the stop flags (signals, time budget)", self.info.timeout_s):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        flag = reduce_scalar(2 if self.received else 1 if over else 0, "max", "all_reduce of the stop flags (signals, "
+                             "time budget)", self.info.timeout_s, group=self.group)
         self.reason = {2: "signal", 1: "time"}.get(int(flag))
         return self.reason
