@@ -151,12 +151,12 @@ def test_restarts_torchrun_by_flag_and_mpiexec_by_running_it_again(tmp_path, cap
 
 def test_fault_specs_parse_and_fire_in_their_attempt_only(monkeypatch):
     assert faults.parse("kill:rank=1:step=13, kill:rank=0:step=27:attempt=1") == [
-        faults.Fault(rank=1, step=13), faults.Fault(rank=0, step=27, attempt=1)]
+        faults.Fault("kill", rank=1, step=13), faults.Fault("kill", rank=0, step=27, attempt=1)]
     for bad in ("kill:rank=1", "stop:rank=1:step=2", "kill:rank=one:step=2", "kill:rank=1:step=2:when=3"):
         with pytest.raises(faults.FaultSpecError, match="each fault is kill:rank=R:step=S"):
             faults.parse(bad)
     monkeypatch.setenv("MESHTRAIN_FAULT", "kill:rank=1:step=13,kill:rank=0:step=27:attempt=1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert faults.Drill(rank=0).steps == {27} and faults.Drill(rank=1).steps == set()
+    assert [f.step for f in faults.Drill(rank=0).faults] == [27] and faults.Drill(rank=1).faults == []
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
-    assert faults.Drill(rank=1).steps == {13}
+    assert [f.step for f in faults.Drill(rank=1).faults] == [13]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.runtime import env as launch_env
+from meshtrain.runtime import heartbeat
 from meshtrain.runtime.device import pick_backend, pick_device, threads_per_rank
 from meshtrain.runtime.log import configure_logging, get_logger, print_rich
 
@@ -101,16 +102,22 @@ def _mpi_rendezvous(launch: launch_env.LaunchEnv) -> tuple[str, int, str] | None
     return addr, port, "broadcast from rank 0 over MPI (mpi4py)"
 
 
-def _attempt_store(addr: str, port: int, rank: int, world_size: int, timeout: float):
+def _store_prefix() -> str:
     """Under torchrun, each restart's ranks meet in the agent's store, which still holds the previous attempt's keys
     (its ranks' gloo addresses): a restarted rank reads them and dials a dead process ("connection refused"). A
-    prefix per attempt keeps the attempts apart. None outside torchrun: init_process_group makes its own store."""
+    prefix per attempt keeps the attempts apart."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    return "meshtrain/" if attempt is None else f"meshtrain/attempt_{attempt}/"
+
+
+def _attempt_store(addr: str, port: int, rank: int, world_size: int, timeout: float):
+    """Under torchrun, the agent's store under this attempt's prefix. None outside torchrun: init_process_group makes
+    its own store (rank 0 keeps it) at the same address."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT") is None:
         return None
     hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
     store = dist.TCPStore(addr, port, world_size, is_master=hosts_store, timeout=datetime.timedelta(seconds=timeout))
-    return dist.PrefixStore(f"meshtrain/attempt_{attempt}", store)
+    return dist.PrefixStore(_store_prefix().rstrip("/"), store)
 
 
 def setup(device: str | None = None, backend: str | None = None, timeout: float | None = None) -> DistInfo:
@@ -137,6 +144,10 @@ def setup(device: str | None = None, backend: str | None = None, timeout: float 
     torch.set_num_threads(threads)
 
     kwargs = {"device_id": torch_device} if torch_device.type == "cuda" else {}
+    dumps = None
+    if backend == "nccl":  # where a timed-out collective's history goes; the job's id (or port) keeps jobs apart
+        dumps = heartbeat.flight_recorder_env(os.path.join("outputs", "flight_recorder",
+                                                           launch.job_id or f"port_{master_port}"))
     try:
         store = _attempt_store(master_addr, master_port, launch.rank, launch.world_size, timeout)
         kwargs |= {"store": store} if store is not None else {}
@@ -162,6 +173,9 @@ def setup(device: str | None = None, backend: str | None = None, timeout: float 
         backend=backend, timeout_s=timeout, torch_version=torch.__version__, threads_per_rank=threads,
         command=_command_line(),
     )
+    if info.world_size > 1:
+        heartbeat.start(heartbeat.store_client(master_addr, master_port, _store_prefix(), timeout), info.rank,
+                        info.world_size, hostname, timeout, dumps)
     if info.is_main:
         print_rich(info.table())
     return info
@@ -175,6 +189,7 @@ def _command_line() -> str:
 
 def cleanup(clean: bool = True) -> None:
     """Leave the process group. After an error, skip the barrier: a peer may be the reason for it."""
+    heartbeat.stop()
     if not dist.is_initialized():
         return
     # DDP/FSDP wrappers sit in reference cycles and hold the group; left to the interpreter's final
@@ -246,7 +261,9 @@ _DIED = ("connection reset", "connection closed", "broken pipe", "connection ref
 
 @contextmanager
 def collective(operation: str, timeout: float | None = None):
-    """Name `operation` in the error if a collective inside this block fails or times out."""
+    """Name `operation` in the error if a collective inside this block fails or times out (and in this rank's
+    heartbeat while it runs)."""
+    outer = heartbeat.entering(operation)
     try:
         yield
     except CollectiveError:
@@ -268,6 +285,8 @@ def collective(operation: str, timeout: float | None = None):
         else:
             cause = "lost its connection to a peer rank, which most likely died: the first error is in that rank's log."
         raise CollectiveError(f"{operation} on rank {rank}/{world} {cause} Backend said: {_first_line(e)}") from e
+    finally:
+        heartbeat.note(collective=outer)
 
 
 def _first_line(e: BaseException) -> str:

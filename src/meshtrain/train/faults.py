@@ -1,10 +1,17 @@
 """Fault drills and what a restart cost.
 
-MESHTRAIN_FAULT makes chosen ranks die at chosen iterations, so that restarts and resumes can be tested and
-rehearsed on a real job:
+MESHTRAIN_FAULT makes chosen ranks die or hang at chosen iterations, so that restarts, resumes and hang reports
+can be tested and rehearsed on a real job:
 
     MESHTRAIN_FAULT=kill:rank=1:step=37                       rank 1 kills itself (SIGKILL) once iteration 37 is done
     MESHTRAIN_FAULT=kill:rank=1:step=13,kill:rank=0:step=27:attempt=1
+    MESHTRAIN_FAULT=stop:rank=2:step=3:phase=backward         rank 2 stops itself (SIGSTOP) as iteration 3's
+                                                              backward begins: a frozen process, silent
+    MESHTRAIN_FAULT=hang:rank=1:step=3:phase=data             rank 1 sleeps for ever as iteration 3 fetches its
+                                                              batch: a stuck loop in a process that still runs
+
+Phases are the heartbeat's (runtime/heartbeat.py): data, forward, backward, forward_backward (a pipeline schedule),
+optimizer.
 
 A fault fires in one attempt of the job only (`attempt`, 0 by default: the first launch), so that the restarted job,
 which replays the iterations since its checkpoint, does not meet it again. The attempt is torchrun's
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.runtime import heartbeat
 
 ENV = "MESHTRAIN_FAULT"
 
@@ -32,11 +40,16 @@ class FaultSpecError(MeshtrainError, ValueError):
     """MESHTRAIN_FAULT does not parse."""
 
 
+KINDS = ("kill", "stop", "hang")
+
+
 @dataclass(frozen=True)
 class Fault:
+    kind: str
     rank: int
     step: int
     attempt: int = 0
+    phase: str | None = None  # stop and hang: where in the iteration; kill: after it
 
 
 def attempt() -> int:
@@ -45,31 +58,45 @@ def attempt() -> int:
 
 
 def parse(text: str) -> list[Fault]:
+    from meshtrain.runtime.heartbeat import PHASES
+
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         kind, *fields = item.split(":")
         try:
             values = dict(field.split("=", 1) for field in fields)
-            fault = Fault(**{key: int(value) for key, value in values.items()})
+            fault = Fault(kind, **{key: value if key == "phase" else int(value) for key, value in values.items()})
         except (ValueError, TypeError):
             fault = None
-        if kind != "kill" or fault is None:
-            raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A] (comma-separated), "
-                                 f"not {item!r}")
+        if (kind not in KINDS or fault is None or (kind == "kill") != (fault.phase is None)
+                or fault.phase not in (None, *PHASES[1:6])):
+            raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A] or "
+                                 "stop|hang:rank=R:step=S:phase=data|forward|backward|forward_backward|optimizer"
+                                 f"[:attempt=A] (comma-separated), not {item!r}")
         faults.append(fault)
     return faults
 
 
 class Drill:
-    """The faults meant for this rank in this attempt; `after(it)` carries them out."""
+    """The faults meant for this rank in this attempt; `during` and `after` carry them out."""
 
     def __init__(self, rank: int):
         now = attempt()
-        self.steps = {f.step for f in parse(os.environ.get(ENV, "")) if f.rank == rank and f.attempt == now}
+        self.faults = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and f.attempt == now]
+
+    def during(self, iteration: int, phase: str) -> None:
+        """Called as iteration `iteration` (counting from 1) enters `phase`, once the heartbeat has noted it."""
+        for fault in self.faults:
+            if (fault.step, fault.phase) == (iteration, phase):
+                heartbeat.flush()  # what the others read of this rank: where it stopped
+                if fault.kind == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)  # frozen, threads and all, until SIGCONT or SIGKILL
+                while fault.kind == "hang":
+                    time.sleep(3600)
 
     def after(self, iteration: int) -> None:
         """Called once iteration `iteration` (counting from 1) is done."""
-        if iteration in self.steps:
+        if any(f.kind == "kill" and f.step == iteration for f in self.faults):
             os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no last words: as a node that dies
 
 

@@ -32,6 +32,7 @@ from meshtrain import machine, registry
 from meshtrain.errors import MeshtrainError
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.runtime import heartbeat
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.log import get_logger, print_rich
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
@@ -247,6 +248,8 @@ class Trainer:
                 stop = it >= self.max_iters or stopping.check() is not None
                 if it % self.eval_interval == 0 or stop:
                     if not (self.resumed and it == self.start_iter):  # done before that checkpoint was written
+                        self._where = {"step": it, "micro": None}
+                        self._phase("evaluate")
                         self.evaluate(it)
                     self.interval.restart()
                 if stop:
@@ -256,6 +259,7 @@ class Trainer:
                 self.drill.after(it)
                 result.iterations = it
                 bar.update()
+        heartbeat.note(phase="finish")
         self.checkpointer.wait()
         self.batches.close()  # loader workers
         self.sinks.close()
@@ -279,6 +283,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=device)
         with self.timer("dt"):
             for micro in range(t.grad_accum):
+                self._where = {"step": it + 1, "micro": micro}
+                self._phase("data")
                 x, y = self.batches.next_batch()
                 with collective("forward and backward (gradient reduction)", self.info.timeout_s):
                     loss_sum += layout.train_micro_step(x, y, accum=t.grad_accum, sync=micro == t.grad_accum - 1,
@@ -286,6 +292,8 @@ class Trainer:
                                                         timer=self._ranged)
             with collective("the gradient all-reduce of the tied embedding across stages", self.info.timeout_s):
                 layout.finish_backward()
+            self._where["micro"] = None
+            self._phase("optimizer")
             with profiling.record("optimizer", device):
                 grad_norm = layout.optimizer_step(self.optimizer, self.scaler, o.grad_clip)
             if it == self.start_iter:
@@ -333,6 +341,7 @@ class Trainer:
     def save(self, it: int, row: dict[str, float]) -> None:
         """A distributed checkpoint of iteration `it`, with every rank's RNG and data states (collective)."""
         info = self.info
+        self._phase("checkpoint")
         ranks = gather_objects(_rank_state(self.batches, self.device), "all_gather_object of RNG and data states for "
                                "the checkpoint", info.timeout_s)
         trainer_state = {"scaler": self.scaler.state_dict(), "iteration": it, "config": config_mod.to_dict(self.cfg),
@@ -349,8 +358,15 @@ class Trainer:
         """The mean over the ranks that hold a loss (under pp, those with the last stage; the others add 0)."""
         return reduce_scalar(value, "sum", what, self.info.timeout_s) / self.layout.loss_ranks
 
+    def _phase(self, phase: str) -> None:
+        """Note where this rank is in its heartbeat (step and micro-batch from `_where`), and carry out a drill's
+        fault meant for here."""
+        heartbeat.note(phase=phase, **self._where)
+        self.drill.during(self._where["step"], phase)
+
     def _ranged(self, section: str):
-        """A timer section that is also a profiler range (torch trace, NVTX under nsys)."""
+        """A timer section that is also a profiler range (torch trace, NVTX under nsys) and a heartbeat phase."""
+        self._phase(RANGES.get(section, section))
         stack = contextlib.ExitStack()
         stack.enter_context(self.timer(section))
         stack.enter_context(profiling.record(RANGES.get(section, section), self.device))
