@@ -1,0 +1,102 @@
+"""Two nodes for real: network namespaces with their own addresses and host names (tests/netns.py), one torchrun per
+node meeting through c10d rendezvous, as users start jobs on a cluster. Skipped, saying why, where namespaces cannot
+be made (they need root: CI runs as root)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import pytest
+from tests.conftest import REPO, clean_env, prepare_data
+from tests.netns import Cluster, why_not
+
+pytestmark = pytest.mark.skipif(why_not() is not None, reason=f"no network namespaces here: {why_not()}")
+GPT = ["model.n_layer=2", "model.n_head=4", "model.n_embd=64", "model.block_size=64", "model.dropout=0.0",
+       "train.eval_iters=1", "train.dtype=fp32", "train.log_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(2) as nodes:
+        yield nodes
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return prepare_data(tmp_path_factory.mktemp("data"))
+
+
+def torchrun_on(cluster: Cluster, node: int, job: str, *args: str, nodes: int = 2, **env: str):
+    """`torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 -m meshtrain ARGS` on
+    node `node`, as a job script runs it on each of its nodes."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--rdzv-id", job,
+            "-m", "meshtrain", *args]
+    return cluster.start(node, argv, clean_env(MESHTRAIN_TIMEOUT="60", **env), REPO)
+
+
+def test_test_dist_across_two_nodes(cluster):
+    jobs = [torchrun_on(cluster, node, "testdist", "test-dist") for node in (0, 1)]
+    outs = [job.communicate(timeout=240)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert re.search(r"│ num_nodes\s+│ 2 ", outs[0]) and re.search(r"│ hosts\s+│ node0, node1 ", outs[0]), outs[0]
+    assert "test-dist passed: 4 rank(s) on 2 node(s) hold bit-identical parameters" in outs[0]
+
+
+def test_fsdp_x_tp_keeps_tensor_parallel_traffic_inside_a_node(cluster, data_root, tmp_path):
+    """fsdp × tp=2 on 2 nodes × 2 ranks, tp named first in the order: each node holds a whole tp group, and only
+    FSDP's traffic crosses: per iteration, each of the 2 cross-node dp pairs all-gathers its half of the weights
+    twice (forward, backward) and reduce-scatters the gradients. That is 3 × the model's parameter bytes with a
+    native reduce-scatter, 4 × where gloo does it as an all-reduce, plus TCP/IP headers. The tensor-parallel
+    all-reduces of activations would add about 4 × batch × block × n_embd × 4 bytes per all-reduce (8 of them a
+    step), far more than that (benchmarks/cross_node_bytes.py: 20 × with tp across the nodes)."""
+    args = ["train", "gpt", *GPT, "model.batch_size=16", f"data.root={data_root}", f"train.out_dir={tmp_path}",
+            "train.backend=fsdp", "parallel.tp=2", "parallel.order=tp-cp-dp-pp", "train.max_iters=14",
+            "train.eval_interval=1000", "train.save_checkpoints=false"]
+    jobs = [torchrun_on(cluster, node, "fsdptp", *args) for node in (0, 1)]
+    lines, sent = [], {}
+    for line in jobs[0].stdout:  # counters read as rank 0 logs iterations 4 and 14: the steady state between
+        lines.append(line)
+        step = re.search(r"\] step=(\d+) ", line)
+        if step and int(step.group(1)) in (4, 14):
+            sent[int(step.group(1))] = cluster.sent(0) + cluster.sent(1)
+    jobs[0].wait(timeout=60)
+    other = jobs[1].communicate(timeout=120)[0]
+    text = "".join(lines)
+    assert [job.returncode for job in jobs] == [0, 0], text[-3000:] + other[-2000:]
+    from meshtrain.config import load_config
+    from meshtrain.plan.workload import ModelFacts
+
+    param_bytes = 4 * ModelFacts.of(load_config(args[2:], "gpt")).num_params
+    per_iteration = (sent[14] - sent[4]) / 10  # 4.5 × here (headers: ~5% more on a 1500-byte MTU)
+    tensor_parallel = 8 * 4 * 16 * 64 * 64 * 4  # what tp's all-reduces would add, were tp across the nodes
+    assert 3 * param_bytes < per_iteration < 6 * param_bytes < tensor_parallel, (per_iteration, param_bytes)
+
+
+def test_a_job_that_loses_a_node_stops_with_the_cause_and_resumes_on_the_one_left(cluster, data_root, tmp_path):
+    args = ["train", "gpt", *GPT, "model.batch_size=4", f"data.root={data_root}", f"train.out_dir={tmp_path}",
+            "train.max_iters=100000", "train.eval_interval=5"]
+    jobs = [torchrun_on(cluster, node, "lose", *args) for node in (0, 1)]
+    lines = []
+    for line in jobs[0].stdout:
+        lines.append(line)
+        if "] step=12 " in line:
+            break
+    assert any("] step=12 " in line for line in lines), "".join(lines[-40:])
+    cluster.kill(1)  # node 1 and every process on it die at once
+    lost = time.monotonic()
+    lines += jobs[0].stdout.readlines()
+    jobs[0].wait(timeout=60)
+    text = "".join(lines)
+    assert jobs[0].returncode != 0 and time.monotonic() - lost < 60, text[-3000:]
+    assert "lost its connection to a peer rank, which most likely died" in text, text[-3000:]
+
+    alone = cluster.start(0, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "meshtrain", *args[:-2], "train.max_iters=12", "train.eval_interval=5",
+                              "train.init_from=auto"], clean_env(), REPO)
+    resumed = alone.communicate(timeout=240)[0]
+    assert alone.returncode == 0, resumed[-3000:]
+    assert re.search(r"resuming at iteration 10\b", resumed), resumed[-3000:]
+    assert "] step=12 " in resumed
