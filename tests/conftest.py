@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -39,6 +40,20 @@ def prepare_data(root: Path, name: str = "shakespeare_char", env: dict[str, str]
                          capture_output=True, text=True, env=env or clean_env(), cwd=REPO, timeout=120)
     assert out.returncode == 0, output(out)
     return root
+
+
+def rewound_copy(run_dir: Path, to: Path, iteration: int) -> Path:
+    """A copy of a finished run as it stood at `iteration`: later checkpoints and metrics gone, `latest` back there.
+    Resuming it replays what the original did after that iteration."""
+    shutil.copytree(run_dir, to)
+    checkpoints = to / "checkpoints"
+    for step in checkpoints.glob("step-*"):
+        if int(step.name.split("-")[1]) > iteration:
+            shutil.rmtree(step)
+    (checkpoints / "latest").write_text(f"step-{iteration:07d}\n")
+    rows = [line for line in (to / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= iteration]
+    (to / "metrics.jsonl").write_text("".join(f"{line}\n" for line in rows))
+    return to
 
 
 torchrun_cmd = torchrun_argv  # `torchrun --standalone --nproc-per-node N ARGS` with this interpreter

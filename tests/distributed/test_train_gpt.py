@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, prepare_data, torchrun, torchrun_cmd
+from tests.conftest import REPO, clean_env, output, prepare_data, rewound_copy, torchrun, torchrun_cmd
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=4",
         "model.dropout=0.1", "train.eval_iters=4", "train.dtype=fp32", "optimizer.warmup_iters=5"]
@@ -26,6 +26,19 @@ def train(world: int, data_root: Path, out_dir: Path, *overrides: str):
         return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True,
                               env=clean_env(), cwd=REPO, timeout=300)
     return torchrun(world, *args, timeout=300)
+
+
+RESUMABLE = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30"]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(data_root, tmp_path_factory) -> list[dict]:
+    """The metrics of one uninterrupted 2-rank DDP run of 30 iterations (checkpoints every 10): what every
+    interrupted run of it (killed, preempted, drilled) must end up equal to."""
+    out_dir = tmp_path_factory.mktemp("reference")
+    full = train(2, data_root, out_dir, "train.max_iters=30", *RESUMABLE)
+    assert full.returncode == 0, output(full)[-3000:]
+    return metrics_of(run_dir_of(out_dir))
 
 
 def metrics_of(run_dir: Path) -> list[dict]:
@@ -72,18 +85,14 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, data_root, tmp_path
 
 
 @pytest.mark.slow
-def test_resume_after_a_kill_continues_bit_exactly(data_root, tmp_path):
-    import os
+def test_resume_after_a_kill_continues_bit_exactly(data_root, ddp_reference, tmp_path):
     import signal
     import time
 
     from meshtrain.train.sinks import read_jsonl
 
-    common = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30"]
-    full_out = tmp_path / "full"
-    first = train(2, data_root, full_out, "train.max_iters=30", *common)
-    assert first.returncode == 0, output(first)[-3000:]
-    full_rows = metrics_of(run_dir_of(full_out))
+    common = RESUMABLE
+    full_rows = ddp_reference
     full = {r["step"]: r["loss"] for r in full_rows if "loss" in r}
 
     # The same run, killed (SIGKILL, every rank) once its first checkpoint is on disk; its max_iters is large so
@@ -150,15 +159,13 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_exit_code_75(data_root,
     assert stopped_at >= 3 and "stopped by a signal (SIGTERM on this rank) after iteration" in text
 
 
-def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, tmp_path):
+def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, ddp_reference, tmp_path):
     import signal
 
     from meshtrain.train.sinks import read_jsonl
 
-    common = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30", "train.init_from=auto"]
-    full = train(2, data_root, tmp_path / "full", "train.max_iters=30", *common)
-    assert full.returncode == 0, output(full)[-3000:]
-    reference = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "full")) if "loss" in r}
+    common = [*RESUMABLE, "train.init_from=auto"]
+    reference = {r["step"]: r["loss"] for r in ddp_reference if "loss" in r}
 
     out_dir = tmp_path / "preempted"
     job = _start_and_wait_for_steps(2, data_root, out_dir, 3, *common)
@@ -180,16 +187,13 @@ def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, tmp_pat
     assert all(after[step] == reference[step] for step in after), "losses differ after the preemption"
 
 
-def test_fault_drill_restarts_by_itself_and_finishes_bit_exactly(data_root, tmp_path):
+def test_fault_drill_restarts_by_itself_and_finishes_bit_exactly(data_root, ddp_reference, tmp_path):
     """Two ranks killed in one job (rank 1 after iteration 13, rank 0 after 27 in the first restart): torchrun
     restarts it, each attempt resumes its latest checkpoint, and the finished history equals an uninterrupted run."""
     from meshtrain.train.sinks import read_jsonl
 
-    common = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30", "train.max_iters=30",
-              "train.init_from=auto"]
-    full = train(2, data_root, tmp_path / "full", *common)
-    assert full.returncode == 0, output(full)[-3000:]
-    reference = read_jsonl(run_dir_of(tmp_path / "full") / "metrics.jsonl")
+    common = [*RESUMABLE, "train.max_iters=30", "train.init_from=auto"]
+    reference = ddp_reference
 
     drilled = tmp_path / "drilled"
     job = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "--max-restarts", "3", "--", "python", "-m",
@@ -345,12 +349,12 @@ def test_compile_trains_like_eager(data_root, tmp_path):
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
 
 
-@pytest.mark.parametrize("backend,world,extra", [
-    ("ddp", 2, []), ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []),
+@pytest.mark.parametrize("backend,world,extra", [  # ddp: the kill, preemption and drill tests above
+    ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []),
     pytest.param("hsdp", 4, ["parallel.dp_replicate=2"], marks=pytest.mark.slow),
     ("fsdp", 2, ["parallel.cpu_offload=true", "train.activation_checkpointing=selective"]),
     pytest.param("deepspeed", 2, ["parallel.zero_stage=3"], marks=pytest.mark.slow),
-], ids=["ddp", "zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload-selective-ac", "deepspeed-zero3"])
+], ids=["zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload-selective-ac", "deepspeed-zero3"])
 def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_root, tmp_path):
     if backend == "deepspeed":
         pytest.importorskip("deepspeed", reason="needs the [deepspeed] extra")
@@ -365,12 +369,12 @@ def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_r
     assert evals[-1] < evals[0] - 0.3, "val loss must fall"
     full = {r["step"]: r["loss"] for r in rows if "loss" in r}
 
-    part = train(world, data_root, tmp_path / "split", "train.max_iters=20", *common)
-    assert part.returncode == 0, output(part)[-3000:]
-    resumed = train(world, data_root, tmp_path / "split", "train.max_iters=30", "train.init_from=resume", *common)
+    split = rewound_copy(run_dir_of(tmp_path / "full", backend), tmp_path / "split", 20)
+    resumed = train(world, data_root, tmp_path / "full", "train.max_iters=30", "train.init_from=resume",
+                    f"train.run_dir={split}", *common)
     assert resumed.returncode == 0, output(resumed)[-3000:]
-    after = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "split", backend))
-             if r["step"] > 20 and "loss" in r}
+    assert "resuming at iteration 20" in output(resumed)
+    after = {r["step"]: r["loss"] for r in metrics_of(split) if r["step"] > 20 and "loss" in r}
     assert after == {step: full[step] for step in range(21, 31)}, "the resumed run repeats the uninterrupted one"
 
 
