@@ -183,6 +183,8 @@ def explain(notes: Mapping[int, Mapping], world_size: int, now: float, interval:
             timeout_s: float) -> str | None:
     """What holds the job up, from every rank's last note (this rank has not moved for `stalled_s`); None when nobody
     is behind and everybody posts."""
+    if not notes:
+        return None
     missing = [r for r in range(world_size) if r not in notes]
     quiet = {r for r, n in notes.items() if silent(n, now, interval)}
     furthest = max(progress(n) for n in notes.values())
