@@ -95,6 +95,15 @@ class Cluster:
         self.jobs.append(job)
         return job
 
+    def remote_shell(self, path: Path) -> Path:
+        """An `ssh` for mpirun's remote agent (`--mca plm_rsh_agent PATH`): `PATH HOST COMMAND` runs COMMAND in that
+        host's node, with its host name, as ssh would on a cluster."""
+        cases = "".join(f"  {self.host(i)}) ns={ns} ;;\n" for i, ns in enumerate(self.namespaces))
+        path.write_text(f'#!/bin/sh\nhost=$1; shift\ncase $host in\n{cases}  *) echo "no node $host" >&2; exit 255 ;;\n'
+                        'esac\nexec ip netns exec "$ns" unshare --uts sh -c "hostname $host && exec sh -c \\"\\$0\\"" "$*"\n')
+        path.chmod(0o755)
+        return path
+
     def kill(self, node: int) -> None:
         """Every process of node `node` dies at once (SIGKILL), as when a node fails."""
         pids = subprocess.run(["ip", "netns", "pids", self.namespaces[node]], capture_output=True, text=True)

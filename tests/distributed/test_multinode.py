@@ -1,6 +1,6 @@
-"""Two nodes for real: network namespaces with their own addresses and host names (tests/netns.py), one torchrun per
-node meeting through c10d rendezvous, as users start jobs on a cluster. Skipped, saying why, where namespaces cannot
-be made (they need root: CI runs as root)."""
+"""Two nodes for real: network namespaces with their own addresses and host names (tests/netns.py), started as users
+start jobs on a cluster: one torchrun per node meeting through c10d rendezvous, or `meshtrain launch` in a PBS job
+writing mpiexec's command. Skipped, saying why, where namespaces cannot be made (they need root: CI runs as root)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from tests.conftest import REPO, clean_env, prepare_data
+from tests.conftest import ANSI, REPO, clean_env, prepare_data, requires_mpirun
 from tests.netns import Cluster, why_not
 
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=f"no network namespaces here: {why_not()}")
@@ -43,6 +43,25 @@ def test_test_dist_across_two_nodes(cluster):
     assert [job.returncode for job in jobs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert re.search(r"│ num_nodes\s+│ 2 ", outs[0]) and re.search(r"│ hosts\s+│ node0, node1 ", outs[0]), outs[0]
     assert "test-dist passed: 4 rank(s) on 2 node(s) hold bit-identical parameters" in outs[0]
+
+
+@requires_mpirun
+def test_launch_under_pbs_starts_mpiexec_across_two_nodes(cluster, tmp_path):
+    """A PBS job of 2 nodes × 2 slots: `meshtrain launch` reads the nodefile and writes mpiexec's command, Open MPI
+    starts node 1's ranks through its remote agent (here `ip netns exec` in place of ssh), and the ranks meet at the
+    nodefile's first host on a port derived from the job id, without talking first."""
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("node0\nnode0\nnode1\nnode1\n")  # one line per slot, as PBS writes it with mpiprocs=2
+    env = clean_env(MESHTRAIN_TIMEOUT="60", PBS_NODEFILE=str(nodefile), PBS_JOBID="4242.pbs01",
+                    OMPI_MCA_plm_rsh_agent=str(cluster.remote_shell(tmp_path / "rsh")),
+                    OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    job = cluster.start(0, [sys.executable, "-m", "meshtrain", "launch", "--", "python", "-m", "meshtrain",
+                            "test-dist"], env, REPO)
+    out = ANSI.sub("", job.communicate(timeout=240)[0])
+    assert job.returncode == 0, out[-3000:]
+    assert re.match(rf"mpiexec -n 4 --map-by ppr:2:node:PE=\d+ --bind-to core --hostfile {nodefile} ", out), out[:500]
+    assert re.search(r"│ rendezvous\s+│ first host of the pbs job, port derived from job 4242", out), out[:3000]
+    assert "test-dist passed: 4 rank(s) on 2 node(s) hold bit-identical parameters" in out
 
 
 def test_fsdp_x_tp_keeps_tensor_parallel_traffic_inside_a_node(cluster, data_root, tmp_path):

@@ -52,6 +52,9 @@ def test_pbs_openmpi_and_mpich_flavours(pbs):
     ompi = build_command(USER, environ=pbs, machine=GPU_NODE, flavor="openmpi")
     assert ompi[:7] == ["mpiexec", "-n", "8", "--map-by", "ppr:4:node:PE=16", "--bind-to", "core"]
     assert ompi[ompi.index("--hostfile") + 1] == pbs["PBS_NODEFILE"]
+    forwarded = build_command(USER, environ={**pbs, "PATH": "/bin", "PYTHONPATH": "/src"}, machine=GPU_NODE,
+                              flavor="openmpi")
+    assert [forwarded[i + 1] for i, arg in enumerate(forwarded) if arg == "-x"] == ["PATH", "PYTHONPATH"]
     mpich = build_command(USER, environ=pbs, machine=GPU_NODE, flavor="mpich")
     assert mpich[:7] == ["mpiexec", "-n", "8", "-ppn", "4", "-f", pbs["PBS_NODEFILE"]]
 

@@ -134,7 +134,8 @@ def build_command(
     elif flavor == "openmpi":
         argv = ["mpiexec", "-n", str(nproc), "--map-by", f"ppr:{ppn}:node:PE={depth}", "--bind-to", "core"]
         argv += ["--hostfile", hostfile] if hostfile else []
-        argv += ["-x", "PATH", "-x", "LD_LIBRARY_PATH", "-x", "PYTHONPATH"]
+        # Open MPI warns about each -x of a variable that is not set: forward those that are.
+        argv += [arg for name in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH") if name in env for arg in ("-x", name)]
     elif flavor == "mpich":
         argv = ["mpiexec", "-n", str(nproc), "-ppn", str(ppn)]
         argv += ["-f", hostfile] if hostfile else []
