@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, prepare_data, rewound_copy, torchrun, torchrun_cmd
+from tests.conftest import (
+    REPO,
+    clean_env,
+    output,
+    prepare_data,
+    requires_mpirun,
+    rewound_copy,
+    torchrun,
+    torchrun_cmd,
+)
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=4",
         "model.dropout=0.1", "train.eval_iters=4", "train.dtype=fp32", "optimizer.warmup_iters=5"]
@@ -207,6 +217,29 @@ def test_fault_drill_restarts_by_itself_and_finishes_bit_exactly(data_root, ddp_
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert losses == {r["step"]: r["loss"] for r in reference if "loss" in r}
     assert [r["val_loss"] for r in rows if "val_loss" in r] == [r["val_loss"] for r in reference if "val_loss" in r]
+
+
+@requires_mpirun
+def test_launch_relaunches_an_mpiexec_job_that_lost_a_rank_and_it_finishes_bit_exactly(data_root, ddp_reference,
+                                                                                       tmp_path):
+    """mpiexec has no restarts of its own: `meshtrain launch --max-restarts` runs the job again, and the next attempt
+    resumes with init_from=auto."""
+    pytest.importorskip("mpi4py", reason="without a scheduler the ranks meet through mpi4py: the [mpi] extra")
+    from meshtrain.train.sinks import read_jsonl
+
+    root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}
+    job = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "--launcher", "mpiexec", "-n", "2",
+                          "--max-restarts", "2", "--", "python", "-m", "meshtrain", "train", "gpt", *TINY,
+                          f"data.root={data_root}", f"train.out_dir={tmp_path}", "train.max_iters=30", *RESUMABLE,
+                          "train.init_from=auto"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env=clean_env(MESHTRAIN_FAULT="kill:rank=1:step=13", **root))
+    text = output(job)
+    assert job.returncode == 0, text[-4000:]
+    assert re.search(r"attempt 0 failed with exit code \d+ after [\d.]+ s; restarting", text), text[-3000:]
+    assert "done 3 iteration(s) past this checkpoint" in text
+    rows = read_jsonl(run_dir_of(tmp_path) / "metrics.jsonl")
+    for key in ("loss", "val_loss"):
+        assert {r["step"]: r[key] for r in rows if key in r} == {r["step"]: r[key] for r in ddp_reference if key in r}
 
 
 def test_missing_data_names_the_path_and_the_command(tmp_path):

@@ -163,3 +163,10 @@ def test_fault_specs_parse_and_fire_in_their_attempt_only(monkeypatch):
     assert [f.step for f in faults.Drill(rank=0).faults] == [27] and faults.Drill(rank=1).faults == []
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     assert [f.step for f in faults.Drill(rank=1).faults] == [13]
+
+
+def test_mpiexec_outside_a_scheduler_puts_every_rank_on_this_node():
+    argv = build_command(USER, nproc=3, launcher="mpiexec", environ={}, machine=CPU_BOX, flavor="openmpi")
+    assert argv[:5] == ["mpiexec", "-n", "3", "--map-by", "ppr:3:node:PE=1"]
+    assert build_command(USER, launcher="mpiexec", environ={}, machine=CPU_BOX, flavor="mpich")[:5] == \
+        ["mpiexec", "-n", "2", "-ppn", "2"]
