@@ -13,6 +13,7 @@ this process's id, so that two test sessions on one machine keep apart. Host nam
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 SUBNET = "10.77.0"
 
 
+@functools.cache
 def why_not() -> str | None:
     """None where namespaces can be made here, else the reason."""
     if os.geteuid() != 0:
