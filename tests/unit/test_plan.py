@@ -171,7 +171,7 @@ def test_no_layout_fits_names_the_smallest(data_root):
 
 def test_plan_command_prints_json_and_explains(data_root):
     argv = [sys.executable, "-m", "meshtrain", "plan", "gpt", "preset=cpu", f"data.root={data_root}",
-            "--system", "perlmutter", "--nodes", "2"]
+            "--system", "perlmutter", "--nodes", "1"]
     out = subprocess.run([*argv, "--json"], capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout)
