@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, prepare_data, torchrun
+from tests.conftest import REPO, clean_env, output, prepare_data, rewound_copy, torchrun
 
 TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
         "model.block_size=32", "model.batch_size=4", "train.eval_iters=2", "train.dtype=fp32", "train.log_interval=1",
@@ -45,16 +45,18 @@ def test_llama_trains_under_fsdp_tp_resumes_bit_exactly_exports_and_samples(data
     evals = {r["step"]: r["val_loss"] for r in full if "val_loss" in r}
     assert sorted(evals) == [0, 10, 20] and evals[20] < evals[0] - 0.5, evals  # from ~ln(50304) = 10.8
 
-    halves = tmp_path / "halves"
-    for overrides in (["train.max_iters=10"], ["train.max_iters=20", "train.init_from=resume"]):
-        out = train(data_root, halves, *overrides)
-        assert out.returncode == 0, output(out)[-3000:]
-    resumed = rows_of(halves)
+    from meshtrain.train.sinks import read_jsonl
+
+    run_dir = rewound_copy(Path((tmp_path / "straight" / "llama" / "fsdp" / "latest").read_text().strip()),
+                           tmp_path / "halves", 10)  # the run as it stood at its checkpoint of iteration 10
+    out = train(data_root, tmp_path / "straight", "train.max_iters=20", "train.init_from=resume",
+                f"train.run_dir={run_dir}")
+    assert out.returncode == 0 and "resuming at iteration 10" in output(out), output(out)[-3000:]
+    resumed = read_jsonl(run_dir / "metrics.jsonl")
     losses = lambda rows: {r["step"]: r["loss"] for r in rows if "loss" in r}  # noqa: E731
     assert losses(resumed) == losses(full), "the resumed run's losses equal the uninterrupted run's bit for bit"
     assert [r["val_loss"] for r in resumed if r.get("step") == 20 and "val_loss" in r] == [evals[20]]
 
-    run_dir = Path((halves / "llama" / "fsdp" / "latest").read_text().strip())
     exported = meshtrain("export", "--run", str(run_dir))
     assert exported.returncode == 0, output(exported)
     samples = [meshtrain("sample", "--run", str(source), "--prompt", "ROMEO:", "--max-new-tokens", "12", "--seed", "3")
