@@ -63,6 +63,8 @@ GPT = ["preset=cpu", "model.n_head=6", "model.n_embd=48", "model.block_size=100"
     ("gpt", ["train.backend=hsdp", "parallel.dp_replicate=1", "parallel.cp=2"], 2, 2, ["backend=hsdp", "cp > 1"]),
     ("gpt", ["train.backend=fsdp", "parallel.tp=2", "parallel.order=dp-cp-tp-pp"], 4, 2,
      ["train.backend=fsdp", "parallel.tp=2", "order=dp-cp-tp-pp", "inner to dp", "parallel.order=tp-cp-dp-pp"]),
+    ("gpt", ["train.backend=zero3", "parallel.tp=2", "parallel.order=cp-dp-tp-pp"], 4, 2,
+     ["train.backend=zero3", "order=cp-dp-tp-pp", "inner to dp"]),
     ("vit", ["preset=tiny", "parallel.pp=2"], 2, 2, ["parallel.pp=2", "the vit model", "supports cp, tp"]),
     ("vit", ["preset=tiny", "train.backend=deepspeed"], 2, 2, ["train.backend=deepspeed", "the vit model"]),
     ("vit", ["preset=tiny", "parallel.tp=8", "train.backend=fsdp"], 8, 8, ["model.num_heads=4", "parallel.tp=8"]),

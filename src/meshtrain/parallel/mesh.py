@@ -249,10 +249,11 @@ def check_layout(dims: ParallelDims, cfg, spec, local_world_size: int) -> None:
         raise MeshError(f"train.backend={t.backend} with parallel.tp={dims.tp} and {dims.size('dp_cp')} data- or "
                         "context-parallel ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use "
                         "train.backend=fsdp (fsdp x tp) or zero2")
+    from meshtrain.parallel.data_parallel import SHARDED
+
     sharded_with = [d for d in ("dp", "cp") if dims.size(d) > 1]
     order = parse_order(dims.order)
-    if dims.tp > 1 and t.backend in ("zero2", "fsdp", "hsdp") and any(order.index(d) < order.index("tp")
-                                                                      for d in sharded_with):
+    if dims.tp > 1 and t.backend in SHARDED and any(order.index(d) < order.index("tp") for d in sharded_with):
         raise MeshError(f"train.backend={t.backend} with parallel.tp={dims.tp} and parallel.order={dims.order}: FSDP2 "
                         f"shards tensor-parallel weights only when tp is inner to {' and '.join(sharded_with)} in the "
                         "mesh; name tp before them (e.g. parallel.order=tp-cp-dp-pp, which also keeps tp inside a "
