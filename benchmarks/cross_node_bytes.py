@@ -36,22 +36,11 @@ LAYOUTS = {
 
 def measure(cluster: Cluster, name: str, layout: list[str], data_root: Path, out_dir: Path) -> float:
     """Bytes per iteration crossing between the nodes."""
-    jobs = []
-    for node in (0, 1):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.host(0)}:29400",
-                "--rdzv-id", re.sub(r"\W", "", name), "-m", "meshtrain", "train", "gpt", *GPT, *layout,
-                f"data.root={data_root}", f"train.out_dir={out_dir}"]
-        jobs.append(cluster.start(node, argv, clean_env(MESHTRAIN_TIMEOUT="120"), REPO))
-    lines, sent = [], {}
-    for line in jobs[0].stdout:
-        lines.append(line)
-        step = re.search(r"\] step=(\d+) ", line)
-        if step and int(step.group(1)) in (4, 14):
-            sent[int(step.group(1))] = cluster.sent(0) + cluster.sent(1)
-    jobs[0].wait()
+    args = ["train", "gpt", *GPT, *layout, f"data.root={data_root}", f"train.out_dir={out_dir}"]
+    jobs = [cluster.torchrun(node, re.sub(r"\W", "", name), args, clean_env(MESHTRAIN_TIMEOUT="120"), REPO)
+            for node in (0, 1)]
+    text, sent = cluster.sent_at_steps(jobs[0], {4, 14})
     jobs[1].communicate()
-    text = "".join(lines)
     if any(job.returncode for job in jobs) or len(sent) < 2:
         raise SystemExit(f"{name}: the job failed\n{text[-3000:]}")
     return (sent[14] - sent[4]) / 10

@@ -16,9 +16,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 SUBNET = "10.77.0"
@@ -96,6 +98,26 @@ class Cluster:
                                start_new_session=True)
         self.jobs.append(job)
         return job
+
+    def torchrun(self, node: int, job: str, args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+        """`torchrun --nnodes N --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 -m meshtrain
+        ARGS` on node `node`, as a job script runs it on each of its nodes (`job`: the rendezvous id)."""
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nodes), "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.host(0)}:29400", "--rdzv-id", job,
+                "-m", "meshtrain", *args]
+        return self.start(node, argv, env, cwd)
+
+    def sent_at_steps(self, job: subprocess.Popen, steps: set[int]) -> tuple[str, dict[int, int]]:
+        """Read the output of `job` (the one with rank 0) to its end; as rank 0 logs each iteration in `steps`, the
+        bytes all nodes have sent so far. Returns (the output, {iteration: bytes})."""
+        lines, sent = [], {}
+        for line in job.stdout:
+            lines.append(line)
+            step = re.search(r"\] step=(\d+) ", line)
+            if step and int(step.group(1)) in steps:
+                sent[int(step.group(1))] = sum(self.sent(i) for i in range(self.nodes))
+        job.wait()
+        return "".join(lines), sent
 
     def remote_shell(self, path: Path) -> Path:
         """An `ssh` for mpirun's remote agent (`--mca plm_rsh_agent PATH`): `PATH HOST COMMAND` runs COMMAND in that

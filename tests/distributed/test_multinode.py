@@ -28,13 +28,8 @@ def data_root(tmp_path_factory):
     return prepare_data(tmp_path_factory.mktemp("data"))
 
 
-def torchrun_on(cluster: Cluster, node: int, job: str, *args: str, nodes: int = 2, **env: str):
-    """`torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 -m meshtrain ARGS` on
-    node `node`, as a job script runs it on each of its nodes."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--rdzv-id", job,
-            "-m", "meshtrain", *args]
-    return cluster.start(node, argv, clean_env(MESHTRAIN_TIMEOUT="60", **env), REPO)
+def torchrun_on(cluster: Cluster, node: int, job: str, *args: str):
+    return cluster.torchrun(node, job, list(args), clean_env(MESHTRAIN_TIMEOUT="60"), REPO)
 
 
 def test_test_dist_across_two_nodes(cluster):
@@ -75,15 +70,8 @@ def test_fsdp_x_tp_keeps_tensor_parallel_traffic_inside_a_node(cluster, data_roo
             "train.backend=fsdp", "parallel.tp=2", "parallel.order=tp-cp-dp-pp", "train.max_iters=14",
             "train.eval_interval=1000", "train.save_checkpoints=false"]
     jobs = [torchrun_on(cluster, node, "fsdptp", *args) for node in (0, 1)]
-    lines, sent = [], {}
-    for line in jobs[0].stdout:  # counters read as rank 0 logs iterations 4 and 14: the steady state between
-        lines.append(line)
-        step = re.search(r"\] step=(\d+) ", line)
-        if step and int(step.group(1)) in (4, 14):
-            sent[int(step.group(1))] = cluster.sent(0) + cluster.sent(1)
-    jobs[0].wait(timeout=60)
+    text, sent = cluster.sent_at_steps(jobs[0], {4, 14})  # the steady state between
     other = jobs[1].communicate(timeout=120)[0]
-    text = "".join(lines)
     assert [job.returncode for job in jobs] == [0, 0], text[-3000:] + other[-2000:]
     from meshtrain.config import load_config
     from meshtrain.plan.workload import ModelFacts

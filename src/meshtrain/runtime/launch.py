@@ -106,7 +106,7 @@ def build_command(
 
     nodes = len(hosts) or int(env.get("SLURM_NNODES", "0") or 0) or 1
     # Outside a scheduler there is one node, which holds every rank asked for (2 on a CPU-only box, as torchrun's).
-    alone = (nproc or machine.accelerators or 2) if scheduler == "none" and nodes == 1 else None
+    alone = (nproc or 2) if scheduler == "none" else None
     ppn = ppn or machine.accelerators or _scheduler_ppn(scheduler, env) or alone or 1
     nproc = nproc or nodes * ppn
     if nproc > nodes * ppn:

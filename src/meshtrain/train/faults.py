@@ -41,6 +41,7 @@ class FaultSpecError(MeshtrainError, ValueError):
 
 
 KINDS = ("kill", "stop", "hang")
+IN_STEP = ("data", "forward", "forward_backward", "backward", "optimizer")  # heartbeat phases inside an iteration
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,6 @@ def attempt() -> int:
 
 
 def parse(text: str) -> list[Fault]:
-    from meshtrain.runtime.heartbeat import PHASES
-
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         kind, *fields = item.split(":")
@@ -69,10 +68,10 @@ def parse(text: str) -> list[Fault]:
         except (ValueError, TypeError):
             fault = None
         if (kind not in KINDS or fault is None or (kind == "kill") != (fault.phase is None)
-                or fault.phase not in (None, *PHASES[1:6])):
+                or fault.phase not in (None, *IN_STEP)):
             raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A] or "
-                                 "stop|hang:rank=R:step=S:phase=data|forward|backward|forward_backward|optimizer"
-                                 f"[:attempt=A] (comma-separated), not {item!r}")
+                                 f"stop|hang:rank=R:step=S:phase={'|'.join(IN_STEP)}[:attempt=A] (comma-separated), "
+                                 f"not {item!r}")
         faults.append(fault)
     return faults
 
