@@ -5,7 +5,7 @@ planner promises (states exact, peak within 15%, step time MdAPE <= 25%, Spearma
     python benchmarks/plan_validation.py --ranks 8 --gpt 6 --vit 0
 
 Each layout runs as its own torchrun job (plan/measure.py: the Trainer's own step; CPU peaks from the profiler's
-allocation events). The machine's fixed costs are calibrated first on a tiny GPT (plan/calibrate.py) and cached;
+allocation events). The machine's fixed costs are calibrated first on a tiny GPT and a tiny ViT (plan/calibrate.py), cached;
 nothing is fitted to the runs scored here. The ViT needs `meshtrain prepare era5-synthetic`, the GPT
 `meshtrain prepare shakespeare_char`.
 """
@@ -39,14 +39,14 @@ def main() -> None:
     for model, count in (("gpt", args.gpt), ("vit", args.vit)):
         if count:
             cfg = config_mod.load_config(WORKLOADS[model], model)
-            ranked, _ = search.search(cfg, 1, args.ranks, machines.this_machine(args.ranks))
+            ranked, _ = search.search(cfg, 1, args.ranks, machines.this_machine(args.ranks, model=model))
             chosen[model] = (cfg, command.spread(ranked, count))
-    kinds = sorted({k for _, layouts in chosen.values() for c in layouts for k in calibrate.kinds_of(c.cfg, c.dims)})
-    calibrate.calibrate(args.ranks, kinds)
-    machine = machines.this_machine(args.ranks)
+    for model, (cfg, layouts) in chosen.items():
+        kinds = sorted({k for c in layouts for k in calibrate.kinds_of(c.cfg, c.dims)})
+        calibrate.calibrate(args.ranks, kinds, model, cfg.data.root)
     every = []
     for model, (cfg, layouts) in chosen.items():
-        facts = ModelFacts.of(cfg)
+        machine, facts = machines.this_machine(args.ranks, model=model), ModelFacts.of(cfg)
         layouts = [replace(c, cost=predict(facts, c.cfg, c.dims, machine)) for c in layouts]
         checks = validate.run(model, WORKLOADS[model], layouts, args.ranks, steps=args.steps,
                               progress=lambda c: print(f"measured {c.candidate.label}", flush=True))

@@ -135,6 +135,19 @@ def test_tensor_bytes_counts_each_storage_until_it_dies_in_any_thread():
         assert tracker.alive == 0 and tracker.peak() == 8192
 
 
+def test_attention_is_its_flops_on_a_described_machine_and_its_own_kernel_timed_here():
+    machine = polaris()
+    rate = machine.matmul_rate("bf16", 4 * 64, 32, 128)
+    # ring: this rank's 64 queries against 2 × 64 keys
+    assert machine.attention_s("bf16", 4, 8, 64, 32, causal=True, ring=2) == \
+        pytest.approx(12 * 4 * 8 * 32 * 64 * 128 / rate)
+    here = machines.Machine("this", 1, 1e9, {"fp32": 1e10}, 1e10, 1e9, 1e9, 0.0, 0.0, overlap=False, threads=1)
+    for ring in (1, 2):  # the score matrix 16 times larger (4 × the tokens) takes longer, whatever the kernel
+        small = here.attention_s("fp32", 2, 2, 32, 16, causal=True, ring=ring)
+        large = here.attention_s("fp32", 2, 2, 128, 16, causal=True, ring=ring)
+        assert 0 < small and large > 2 * small, (ring, small, large)
+
+
 def test_collectives_cross_nodes_by_the_mesh_order():
     machine, system = polaris(), systems.get("polaris")
     dims = ParallelDims.resolve(8, tp=4)  # tp-cp-dp-pp: a tp group is one node's 4 GPUs, dp spans the 2 nodes

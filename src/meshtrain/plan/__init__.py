@@ -6,7 +6,7 @@
     shares.py     what a rank holds of the model under a layout: parameters, gradients, optimizer state (exact)
     cost.py       per layout: memory by term and peak; step time as compute, exposed communication, bubble
     search.py     every layout `train` accepts on N nodes × G devices, costed and ranked; parallel.plan=auto
-    calibrate.py  this machine's fixed costs per kind of layout, measured on a tiny model
+    calibrate.py  this machine's fixed costs per kind of layout (a tiny model) and its ranks' shared-core slowdown
     measure.py    one layout run for a few steps: bytes held, peak tensor bytes, step time (per rank)
     validate.py   predicted against measured, with the errors
     command.py    the command line

@@ -1,22 +1,25 @@
-"""The fixed costs of each kind of layout on this machine: what a step costs beyond its arithmetic and its bytes
-(operator and DTensor dispatch, FSDP's and DDP's hooks and copies, the pipeline's scheduling, collective latency,
-ranks sharing cores), measured by training a tiny GPT (width 32, 16 tokens, batch 4: next to no arithmetic) at two
-depths under each kind, on as many ranks as the plan is for.
+"""The fixed costs of each kind of layout on this machine: what a step costs beyond the arithmetic and the bytes the
+cost model counts (operator and DTensor dispatch, FSDP's and DDP's hooks and copies, the pipeline's scheduling),
+measured by training a tiny model of the workload (the GPT: width 32, 16 tokens, batch 4; the ViT: width 32, 50
+patches, global batch 8: next to no arithmetic) at two depths under each kind, on as many ranks as the plan is
+for, less what the model predicts for that run without fixed costs (its matmuls, its attention kernel, its
+collectives' measured times, latency included).
 
     kind                      measured as                       cost added to a layout of that kind
     backend:ddp|zero1|...     that backend over all ranks       per block and micro-step, and per step
-    tp                        fsdp with tp=2, sequence parallel  the difference from fsdp alone
-    cp:ring | cp:ulysses      fsdp with cp=2
-    pp:1f1b | pp:gpipe | ...  ddp with pp=2                     the difference from ddp alone
+    tp                        fsdp with tp=2                    the difference from fsdp alone
+    cp:ring | cp:ulysses      ddp with cp=2                     the difference from ddp alone
+    pp:1f1b | pp:gpipe | ...  ddp with pp=2
 
-Two depths (4 and 8 blocks) separate the cost per block from the cost per step. The tiny model is never a size
-`plan --validate` scores: the costs are fitted on it and scored on the layouts' own sizes. Results are cached in the
-machine profile (~/.cache/meshtrain/machine.json, "plan_fixed") under this device, thread count, torch and rank
-count.
+Two depths (4 and 8 blocks) separate the cost per block from the cost per step. The tiny models are never a size
+`plan --validate` scores: the costs are fitted on them and scored on the layouts' own sizes. Results are cached in
+the machine profile (~/.cache/meshtrain/machine.json, "plan_fixed") under this device, thread count, torch, rank
+count and tiny model.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -24,22 +27,43 @@ from meshtrain.plan import measure
 from meshtrain.runtime.results import run_ranks
 
 DEPTHS = (4, 8)
-TINY = ["model.n_embd=32", "model.n_head=2", "model.block_size=16", "model.batch_size=4", "model.dropout=0.0",
-        "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null"]
-KINDS = {  # kind -> (layout overrides on the tiny GPT, the kind it is measured against)
+MODEL_VERSION = 5  # what the fixed costs are measured beyond: a new cost model invalidates the cached ones
+# The tiny model of each workload (the GPT's serves models without their own): next to no arithmetic, its blocks at
+# two depths. The ViT's differs from the GPT's beyond its blocks (a field-sized head and loss, all tokens gathered
+# before the head under context parallelism), so it is calibrated on its own.
+TINY = {
+    "gpt": ["model.n_embd=32", "model.n_head=2", "model.block_size=16", "model.batch_size=4", "model.dropout=0.0",
+            "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null"],
+    "vit": ["model.embed_dim=32", "model.num_heads=2", "model.patch_size=16", "data.crop=[80,160]",
+            "data.global_batch_size=8", "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1",
+            "parallel.microbatches=null"],
+}
+DEPTH_KEY = {"gpt": "model.n_layer", "vit": "model.depth"}
+# Mostly arithmetic, for the slowdown of ranks sharing cores; neither the tiny models' size nor a scored one.
+COMPUTE = ["model.n_embd=192", "model.n_head=4", "model.block_size=48", "model.batch_size=8", "model.n_layer=4",
+           "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null",
+           "train.backend=ddp"]
+KINDS = {  # kind -> (layout overrides on the tiny model, the kind it is measured against)
     "backend:ddp": (["train.backend=ddp"], None),
     "backend:zero1": (["train.backend=zero1"], None),
     "backend:zero2": (["train.backend=zero2"], None),
     "backend:fsdp": (["train.backend=fsdp"], None),
     "backend:hsdp": (["train.backend=hsdp", "parallel.dp_replicate=2"], None),
+    # cp against ddp, whose own cost is the smallest (the difference of two noisy FSDP runs is noisier); tp against
+    # fsdp, as DDP does not replicate tensor-parallel parameters
     "tp": (["train.backend=fsdp", "parallel.tp=2"], "backend:fsdp"),
-    "cp:ring": (["train.backend=fsdp", "parallel.cp=2", "parallel.cp_impl=ring"], "backend:fsdp"),
-    "cp:ulysses": (["train.backend=fsdp", "parallel.cp=2", "parallel.cp_impl=ulysses"], "backend:fsdp"),
+    "cp:ring": (["train.backend=ddp", "parallel.cp=2", "parallel.cp_impl=ring"], "backend:ddp"),
+    "cp:ulysses": (["train.backend=ddp", "parallel.cp=2", "parallel.cp_impl=ulysses"], "backend:ddp"),
     "pp:1f1b": (["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b"], "backend:ddp"),
     "pp:gpipe": (["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe"], "backend:ddp"),
     "pp:interleaved_1f1b": (["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                              "parallel.virtual_stages=2"], "backend:ddp"),
 }
+
+
+def calibrated_as(model: str) -> str:
+    """The tiny model whose fixed costs `model` uses."""
+    return model if model in TINY else "gpt"
 
 
 def kinds_of(cfg, dims) -> list[str]:
@@ -55,7 +79,7 @@ def kinds_of(cfg, dims) -> list[str]:
     return kinds
 
 
-def _key(ranks: int) -> str:
+def _key(ranks: int, model: str) -> str:
     import torch
 
     from meshtrain.machine import profile
@@ -64,35 +88,57 @@ def _key(ranks: int) -> str:
 
     device = pick_device(0)
     threads = threads_per_rank(ranks) if device.type == "cpu" else 0
-    return f"{profile.profile_key(describe(device), threads)}|ranks={ranks}|torch={torch.__version__}"
+    return f"{profile.profile_key(describe(device), threads)}|ranks={ranks}|torch={torch.__version__}|model={MODEL_VERSION}|{calibrated_as(model)}"
 
 
-def cached(ranks: int) -> dict[str, list[float]]:
+def cached(ranks: int, model: str) -> dict[str, list[float]]:
     from meshtrain.machine import profile
 
-    return profile.read_cache().get("plan_fixed", {}).get(_key(ranks), {})
+    return profile.read_cache().get("plan_fixed", {}).get(_key(ranks, model), {})
 
 
-def calibrate(ranks: int, kinds: list[str], progress=print) -> dict[str, list[float]]:
-    """[seconds per block and micro-step, seconds per step] of each kind on `ranks` ranks, measuring those not
-    cached (and the kinds they are measured against)."""
-    from meshtrain.machine import profile
-
-    known = cached(ranks)
+def calibrate(ranks: int, kinds: list[str], model: str = "gpt", data_root: str | None = None,
+              progress=print) -> dict[str, list[float]]:
+    """[seconds per block and micro-step, seconds per step] of each kind on `ranks` ranks for `model`, measuring
+    those not cached (and the kinds they are measured against), and the slowdown of ranks sharing cores. The GPT
+    prepares its own data; the ViT reads `data_root` (its prepared ERA5)."""
+    if cached_slowdown(ranks) is None:  # first: the fixed costs are what is left beyond the slowed arithmetic
+        _measure_slowdown(ranks, progress)
+    tiny = calibrated_as(model)
+    known = cached(ranks, tiny)
     wanted = list(dict.fromkeys(k for kind in kinds for k in (KINDS[kind][1], kind) if k))
     missing = [k for k in wanted if k not in known]
-    if not missing:
-        return known
-    with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
-        from meshtrain.data.text import prepare
+    if missing:
+        known = _measure_kinds(ranks, tiny, missing, data_root, known, progress)
+    return known
 
-        prepare("shakespeare_char", Path(root))
+
+def cached_slowdown(ranks: int) -> float | None:
+    from meshtrain.machine import profile
+
+    return profile.read_cache().get("plan_slowdown", {}).get(_key(ranks, "gpt"))
+
+
+def _measure_kinds(ranks: int, tiny: str, missing: list[str], data_root: str | None, known: dict,
+                   progress) -> dict[str, list[float]]:
+    from meshtrain.machine import profile
+
+    if tiny != "gpt" and data_root is None:
+        raise ValueError(f"calibrating the {tiny} needs its data: pass data_root")
+    with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
+        if tiny == "gpt":
+            from meshtrain.data.text import prepare
+
+            prepare("shakespeare_char", Path(root))
         times = {}
         for kind in missing:
             overrides, _ = KINDS[kind]
-            times[kind] = [_step_s(ranks, [*TINY, f"data.root={root}", f"model.n_layer={depth}", *overrides])
-                           for depth in DEPTHS]
-            progress(f"fixed costs of {kind} on {ranks} ranks: {times[kind]}")
+            runs = [[*TINY[tiny], f"data.root={data_root or root}", f"{DEPTH_KEY[tiny]}={depth}", *overrides]
+                    for depth in DEPTHS]
+            times[kind] = [_step_s(ranks, tiny, run) - _modelled_s(ranks, tiny, run) for run in runs]
+            progress(f"fixed costs of {kind} on {ranks} ranks ({tiny}): "
+                     f"{[f'{s * 1e3:.1f} ms' for s in times[kind]]} beyond the modelled arithmetic and bytes at "
+                     f"{DEPTHS} blocks")
     for kind in missing:  # absolute first, then the differences from what each is measured against
         (short, long), base = times[kind], KINDS[kind][1]
         per_block = (long - short) / (DEPTHS[1] - DEPTHS[0])
@@ -101,8 +147,40 @@ def calibrate(ranks: int, kinds: list[str], progress=print) -> dict[str, list[fl
             base_block, base_step = known.get(base) or _absolute(times[base])
             per_block, per_step = per_block - base_block, per_step - base_step
         known[kind] = [per_block, per_step]
-    profile.remember("plan_fixed", _key(ranks), known)
+    profile.remember("plan_fixed", _key(ranks, tiny), known)
     return known
+
+
+def _measure_slowdown(ranks: int, progress) -> float:
+    """How many times slower than alone a rank computes while the others do, in training: the mid-size GPT
+    (COMPUTE, mostly arithmetic) under ddp, its measured step against the model's, whose step time is linear in
+    the slowdown (a × slowdown + b, b: its bytes and ddp's fixed costs)."""
+    from dataclasses import replace
+
+    from meshtrain import config as config_mod
+    from meshtrain.data.text import prepare
+    from meshtrain.machine import profile
+    from meshtrain.parallel.mesh import ParallelDims
+    from meshtrain.plan.cost import predict
+    from meshtrain.plan.machines import this_machine
+    from meshtrain.plan.workload import ModelFacts
+
+    ddp = cached(ranks, "gpt").get("backend:ddp") or _measure_kinds(
+        ranks, "gpt", ["backend:ddp"], None, cached(ranks, "gpt"), progress)["backend:ddp"]
+    with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
+        prepare("shakespeare_char", Path(root))
+        overrides = [*COMPUTE, f"data.root={root}"]
+        # a step of ranks sharing cores moves by a quarter between runs here: the median of three
+        measured = statistics.median(_step_s(ranks, "gpt", overrides) for _ in range(3))
+        cfg = config_mod.load_config(overrides, "gpt")
+        dims, facts = ParallelDims.from_config(cfg, ranks), ModelFacts.of(cfg)
+    machine = replace(this_machine(ranks), fixed={"backend:ddp": ddp})
+    one, two = (predict(facts, cfg, dims, replace(machine, slowdown=s)).step_s for s in (1.0, 2.0))
+    slowdown = max(1.0, (measured - (2 * one - two)) / (two - one))
+    progress(f"ranks sharing cores: {ranks} ranks compute {slowdown:.2f}× slower than one alone (a GPT of "
+             f"{facts.num_params / 1e6:.1f}M parameters under ddp: {measured * 1e3:.1f} ms a step)")
+    profile.remember("plan_slowdown", _key(ranks, "gpt"), slowdown)
+    return slowdown
 
 
 def _absolute(times: list[float]) -> list[float]:
@@ -110,8 +188,24 @@ def _absolute(times: list[float]) -> list[float]:
     return [per_block, times[0] - DEPTHS[0] * per_block]
 
 
-def _step_s(ranks: int, overrides: list[str]) -> float:
-    job = run_ranks(Path(measure.__file__), ranks, "gpt", *overrides, "--steps", "8", "--warmup", "3", timeout=300)
+def _modelled_s(ranks: int, model: str, overrides: list[str]) -> float:
+    """The step time the cost model gives this run without fixed costs: its arithmetic, its bytes, its bubble."""
+    from dataclasses import replace
+
+    from meshtrain import config as config_mod
+    from meshtrain.parallel.mesh import ParallelDims
+    from meshtrain.plan.cost import predict
+    from meshtrain.plan.machines import this_machine
+    from meshtrain.plan.workload import ModelFacts
+
+    cfg = config_mod.load_config(overrides, model)
+    dims = ParallelDims.from_config(cfg, ranks)
+    machine = replace(this_machine(ranks, model=model), fixed=dict.fromkeys(KINDS, [0.0, 0.0]))
+    return predict(ModelFacts.of(cfg), cfg, dims, machine).step_s
+
+
+def _step_s(ranks: int, model: str, overrides: list[str]) -> float:
+    job = run_ranks(Path(measure.__file__), ranks, model, *overrides, "--steps", "8", "--warmup", "3", timeout=300)
     rows = [fields for result in job.results.values() for fields in result.values()]
     if job.returncode or not rows:
         raise RuntimeError(f"calibration run {' '.join(overrides)} failed (exit {job.returncode}):\n"

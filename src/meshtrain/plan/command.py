@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def machine_of(args) -> machines.Machine:
     if args.system == "this":
-        machine = machines.this_machine(args.gpus_per_node or 1)
+        machine = machines.this_machine(args.gpus_per_node or 1, model=args.model)
     else:
         system = systems.get(args.system)
         if any(v is not None for v in (args.device_memory, args.intra_node_bw, args.inter_node_bw)):
@@ -179,7 +179,7 @@ def _validate(args, cfg, ranked: list[Candidate], ranks: int) -> int:
         raise systems.PlanError("--validate runs layouts on this machine: use --system this")
     chosen = spread(ranked, args.validate)
     kinds = sorted({k for c in chosen for k in calibrate.kinds_of(c.cfg, c.dims)})
-    calibrate.calibrate(ranks, kinds, progress=log.info)
+    calibrate.calibrate(ranks, kinds, args.model, cfg.data.root, progress=log.info)
     machine, facts = machine_of(args), ModelFacts.of(cfg)  # now with the fixed costs: predict again
     chosen = [replace(c, cost=predict(facts, c.cfg, c.dims, machine)) for c in chosen]
     checks = validate.run(args.model, args.overrides, chosen, ranks, steps=args.steps,

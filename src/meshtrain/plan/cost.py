@@ -28,8 +28,8 @@ plan/measure.py, docs/plan.md):
 Step time, seconds per iteration:
 
     compute      per linear: 6 × tokens × in × out FLOPs at the machine's matmul rate for that size (a measured curve
-                 on `this`, a fraction of the datasheet peak elsewhere), attention 12 × heads × head_dim × context
-                 per token, elementwise traffic (activations written and read, the optimizer's 10 passes over the
+                 on `this`, a fraction of the datasheet peak elsewhere), attention (on `this` the kernel the
+                 layout runs, timed at its shapes; elsewhere 12 × heads × head_dim × context FLOPs per token), elementwise traffic (activations written and read, the optimizer's 10 passes over the
                  states) at memory bandwidth, and a fixed cost per block and micro-step (operator dispatch; measured
                  on `this`)
     comm         each collective's bytes over the bus bandwidth of the link its group crosses (inside a node or
@@ -222,11 +222,14 @@ def _time(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micr
         out_features, in_features = tp_local_shape(name + ".weight", shape, dims.tp)
         matmul += 6 * tokens * in_features * out_features / machine.matmul_rate(label, tokens, in_features,
                                                                                  out_features)
-    heads = facts.shape.heads // dims.tp
-    head_dim = facts.shape.width // facts.shape.heads
-    context = facts.tokens  # causal or not, the attention kernels here compute the whole score matrix
-    attention = share.blocks * 12 * heads * head_dim * context * tokens / machine.matmul_rate(
-        label, tokens, head_dim, context)
+    heads, head_dim = facts.shape.heads // dims.tp, facts.shape.width // facts.shape.heads
+    causal = facts.shape.causal
+    if dims.cp > 1 and p.cp_impl == "ring":  # this rank's queries against every rank's keys, a block at a time
+        one = machine.attention_s(label, micro.samples, heads, facts.tokens // dims.cp, head_dim, causal=causal,
+                                  ring=dims.cp)
+    else:  # Ulysses: the whole sequence on 1/cp of the heads
+        one = machine.attention_s(label, micro.samples, heads // dims.cp, facts.tokens, head_dim, causal=causal)
+    attention = share.blocks * one
     block, _ = _block_activation_bytes(facts, cfg, dims, tokens)
     recompute = {"none": 0, "full": 1, "selective": 1 / t.ac_every}[t.activation_checkpointing]
     elementwise = 4 * share.blocks * block / machine.memory_bps

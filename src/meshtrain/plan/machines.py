@@ -12,6 +12,7 @@ collective time by message size and link. Two sources:
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import statistics
 import time
@@ -47,6 +48,7 @@ class Machine:
     block_overhead_s: float = 0.0  # fixed cost of one block's forward and backward (operator dispatch)
     optimizer_tensor_s: float = 0.0  # fixed cost per parameter tensor of an optimizer step
     fixed: dict[str, list[float]] = field(default_factory=dict)  # calibrate.py: kind -> [per block, per step] s
+    threads: int = 0  # measure kernels (attention) at this many threads: what one rank of the plan gets; 0: none
     curve: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # label -> [(size, FLOP/s)] measured
     collectives: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)  # (op, n) -> [(B, s)]
     sources: dict[str, str] = field(default_factory=dict)
@@ -59,14 +61,27 @@ class Machine:
         peak = self.peak.get(label) or self.peak["fp32"]
         return peak * _interpolate(list(ACCELERATOR_EFFICIENCY), size, log_y=False)
 
+    def attention_s(self, label: str, samples: int, heads: int, tokens: int, head_dim: int, *, causal: bool,
+                    ring: int = 1) -> float:
+        """Seconds of one block's attention forward and backward over `samples` × `heads` local heads × `tokens`
+        queries (this rank's), each seeing all `tokens` × `ring` keys. Measured here (`threads` set): the kernel
+        the run calls, torch's SDPA or, with ring > 1, ring attention's own block arithmetic; else 12 × heads ×
+        head_dim × queries × keys FLOPs at the matmul rate (causal or not, the kernels compute the whole matrix)."""
+        if self.threads:  # timed on at most 4M scores' worth of heads (linear in them), as planning a long
+            many = samples * heads  # sequence must not take minutes
+            timed = max(1, min(many, 2**22 // (tokens * tokens * ring)))
+            return _attention_seconds(self.threads, label, timed, tokens, head_dim, causal, ring) * many / timed
+        keys = tokens * ring
+        return 12 * samples * heads * head_dim * tokens * keys / self.matmul_rate(label, samples * tokens, head_dim,
+                                                                                    keys)
+
     def collective_s(self, op: str, nbytes: float, dims: ParallelDims, dim: str) -> float:
         """Seconds of `op` on `nbytes` (nccl-tests' size: the whole buffer) over rank 0's group of `dim`."""
         group = dims.group_of(0, dim)
         n = len(group)
         measured = self._measured(op, n)
-        if measured:  # with calibrated fixed costs, which hold the latency, only the bandwidth's share
-            seconds = _interpolate(measured, nbytes, log_y=True, grow=True)
-            return max(0.0, seconds - measured[0][1]) if self.fixed else seconds
+        if measured:
+            return _interpolate(measured, nbytes, log_y=True, grow=True)
         nodes = len({r // self.devices_per_node for r in group})
         bps, latency = (self.inter_bps, self.inter_latency_s) if nodes > 1 else (self.intra_bps, self.intra_latency_s)
         steps = 2 * (n - 1) if op == "all_reduce" else (1 if op in ("send_recv", "broadcast") else n - 1)
@@ -106,9 +121,9 @@ def from_system(system: System) -> Machine:
 
 
 # ------------------------------------------------------------------------------------------------- this machine
-def this_machine(ranks_per_node: int, device: str | None = None) -> Machine:
+def this_machine(ranks_per_node: int, device: str | None = None, model: str = "gpt") -> Machine:
     """This machine as `ranks_per_node` ranks of a job see it (each with the threads the launcher gives it), with
-    the fixed costs calibrate.py measured for that many ranks, if any."""
+    the fixed costs calibrate.py measured for that many ranks on `model`'s tiny model, if any."""
     from meshtrain.machine import profile
     from meshtrain.machine.hardware import describe
     from meshtrain.plan import calibrate
@@ -128,7 +143,8 @@ def this_machine(ranks_per_node: int, device: str | None = None) -> Machine:
     finally:
         torch.set_num_threads(before)
     cores = hw.cores if dev.type == "cpu" else 0
-    slowdown = max(1.0, ranks_per_node * threads / cores) if cores else 1.0
+    calibrated = calibrate.cached_slowdown(ranks_per_node)
+    slowdown = (calibrated or max(1.0, ranks_per_node * threads / cores)) if cores else 1.0
     collectives = _recorded_collectives(hw, dev)
     intra = min((max(p[0] / p[1] for p in pts) for pts in collectives.values()), default=1e9)
     return Machine(name="this", devices_per_node=ranks_per_node,
@@ -136,16 +152,19 @@ def this_machine(ranks_per_node: int, device: str | None = None) -> Machine:
                    device_memory_bytes=hw.device_memory_bytes or hw.host_memory_bytes / ranks_per_node,
                    peak={label: max(r for _, r in points) for label, points in curve.items()}, memory_bps=memory,
                    intra_bps=intra, inter_bps=intra, intra_latency_s=50e-6, inter_latency_s=50e-6,
-                   overlap=dev.type != "cpu", slowdown=slowdown, block_overhead_s=block_s,
+                   overlap=dev.type != "cpu", slowdown=slowdown, threads=threads, block_overhead_s=block_s,
                    optimizer_tensor_s=tensor_s, curve=curve, collectives=collectives,
-                   fixed=calibrate.cached(ranks_per_node),
+                   fixed=calibrate.cached(ranks_per_node, model),
                    sources={"matmul": f"measured here: matmul rate by size at {threads or 'all'} thread(s)",
                             "memory": "measured here: copy bandwidth (machine profile)",
                             "collectives": "recorded by `meshtrain machine --ranks N`" if collectives else
                             "none recorded: `meshtrain machine --ranks N` measures them (assumed 1 GB/s, 50 µs)",
-                            "slowdown": f"{ranks_per_node} rank(s) × {threads} thread(s) on {cores} core(s)",
-                            "fixed costs": "calibrated here on a tiny GPT (plan/calibrate.py)" if
-                            calibrate.cached(ranks_per_node) else "dispatch of one block, measured (no calibration)"})
+                            "slowdown": f"{ranks_per_node} rank(s) × {threads} thread(s) on {cores} core(s): "
+                                        f"{slowdown:.2f}× a rank alone, " + ("calibrated (plan/calibrate.py)"
+                                                                            if calibrated else "ranks × threads / cores"),
+                            "fixed costs": f"calibrated here on a tiny {calibrate.calibrated_as(model)} "
+                            "(plan/calibrate.py)" if calibrate.cached(ranks_per_node, model) else
+                            "dispatch of one block, measured (no calibration)"})
 
 
 _CURVES: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
@@ -165,6 +184,43 @@ def _curve(device: torch.device, label: str) -> list[tuple[float, float]]:
             points.append((float(n), 2 * n**3 * reps / best))
         _CURVES[key] = points
     return _CURVES[key]
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_seconds(threads: int, label: str, heads: int, tokens: int, head_dim: int, causal: bool,
+                       ring: int) -> float:
+    """The median of a few forward and backward passes of the attention a rank runs, on this CPU at `threads`."""
+    from meshtrain.models.transformer import attention
+    from meshtrain.parallel import context_parallel as cp
+
+    dtype = torch.bfloat16 if label == "bf16" else torch.float32
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    scale = head_dim ** -0.5
+
+    def sdpa():
+        out = attention(q, k, v, 0.0, causal=causal)
+        out.backward(torch.ones_like(out))
+
+    def ring_blocks():  # what one rank computes of the ring's pairs: step 0 on its own K/V (masked if causal),
+        half = tokens // 2  # then ring - 1 others, half of whose rows or keys a causal zigzag skips
+        with torch.no_grad():
+            for step in range(ring):
+                keys = slice(None) if step == 0 or not causal else slice(None, half)
+                out, lse = cp._block_forward(q, k[:, :, keys], v[:, :, keys], scale, causal and step == 0)
+                if step:
+                    cp._merge(out.clone(), lse.clone(), out, lse)
+                delta = (out * out).sum(-1)
+                cp._block_backward(q, k[:, :, keys], v[:, :, keys], out.to(dtype), lse, delta, scale,
+                                   causal and step == 0)
+
+    run = ring_blocks if ring > 1 else sdpa
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run()
+        return statistics.median(_timed(run, torch.device("cpu")) for _ in range(5))
+    finally:
+        torch.set_num_threads(before)
 
 
 def _timed(fn, device: torch.device) -> float:

@@ -5,7 +5,8 @@ exactly as `train` does (the Trainer, in a scratch directory), steps it, and rec
     peak                       the most bytes of tensors alive at once during the measured step: CUDA's
                                max_memory_allocated on a GPU; on a CPU, the storages every op made, counted from
                                the process's start until each dies (TensorBytes)
-    step_s                     the median wall time of a step, timed without the counting
+    step_s                     the median wall time of a step, timed without the counting, from its batches in
+                               hand (data loading is not part of what the planner predicts)
 
     python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measure gpt preset=cpu train.backend=fsdp
 """
@@ -140,14 +141,19 @@ def measure(cfg, info, warmup: int, steps: int) -> dict:
         held.update(bytes_held(trainer.model, trainer.optimizer))
         zero_grad(*args, **kwargs)
 
-    times = []
+    times, next_batch = [], trainer.batches.next_batch
     for it in range(warmup + 1, warmup + 1 + steps):
         trainer.optimizer.zero_grad = count_then_zero if it == warmup + steps else zero_grad
+        # the step from batches in hand: the planner does not model data loading (a loader's workers overlap it)
+        ready = [next_batch() for _ in range(cfg.train.grad_accum)]
+        trainer.batches.next_batch = ready.pop
+        ready.reverse()
         synchronize(device)
         started = time.perf_counter()
         trainer.step(it)
         synchronize(device)
         times.append(time.perf_counter() - started)
+    trainer.batches.next_batch = next_batch
     trainer.batches.close()
     trainer.sinks.close()
     return {**held, "peak": peak, "step_s": statistics.median(times)}

@@ -94,7 +94,7 @@ class Trainer:
 
         info, layout = self.info, None
         if info.is_main:
-            machine = machines.this_machine(info.local_world_size, str(self.device))
+            machine = machines.this_machine(info.local_world_size, str(self.device), self.spec.name)
             try:
                 chosen = search.best(cfg, info.world_size // info.local_world_size, info.local_world_size, machine)
             except MeshtrainError as e:  # every rank raises it, none waits for a layout that never comes
