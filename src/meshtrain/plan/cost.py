@@ -28,10 +28,11 @@ plan/measure.py, docs/plan.md):
 Step time, seconds per iteration:
 
     compute      per linear: 6 × tokens × in × out FLOPs at the machine's matmul rate for that size (a measured curve
-                 on `this`, a fraction of the datasheet peak elsewhere), attention (on `this` the kernel the
-                 layout runs, timed at its shapes; elsewhere 12 × heads × head_dim × context FLOPs per token), elementwise traffic (activations written and read, the optimizer's 10 passes over the
-                 states) at memory bandwidth, and a fixed cost per block and micro-step (operator dispatch; measured
-                 on `this`)
+                 on `this`, a fraction of the datasheet peak elsewhere), attention (on `this` the kernel the layout
+                 runs, timed at its shapes; elsewhere 12 × heads × head_dim × context FLOPs per token), elementwise
+                 traffic (activations written and read, the optimizer's 10 passes over the states) at memory
+                 bandwidth, all times the slowdown of ranks sharing cores, and the fixed costs per block and
+                 micro-step and per step (calibrated on `this`)
     comm         each collective's bytes over the bus bandwidth of the link its group crosses (inside a node or
                  between nodes, by the mesh order), plus its latency: data parallel once per iteration, tensor and
                  context parallel per block and micro-step, pipeline sends per micro-batch and stage boundary
