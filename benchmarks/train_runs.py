@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,9 +36,11 @@ class TrainRun:
                     if line.strip().startswith("dtype:"))
 
 
-def run_train(workload: str, ranks: int, overrides: list[str], timeout: float = 3600) -> TrainRun:
+def run_train(workload: str, ranks: int, overrides: list[str], timeout: float = 3600,
+              keep: Path | None = None) -> TrainRun:
     """`meshtrain train WORKLOAD OVERRIDES` as a plain process, or under torchrun with `ranks` processes, in a
-    fresh output directory with no checkpoints (unless an override turns them on). Raises on failure."""
+    fresh output directory with no checkpoints (unless an override turns them on); its run directory is copied to
+    `keep` (for a report), if given. Raises on failure."""
     with tempfile.TemporaryDirectory(prefix=f"{workload}_bench_") as out_dir:
         args = ["-m", "meshtrain", "train", workload, "train.save_checkpoints=false", f"train.out_dir={out_dir}",
                 *overrides]
@@ -51,6 +54,8 @@ def run_train(workload: str, ranks: int, overrides: list[str], timeout: float = 
                                f"{(done.stdout + done.stderr)[-3000:]}")
         run_dir = Path(next(Path(out_dir, workload).glob("*/latest")).read_text().strip())
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        if keep:
+            shutil.copytree(run_dir, keep, dirs_exist_ok=True)
         return TrainRun(rows, (run_dir / "config.yaml").read_text(), started, wall)
 
 

@@ -7,16 +7,21 @@ Each rank count trains a fresh run of --steps iterations (DDP, torchrun): the gl
 and the learning rate follows the square-root rule from the one-rank run (optimizer.base_batch_size = --batch),
 as NERSC's bs*_opt configs do. The table gives the global batch and learning rate each run used, its samples/s
 (median over the iterations after --warmup), the speed-up and efficiency against one rank, and the validation
-loss and u10 RMSE it reached (with the persistence baseline) after the same number of steps.
+loss and u10 RMSE it reached (with the persistence baseline) after the same number of steps. The runs are kept
+under --report with a comparison page of them (`meshtrain report`'s).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 from train_runs import last_eval, markdown, median_rate, run_train
+
+from meshtrain.report.page import write_report
+from meshtrain.report.runs import read_run
 
 
 def main() -> None:
@@ -28,14 +33,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3, help="the one-rank learning rate (at --batch)")
+    parser.add_argument("--report", default="outputs/reports/vit_scaling", help="where the comparison page goes")
     args = parser.parse_args()
     common = [f"preset={args.preset}", "train.max_epochs=null", f"train.max_iters={args.steps}",
               f"train.eval_interval={args.steps}", "train.log_interval=1", f"data.batch_size={args.batch}",
               "data.global_batch_size=null", f"optimizer.base_batch_size={args.batch}", f"optimizer.lr={args.lr}",
               f"optimizer.min_lr={args.lr / 10}", "train.backend=ddp", *args.overrides]
-    table, one = [], None
+    table, one, kept = [], None, Path(args.report) / "runs"
     for ranks in args.ranks:
-        rows = run_train("vit", ranks, common).rows
+        rows = run_train("vit", ranks, common, keep=kept / f"ddp{ranks}").rows
         rate, final = median_rate(rows, skip=args.warmup), last_eval(rows)
         one = one or rate / ranks
         lr = args.lr * math.sqrt(ranks)
@@ -48,6 +54,8 @@ def main() -> None:
           f"{args.steps} iterations, {device}")
     print(markdown(["ranks", "global batch", "lr (sqrt rule)", "samples/s", "speed-up", "efficiency", "val loss",
                     "val RMSE u10 (m/s)", "persistence (m/s)"], table))
+    page = write_report([read_run(kept / f"ddp{ranks}") for ranks in args.ranks], Path(args.report))
+    print(f"comparison page: {page}")
 
 
 if __name__ == "__main__":

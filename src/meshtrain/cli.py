@@ -70,6 +70,15 @@ SUBCOMMANDS = {
         "measured.",
         False,
     ),
+    "report": (
+        "meshtrain.report.command",
+        "one or more runs as an HTML page of plots and tables (and the plots as PNGs)",
+        "Read each run directory (metrics.jsonl, config.yaml, run.json, checkpoints) as far as the run got and write "
+        "report.html, a single file that opens offline: loss, learning rate, gradient norm, throughput and MFU, "
+        "where a step's time goes, memory per rank, the ranks' spread of step time with the straggler marked, the "
+        "workload's own evaluation, the config and the environment. Several runs overlay and get a comparison table.",
+        False,
+    ),
     "machine": (
         "meshtrain.machine.command",
         "measure and print what this machine can do: matmul peak per dtype, memory, bandwidth, collectives",

@@ -66,6 +66,11 @@ class TrainSection:
     eval_interval: int = 250
     eval_iters: int = 20
     log_interval: int = 10
+    # a rank whose step takes more than straggler_ratio × the median over the ranks for straggler_intervals log
+    # intervals in a row is named in one warning
+    straggler_ratio: float = 1.2
+    straggler_intervals: int = 3
+    report: bool = False  # write the run's report page (`meshtrain report`) when it ends
     max_minutes: float | None = None  # stop (with a checkpoint) once this wall-clock budget is spent
     seed: int = 1337
     max_epochs: int | None = None  # passes over the data (ViT); when set, it replaces max_iters and eval_interval
@@ -207,7 +212,11 @@ def validate(cfg) -> None:
     check_positive({"train.max_iters": t.max_iters, "train.grad_accum": t.grad_accum,
                      "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters,
                      "train.log_interval": t.log_interval, "train.max_epochs": t.max_epochs,
-                     "train.profile_steps": t.profile_steps, "optimizer.base_batch_size": o.base_batch_size})
+                     "train.profile_steps": t.profile_steps, "optimizer.base_batch_size": o.base_batch_size,
+                     "train.straggler_intervals": t.straggler_intervals})
+    if t.straggler_ratio <= 1:
+        raise ConfigError(f"train.straggler_ratio={t.straggler_ratio}: a step-time ratio to the median over the "
+                          "ranks, above 1 (e.g. 1.2)")
     spec = registry.spec_of(cfg)
     if spec.validate:
         spec.validate(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +31,13 @@ def data_root(tmp_path_factory) -> Path:
     return prepare_data(tmp_path_factory.mktemp("data"))
 
 
-def train(world: int, data_root: Path, out_dir: Path, *overrides: str):
+def train(world: int, data_root: Path, out_dir: Path, *overrides: str, env: dict[str, str] | None = None):
     args = ["train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}", *overrides]
+    env = {**clean_env(), **(env or {})}
     if world == 1:
         return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True,
-                              env=clean_env(), cwd=REPO, timeout=300)
-    return torchrun(world, *args, timeout=300)
+                              env=env, cwd=REPO, timeout=300)
+    return torchrun(world, *args, timeout=300, env=env)
 
 
 RESUMABLE = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30"]
@@ -65,9 +67,26 @@ def saved_iteration(run_dir: Path) -> int:
     return checkpoint.load_trainer_state(checkpoint.latest_checkpoint(run_dir))["iteration"]
 
 
+def ddp_run(world: int, data_root: Path, out_dir: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    # On 4 ranks, rank 3 is a straggler from iteration 31 on: 150 ms more for its batches at every iteration.
+    straggler = {"MESHTRAIN_FAULT": "slow:rank=3:step=31:phase=data:ms=150"} if world == 4 else {}
+    return train(world, data_root, out_dir, "train.max_iters=60", "train.eval_interval=30", "train.log_interval=10",
+                 "train.report=true", env=straggler), out_dir
+
+
+@pytest.fixture(scope="module")
+def ddp_run_2(data_root, tmp_path_factory):
+    return ddp_run(2, data_root, tmp_path_factory.mktemp("ddp2"))
+
+
+@pytest.fixture(scope="module")
+def ddp_run_4(data_root, tmp_path_factory):
+    return ddp_run(4, data_root, tmp_path_factory.mktemp("ddp4"))
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, data_root, tmp_path):
-    out = train(world, data_root, tmp_path, "train.max_iters=60", "train.eval_interval=30", "train.log_interval=10")
+def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, request):
+    out, tmp_path = request.getfixturevalue(f"ddp_run_{world}")
     text = output(out)
     assert out.returncode == 0, text[-4000:]
     run_dir = run_dir_of(tmp_path)
@@ -88,10 +107,60 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, data_root, tmp_path
         logged = sum(r["dt"] for r in logs if e["step"] - 30 < r["step"] <= e["step"])
         assert logged < e["train_s"] < 60, "train_s covers every iteration, not only the logged ones"
         assert e["avg_sps"] == pytest.approx(4 * world * 30 / e["train_s"], rel=1e-6)
+    for r in logs:  # every rank's figures, spread: min <= median <= max, the rank with the most
+        for figure in ("dt", "dtf", "dtb", "data", "opt", "lead_in", "mem_gb"):
+            spread = r["ranks"][figure]
+            assert spread["min"] <= spread["median"] <= spread["max"] == spread["each"][spread["slowest"]]
+            assert len(spread["each"]) == world
+        late = r["step"] > 30 and world == 4
+        assert (r["ranks"]["data"]["slowest"] == 3 and r["ranks"]["data"]["each"][3] >= 0.15) == late, r["ranks"]
+    assert "ranks=" not in text, "the console line keeps its columns"
+    named = [line for line in text.splitlines() if "straggler: rank" in line]
+    assert len(named) == (world == 4), named  # after three intervals (40, 50, 60), once
+    if world == 4:
+        assert "straggler: rank 3 (host " in named[0] and "at step 60" in named[0], named
     assert "What is an LLM?" in text, "a sample from the prompt is printed at each eval"
     assert (f"; batch 4 × block 32 tokens per data-parallel rank and micro-step; {world} data-parallel rank(s) × "
             f"accumulation 1: global batch {4 * world} samples ({4 * world * 32} tokens) per iteration") in text
     assert f"{tmp_path}" in (tmp_path / "checkpoints.log").read_text()
+    # the end of the run: its summary, with text plots, and its report page (train.report=true)
+    summary = text.split("summary: iterations logged 60, wall time ")[1]
+    assert f"best val loss {evals[-1]['val_loss']:.4g}" in summary.splitlines()[0]
+    assert "  loss       " in summary and "  tokens/s   " in summary
+    assert f"report: {run_dir / 'report' / 'report.html'}" in summary
+    facts = json.loads((run_dir / "run.json").read_text())
+    assert facts["layout"] == f"ddp over {world} rank(s) (dp_shard={world}, order tp-cp-dp-pp)"
+    assert len(facts["holds"]) == world and facts["environment"]["world_size"] == world
+    assert {p.stem for p in (run_dir / "report").glob("*.png")} >= {"loss", "throughput", "rank_spread", "memory"}
+
+
+def test_the_report_opens_in_a_headless_browser_with_every_plot_and_table(ddp_run_2):
+    """As a person would look at it: chromium loads the page with no console error, every plot decodes, the
+    tables are there; the screenshot is kept under outputs/test-artifacts."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the dev extra)")
+    if not shutil.which("chromedriver"):
+        pytest.skip("needs chromium and its WebDriver: apt-get install chromium chromium-driver (.ci/run does)")
+    page = run_dir_of(ddp_run_2[1]) / "report" / "report.html"
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,4000"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+    try:
+        driver.get(page.as_uri())
+        plots = driver.execute_script("return [...document.images].map(i => i.complete && i.naturalWidth > 0)")
+        tables = driver.execute_script("return document.querySelectorAll('table').length")
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        shot = REPO / "outputs" / "test-artifacts" / "report.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(shot))
+    finally:
+        driver.quit()
+    pngs = list(page.parent.glob("*.png"))
+    assert not errors, errors
+    assert plots == [True] * len(pngs), plots  # every figure decoded (no forecast image: a GPT)
+    assert tables == 3, tables  # totals, what each rank holds, the environment
+    print(f"screenshot of the report: {shot}")
 
 
 @pytest.mark.slow

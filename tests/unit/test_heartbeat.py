@@ -103,6 +103,9 @@ def test_the_flight_recorder_is_set_up_without_overriding_the_user(tmp_path, mon
 def test_fault_specs_for_stops_and_hangs():
     assert faults.parse("stop:rank=2:step=3:phase=backward,hang:rank=1:step=3:phase=data:attempt=1") == [
         faults.Fault("stop", rank=2, step=3, phase="backward"), faults.Fault("hang", 1, 3, attempt=1, phase="data")]
-    for bad in ("stop:rank=2:step=3", "kill:rank=1:step=3:phase=data", "stop:rank=1:step=3:phase=lunch"):
+    assert faults.parse("slow:rank=1:step=5:phase=data:ms=200") == [
+        faults.Fault("slow", rank=1, step=5, phase="data", ms=200)]
+    for bad in ("stop:rank=2:step=3", "kill:rank=1:step=3:phase=data", "stop:rank=1:step=3:phase=lunch",
+                "slow:rank=1:step=5:phase=data", "hang:rank=1:step=3:phase=data:ms=5"):
         with pytest.raises(faults.FaultSpecError, match="stop\\|hang:rank=R:step=S:phase="):
             faults.parse(bad)

@@ -102,7 +102,10 @@ def calibrate(ranks: int, kinds: list[str], model: str = "gpt", data_root: str |
     """[seconds per block and micro-step, seconds per step] of each kind on `ranks` ranks for `model`, measuring
     those not cached (and the kinds they are measured against), and the slowdown of ranks sharing cores. The GPT
     prepares its own data; the ViT reads `data_root` (its prepared ERA5)."""
-    if cached_slowdown(ranks) is None:  # first: the fixed costs are what is left beyond the slowed arithmetic
+    from meshtrain.runtime.device import pick_device
+
+    # first: the fixed costs are what is left beyond the slowed arithmetic (only a CPU's ranks share cores)
+    if pick_device(0).type == "cpu" and cached_slowdown(ranks) is None:
         _measure_slowdown(ranks, progress)
     tiny = calibrated_as(model)
     known = cached(ranks, tiny)

@@ -9,6 +9,8 @@ can be tested and rehearsed on a real job:
                                                               backward begins: a frozen process, silent
     MESHTRAIN_FAULT=hang:rank=1:step=3:phase=data             rank 1 sleeps for ever as iteration 3 fetches its
                                                               batch: a stuck loop in a process that still runs
+    MESHTRAIN_FAULT=slow:rank=1:step=5:phase=data:ms=200      rank 1 sleeps 200 ms as it fetches each batch from
+                                                              iteration 5 on: a straggler (a slow disk, say)
 
 Phases are the heartbeat's (runtime/heartbeat.py): data, forward, backward, forward_backward (a pipeline schedule),
 optimizer.
@@ -40,7 +42,7 @@ class FaultSpecError(MeshtrainError, ValueError):
     """MESHTRAIN_FAULT does not parse."""
 
 
-KINDS = ("kill", "stop", "hang")
+KINDS = ("kill", "stop", "hang", "slow")
 IN_STEP = ("data", "forward", "forward_backward", "backward", "optimizer")  # heartbeat phases inside an iteration
 
 
@@ -50,7 +52,8 @@ class Fault:
     rank: int
     step: int
     attempt: int = 0
-    phase: str | None = None  # stop and hang: where in the iteration; kill: after it
+    phase: str | None = None  # stop, hang and slow: where in the iteration; kill: after it
+    ms: int = 0  # slow: the sleep, in every iteration from `step` on
 
 
 def attempt() -> int:
@@ -68,10 +71,10 @@ def parse(text: str) -> list[Fault]:
         except (ValueError, TypeError):
             fault = None
         if (kind not in KINDS or fault is None or (kind == "kill") != (fault.phase is None)
-                or fault.phase not in (None, *IN_STEP)):
-            raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A] or "
-                                 f"stop|hang:rank=R:step=S:phase={'|'.join(IN_STEP)}[:attempt=A] (comma-separated), "
-                                 f"not {item!r}")
+                or fault.phase not in (None, *IN_STEP) or (kind == "slow") != (fault.ms > 0)):
+            raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A], "
+                                 f"stop|hang:rank=R:step=S:phase={'|'.join(IN_STEP)}[:attempt=A] or "
+                                 f"slow:rank=R:step=S:phase=P:ms=M[:attempt=A] (comma-separated), not {item!r}")
         faults.append(fault)
     return faults
 
@@ -86,7 +89,9 @@ class Drill:
     def during(self, iteration: int, phase: str) -> None:
         """Called as iteration `iteration` (counting from 1) enters `phase`, once the heartbeat has noted it."""
         for fault in self.faults:
-            if (fault.step, fault.phase) == (iteration, phase):
+            if fault.kind == "slow" and fault.phase == phase and iteration >= fault.step:
+                time.sleep(fault.ms / 1000)
+            elif (fault.step, fault.phase) == (iteration, phase):
                 heartbeat.flush()  # what the others read of this rank: where it stopped
                 if fault.kind == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)  # frozen, threads and all, until SIGCONT or SIGKILL

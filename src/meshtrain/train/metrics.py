@@ -39,6 +39,8 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "grad_norm": "global gradient norm before clipping",
     "mem_gb": "peak memory since the previous evaluation, GiB (2^30 bytes): accelerator max allocated, or the CPU process's peak RSS",
     "dtfb": "forward + backward seconds under a pipeline schedule (they interleave), summed over micro-steps",
+    "ranks": "(JSONL only) per figure (dt, dtf, dtb, dtfb, data: waiting for batches, opt: optimizer step, mem_gb) "
+             "min, median, max over the ranks, the rank with the most, and each rank's value",
     "train_loss": "loss on training batches at evaluation",
     "val_loss": "loss on validation batches at evaluation",
     "epoch": "epochs done (with train.max_epochs)",
@@ -80,9 +82,11 @@ def _format_value(key: str, value) -> str:
 
 
 def format_line(metrics: Mapping) -> str:
-    """`step=10 loss=3.154310 dt=0.282833 …`: LEGEND order, absent/None keys skipped, unknown keys last."""
+    """`step=10 loss=3.154310 dt=0.282833 …`: LEGEND order, absent/None keys skipped, unknown keys last; nested
+    figures (the ranks' spread) are the JSONL's, not the line's."""
     keys = [k for k in LEGEND if k in metrics] + [k for k in metrics if k not in LEGEND]
-    return " ".join(f"{k}={_format_value(k, metrics[k])}" for k in keys if metrics[k] is not None)
+    return " ".join(f"{k}={_format_value(k, metrics[k])}" for k in keys
+                    if metrics[k] is not None and not isinstance(metrics[k], Mapping))
 
 
 # ------------------------------------------------------------------------------------------- throughput

@@ -22,7 +22,7 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -32,11 +32,12 @@ from meshtrain import machine, registry
 from meshtrain.errors import MeshtrainError
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.report.runs import read_run, write_facts
 from meshtrain.runtime import heartbeat
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.log import get_logger, print_rich
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
-from meshtrain.train import checkpoint, faults, metrics, profiling
+from meshtrain.train import checkpoint, faults, metrics, profiling, rank_stats
 from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
 from meshtrain.train.sinks import build_sinks, progress_bar
 from meshtrain.train.stopping import PREEMPTED, Stopping
@@ -201,6 +202,9 @@ class Trainer:
         self.timer = metrics.StepTimer(device)
         self.drill = faults.Drill(info.rank)  # MESHTRAIN_FAULT: rehearsed failures
         self.interval = _Interval(device)
+        self.stragglers: rank_stats.StragglerWatch | None = None  # made at the first logged step
+        dims = self.dims
+        self._local_forward = t.backend in ("ddp", "zero1") and dims.tp == dims.cp == dims.pp == 1
         self.profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
                                                out_dir=self.run_dir / "profile", rank=info.rank, device=device)
         if info.is_main:  # MFU is rank 0's figure: only it needs the peak (and only it measures one)
@@ -263,12 +267,26 @@ class Trainer:
         self.checkpointer.wait()
         self.batches.close()  # loader workers
         self.sinks.close()
+        if self.info.is_main:
+            self._summarise()
         if stopping.reason == "signal":
             result.preempted = True
             log.warning("stopped by a signal (%s) after iteration %d, with a checkpoint: exiting with %d so that a job "
                         "script can re-queue; train.init_from=auto continues from here",
                         f"{stopping.received} on this rank" if stopping.received else "on another rank", it, PREEMPTED)
         return result
+
+    def _summarise(self) -> None:
+        """The run's totals and text plots of its loss and throughput; its report page with train.report=true."""
+        from meshtrain.report.page import write_report
+        from meshtrain.report.summary import summary
+
+        run = read_run(self.run_dir)
+        if self.cfg.train.report:
+            report = str(write_report([run], self.run_dir / "report"))
+        else:
+            report = f"meshtrain report {self.run_dir} (or train.report=true) writes it"
+        log.info("%s", summary(run, report))
 
     def step(self, it: int) -> None:
         """Iteration `it`: its micro-steps, the optimizer step, and its log line if it is a logged one."""
@@ -284,8 +302,9 @@ class Trainer:
         with self.timer("dt"):
             for micro in range(t.grad_accum):
                 self._where = {"step": it + 1, "micro": micro}
-                self._phase("data")
-                x, y = self.batches.next_batch()
+                with self.timer("data"):
+                    self._phase("data")
+                    x, y = self.batches.next_batch()
                 with collective("forward and backward (gradient reduction)", self.info.timeout_s):
                     loss_sum += layout.train_micro_step(x, y, accum=t.grad_accum, sync=micro == t.grad_accum - 1,
                                                         autocast=self.autocast, scaler=self.scaler,
@@ -294,7 +313,7 @@ class Trainer:
                 layout.finish_backward()
             self._where["micro"] = None
             self._phase("optimizer")
-            with profiling.record("optimizer", device):
+            with profiling.record("optimizer", device), self.timer("opt"):
                 grad_norm = layout.optimizer_step(self.optimizer, self.scaler, o.grad_clip)
             if it == self.start_iter:
                 self._log_bytes_held()
@@ -311,13 +330,24 @@ class Trainer:
         rates = metrics.throughput(self.workload.batch_size, t.grad_accum, self.dims.dp_size, info.world_size,
                                    self.workload.tokens_per_sample, times["dt"])
         mfu, impossible = self.mfu_meter(rates["tps_per_gpu"]) if info.is_main else (None, None)
-        row = {"loss": loss_value, **times, **rates, "mfu": mfu, "lr": lr_now,
-               "mem_gb": metrics.peak_memory_bytes(self.device) / 2**30}
+        mem_gb = metrics.peak_memory_bytes(self.device) / 2**30
+        # before the step's first collective: its batches, and forward where it holds no collective
+        lead_in = times.get("data", 0.0) + (times.get("dtf", 0.0) if self._local_forward else 0.0)
+        with collective("all_gather of every rank's timings", info.timeout_s):
+            ranks = rank_stats.spread(rank_stats.gather({**times, "lead_in": lead_in, "mem_gb": mem_gb}, self.device))
+        # data and opt are in the ranks' spread only: the console line keeps its columns
+        row = {"loss": loss_value, **{k: v for k, v in times.items() if k not in ("data", "opt")}, **rates,
+               "mfu": mfu, "lr": lr_now, "mem_gb": mem_gb, "ranks": ranks}
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         self.sinks.log(it, row)
         if impossible:
             log.warning("%s", impossible)
+        if self.stragglers is None:
+            hosts = gather_objects(info.hostname, "all_gather_object of host names for the straggler watch")
+            self.stragglers = rank_stats.StragglerWatch(t.straggler_ratio, t.straggler_intervals, hosts)
+        if info.is_main and (warning := self.stragglers.update(it, ranks)):  # one warning, not one a rank
+            log.warning("%s", warning)
 
     def evaluate(self, it: int) -> None:
         """The interval's summary and the workload's evaluation, logged; what the workload shows; a checkpoint."""
@@ -366,9 +396,9 @@ class Trainer:
 
     def _ranged(self, section: str):
         """A timer section that is also a profiler range (torch trace, NVTX under nsys) and a heartbeat phase."""
-        self._phase(RANGES.get(section, section))
         stack = contextlib.ExitStack()
         stack.enter_context(self.timer(section))
+        self._phase(RANGES.get(section, section))  # in the section's time: a drilled slow phase counts there
         stack.enter_context(profiling.record(RANGES.get(section, section), self.device))
         return stack
 
@@ -380,6 +410,9 @@ class Trainer:
             rows = [f"rank {r:>3}: params {_mib(h['params'])}, grads {_mib(h['grads'])}, optimizer "
                     f"{_mib(h['optimizer'])}" for r, h in enumerate(held)]
             log.info("what each rank holds after its first step (%s):\n%s", self.cfg.train.backend, "\n".join(rows))
+            layout = f"{self.cfg.train.backend} over {info.world_size} rank(s) ({_describe(self.dims)})"
+            write_facts(self.run_dir, {"model": self.spec.name, "layout": layout, "holds": held,
+                                       "environment": asdict(info)})  # for `meshtrain report`
 
 
 class _Interval:
