@@ -66,8 +66,8 @@ class TrainSection:
     eval_interval: int = 250
     eval_iters: int = 20
     log_interval: int = 10
-    # a rank whose step takes more than straggler_ratio × the median over the ranks for straggler_intervals log
-    # intervals in a row is named in one warning
+    # a rank that reaches its step's first collective later than the median rank by more than (straggler_ratio - 1)
+    # × the median step, for straggler_intervals log intervals in a row, is named in one warning (train/rank_stats.py)
     straggler_ratio: float = 1.2
     straggler_intervals: int = 3
     report: bool = False  # write the run's report page (`meshtrain report`) when it ends
@@ -215,8 +215,8 @@ def validate(cfg) -> None:
                      "train.profile_steps": t.profile_steps, "optimizer.base_batch_size": o.base_batch_size,
                      "train.straggler_intervals": t.straggler_intervals})
     if t.straggler_ratio <= 1:
-        raise ConfigError(f"train.straggler_ratio={t.straggler_ratio}: a step-time ratio to the median over the "
-                          "ranks, above 1 (e.g. 1.2)")
+        raise ConfigError(f"train.straggler_ratio={t.straggler_ratio}: a ratio to the median step, above 1 (1.2: "
+                          "warn of a rank that keeps the others waiting 20% of a step)")
     spec = registry.spec_of(cfg)
     if spec.validate:
         spec.validate(cfg)

@@ -39,6 +39,8 @@ def test_preset_from_a_yaml_path(tmp_path):
     (["model.n_layer=abc"], "model.n_layer=abc: Value 'abc'"),
     (["model.n_head=5"], "model.n_embd=128 is not divisible by model.n_head=5"),
     (["train.grad_accum=0"], "train.grad_accum=0: must be at least 1"),
+    (["train.straggler_ratio=0.9"], "train.straggler_ratio=0.9: a ratio to the median step, above 1"),
+    (["train.straggler_intervals=0"], "train.straggler_intervals=0: must be at least 1"),
     (["train.dtype=fp8"], "train.dtype='fp8': choose one of auto, fp32, bf16, fp16"),
     (["preset=nope"], "preset=nope: no such preset"),
     (["max_iters"], "overrides are key=value"),

@@ -3,6 +3,7 @@ that the page holds everything it shows (no network)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
@@ -96,3 +97,28 @@ def test_summary_names_the_report(tmp_path):
     text = summary(read_run(make_run(tmp_path / "run")), "/x/report.html")
     assert text.startswith("summary: iterations logged 40, wall time 40.0 s, best val loss 3")
     assert "loss       ▁" not in text and "4 → 1" in text and "tokens/s" in text and "report: /x/report.html" in text
+
+
+def test_a_forecaster_shows_its_skill_and_its_latest_forecast(tmp_path):
+    path = make_run(tmp_path / "vit/ddp/day/time")
+    (path / "forecasts").mkdir()
+    from matplotlib import pyplot as plt
+
+    for step in (20, 40):
+        fig, ax = plt.subplots(figsize=(2, 1))
+        ax.set_title(f"forecast {step}")
+        fig.savefig(path / "forecasts" / f"step{step}.png")
+        plt.close(fig)
+    rows = [{"step": 20, "time": 1020.7, "val_loss": 2.0, "val_rmse_u10": 1.5, "persistence_rmse_u10": 2.5},
+            {"step": 20, "time": 1020.8, "tag": "forecast", "image": "forecasts/step20.png"},
+            {"step": 40, "time": 1040.7, "val_loss": 1.0, "val_rmse_u10": 1.2, "persistence_rmse_u10": 2.5},
+            {"step": 40, "time": 1040.8, "tag": "forecast", "image": str(path / "forecasts/step40.png")}]
+    written = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()[:-1]]  # not the cut
+    rows = sorted(written + rows, key=lambda r: r["time"])  # in the order a run writes them
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = read_run(path)
+    assert [r["step"] for r in run.steps] == [10, 20, 30, 40] and len(run.images) == 2
+    page = write_report([run], tmp_path / "out").read_text()
+    assert (tmp_path / "out" / "skill.png").is_file()
+    forecast = (path / "forecasts/step40.png").read_bytes()
+    assert "forecast at iteration 40" in page and base64.b64encode(forecast).decode() in page  # the latest
