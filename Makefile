@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: train test test-fast lint venv clean
+.PHONY: train test test-fast lint docs venv clean
 
 venv: $(STAMP)
 
@@ -34,7 +34,14 @@ test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -m "not distributed and not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+# The API reference: the public API, meshtrain's __all__, as HTML (open outputs/docs/api/index.html). Submodules
+# are internal and left out; a warning fails the build (tests/unit/test_docs.py builds the same). PDOC_ALLOW_EXEC
+# lets libraries that run a program as they are imported (h5py asks `uname -p`) do so.
+docs: $(STAMP)
+	rm -rf outputs/docs/api
+	PDOC_ALLOW_EXEC=1 $(PY) -W error -m pdoc meshtrain '!meshtrain\.' -o outputs/docs/api
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib import metadata
 
 from meshtrain import __version__
 
@@ -109,13 +110,23 @@ def _add_dist_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds a collective may wait for its peers before failing (default: $MESHTRAIN_TIMEOUT or 600)")
 
 
+def version_line() -> str:
+    """`meshtrain 0.2.0 (torch 2.13.0+cpu)`: torch's version comes from its installed metadata, so that
+    `--version` answers without the seconds an import of torch takes."""
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"meshtrain {__version__} (torch {torch_version})"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only `command`'s module is imported (and its options added), so --help stays quick."""
     parser = argparse.ArgumentParser(
         prog="meshtrain",
         description="Parallel training of AI models on PyTorch's distributed engine, from a laptop to a supercomputer.",
     )
-    parser.add_argument("--version", action="version", version=f"meshtrain {__version__}")
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, summary, description, takes_dist) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=summary, description=description)
@@ -130,12 +141,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshtrain.errors import MeshtrainError
-    from meshtrain.runtime.log import configure_logging, get_logger
-
     argv = sys.argv[1:] if argv is None else argv
     command = next((word for word in argv if not word.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
+    # Imported once the arguments are parsed: meshtrain.runtime brings torch in, which --version and --help skip.
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.runtime.log import configure_logging, get_logger
+
     configure_logging()  # until setup() knows this process's rank
     try:
         return int(args.handler(args) or 0)

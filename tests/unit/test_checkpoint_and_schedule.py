@@ -54,16 +54,6 @@ def test_auto_resumes_only_a_run_with_a_complete_checkpoint(tmp_path):
         checkpoint.resumable_run(tmp_path, "gpt", "ddp")
 
 
-@pytest.fixture()
-def one_rank(tmp_path):
-    """A one-process gloo group: the Checkpointer's collectives then run for real."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _model_and_optimizer(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))

@@ -73,6 +73,7 @@ def test_several_runs_overlay_and_compare(tmp_path):
     comparison = text.split("<h2>comparison</h2>")[1].split("</section>")[0]
     assert comparison.count("<tr>") == 4  # the header and a row per run
     assert "gpt/ddp/day/t2" in comparison and ">1<" in comparison  # best val of the third run: 3.0 - 2
+    assert comparison.count("ddp over 2 rank(s) (dp 2)") == 3  # each run's layout
 
 
 def test_a_run_still_going_is_reported_as_far_as_it_got(tmp_path):

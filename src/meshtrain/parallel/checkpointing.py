@@ -16,16 +16,16 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 MODES = ("none", "full", "selective")
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, every: int = 2) -> int:
-    """Wrap the chosen blocks of `blocks` in place; returns how many were wrapped."""
+def apply_activation_checkpointing(blocks: nn.Module, mode: str, every: int = 2) -> int:
+    """Wrap the chosen blocks of `blocks` (a ModuleDict or ModuleList) in place; returns how many were wrapped."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "none":
         return 0
     step = 1 if mode == "full" else every
-    chosen = [name for i, name in enumerate(blocks.keys()) if i % step == 0]
-    for name in chosen:
+    chosen = [(name, block) for i, (name, block) in enumerate(blocks.named_children()) if i % step == 0]
+    for name, block in chosen:
         # use_reentrant=False: the autograd-friendly variant (works with FSDP2, compile and no-grad inputs);
         # it restores the RNG state, so dropout masks in the recomputation match the first forward.
-        blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=True)
+        setattr(blocks, name, checkpoint_wrapper(block, preserve_rng_state=True))
     return len(chosen)

@@ -101,7 +101,7 @@ def wrap_data_parallel(parts: list[nn.Module], blocks_of, cfg, dims: ParallelDim
     whole's."""
     t, p = cfg.train, cfg.parallel
     sharded = t.backend in SHARDED
-    dp_mesh = _data_parallel_mesh(mesh, dims, t.backend)
+    dp_mesh = data_parallel_mesh(mesh, dims, t.backend)
     compile_options = {"mode": "reduce-overhead"} if t.cuda_graphs else {}  # CUDA graphs through compile
     wrapped = []
     for part in parts:
@@ -114,7 +114,7 @@ def wrap_data_parallel(parts: list[nn.Module], blocks_of, cfg, dims: ParallelDim
     return wrapped
 
 
-def _data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
+def data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
     """What data parallelism spans: dp and cp together (cp ranks are replicas that see other tokens)."""
     if mesh is None:
         return None

@@ -37,6 +37,11 @@ class MeshError(MeshtrainError, ValueError):
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The sizes of the five parallel dims (pp, dp_replicate, dp_shard, cp, tp) over `world_size` ranks and the
+    order string that says which dim has adjacent ranks; checked on creation (the product is the world size;
+    dp_shard=-1 fills what is left). Answers "which ranks?" by arithmetic (`coords`, `group_of`, `dp_rank`) and
+    builds the one DeviceMesh (`build_mesh`), whose dims `submesh` hands out by name."""
+
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever is left of the world
     cp: int = 1

@@ -87,10 +87,10 @@ _WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod", "module")
 def refuse_prepared(model: nn.Module, blocks: nn.ModuleDict, who: str) -> None:
     """Tensor parallelism goes first, on the plain model. parallelize_module only warns about a path that matches
     nothing, and a block hidden in a wrapper would silently compute tp times its share."""
-    wrapped = [name for name, block in blocks.items() if any(hasattr(block, inner) for inner in _WRAPPED)]
+    wrapped = [(name, block) for name, block in blocks.named_children() if any(hasattr(block, i) for i in _WRAPPED)]
     if wrapped:
-        kind = type(blocks[wrapped[0]]).__name__
-        raise MeshError(f"{who}: block {wrapped[0]} is a {kind}, a wrapper around the block: apply tensor parallel "
+        name, block = wrapped[0]
+        raise MeshError(f"{who}: block {name} is a {type(block).__name__}, a wrapper around the block: apply tensor parallel "
                         f"before activation checkpointing and compile")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise MeshError(f"{who}: the model already holds DTensor parameters; apply tensor parallel once, to a plain "

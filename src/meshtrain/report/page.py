@@ -23,8 +23,9 @@ def write_report(runs: list[Run], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     sections = [f"<h1>meshtrain report: {_e(', '.join(r.name for r in runs))}</h1>"]
     if len(runs) > 1:
-        sections.append(_section("comparison", _table(["run", *runs[0].totals()],
-                                                      [[r.name, *r.totals().values()] for r in runs])))
+        sections.append(_section("comparison", _table(["run", "layout", *runs[0].totals()],
+                                                      [[r.name, r.facts.get("layout", "-"), *r.totals().values()]
+                                                       for r in runs])))
     for run in runs:
         sections.append(_run_header(run, several=len(runs) > 1))
     figures = []

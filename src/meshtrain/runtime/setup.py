@@ -39,6 +39,10 @@ class CollectiveError(MeshtrainError, RuntimeError):
 
 @dataclass(frozen=True)
 class DistInfo:
+    """Who this process is in the job and what it runs on, as `setup` found it: ranks from whichever launcher
+    started it (torchrun, mpiexec, srun, PBS), the device and backend it picked, where the ranks met and the
+    process-group timeout. `table()` is the set-up table rank 0 prints."""
+
     rank: int
     local_rank: int
     world_size: int

@@ -143,6 +143,54 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
 
+class Checkpoints:
+    """Checkpoints of a training loop of one's own: every rank's share of a model and its optimizer, saved with
+    DCP into run_dir/checkpoints/step-NNNNNNN (atomically, as Checkpointer does), and loaded back under any layout
+    (any ParallelDims, any data-parallel backend but DeepSpeed's). Every rank calls every method but `latest`.
+    Needs the process group (`meshtrain.setup`), on one process too.
+
+        checkpoints = Checkpoints(run_dir)
+        start = checkpoints.load(model, optimizer)["step"] if checkpoints.latest() else 0
+        ...
+        checkpoints.save(step, model, optimizer, data_position=position)   # anything torch.load(weights_only) reads
+    """
+
+    def __init__(self, run_dir: str | Path, *, keep: int = 2, async_save: bool = False):
+        self.run_dir = Path(run_dir)
+        self._writer = Checkpointer(self.run_dir, is_main=dist.get_rank() == 0, keep=keep, async_save=async_save)
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **extra) -> Path:
+        """Save `step`; `extra` (plain values and tensors) comes back from load(). Returns the step's directory,
+        complete once save returns (with async_save: once the next save or wait())."""
+        from meshtrain.parallel.state_dict import model_and_optimizer_state
+
+        return self._writer.save(step, model_and_optimizer_state(_unwrapped(model), optimizer),
+                                 {"iteration": step, "extra": extra})
+
+    def wait(self) -> Path | None:
+        """Block until an async save in flight is published."""
+        return self._writer.wait()
+
+    def latest(self) -> Path | None:
+        """The last complete checkpoint's directory, or None when the run has none."""
+        return latest_checkpoint(self.run_dir) if (self.run_dir / CHECKPOINTS / LATEST).is_file() else None
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path | None = None) -> dict:
+        """Fill `model` and `optimizer` (laid out as they are now) from `path`, by default the latest checkpoint;
+        returns {"step": ..., **extra} as saved."""
+        from meshtrain.parallel.state_dict import load_model_and_optimizer_state
+
+        path = Path(path) if path else latest_checkpoint(self.run_dir)
+        load_model_and_optimizer_state(_unwrapped(model), optimizer, dcp_loader(path))
+        saved = load_trainer_state(path)
+        return {"step": saved["iteration"], **saved.get("extra", {})}
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """DDP's module: the names a checkpoint keeps are the model's own, whatever wraps it."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 def latest_checkpoint(run_dir: Path) -> Path:
     """The last complete checkpoint directory of a run."""
     pointer = Path(run_dir) / CHECKPOINTS / LATEST

@@ -37,18 +37,15 @@ from meshtrain.runtime import heartbeat
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.log import get_logger, print_rich
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
-from meshtrain.train import checkpoint, faults, metrics, profiling, rank_stats
+from meshtrain.train import checkpoint, faults, metrics, profiling
 from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
+from meshtrain.train.recorder import MetricsRecorder, TrainingDiverged
 from meshtrain.train.sinks import build_sinks, progress_bar
 from meshtrain.train.stopping import PREEMPTED, Stopping
 
 log = get_logger("train")
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RANGES = {"dtf": "forward", "dtb": "backward", "dtfb": "forward_backward"}  # timer section -> profiler range
-
-
-class TrainingDiverged(MeshtrainError, RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is left as it was."""
 
 
 @dataclass
@@ -199,27 +196,28 @@ class Trainer:
         self.max_iters = t.max_epochs * self.epochs if self.epochs else t.max_iters
         self.eval_interval = self.epochs or t.eval_interval
         self.decay_iters = cfg.optimizer.lr_decay_iters or self.max_iters
-        self.timer = metrics.StepTimer(device)
         self.drill = faults.Drill(info.rank)  # MESHTRAIN_FAULT: rehearsed failures
         self.interval = _Interval(device)
-        self.stragglers: rank_stats.StragglerWatch | None = None  # made at the first logged step
         dims = self.dims
-        self._local_forward = t.backend in ("ddp", "zero1") and dims.tp == dims.cp == dims.pp == 1
         self.profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
                                                out_dir=self.run_dir / "profile", rank=info.rank, device=device)
-        if info.is_main:  # MFU is rank 0's figure: only it needs the peak (and only it measures one)
-            peak = self.peak = machine.peak_flops(device, AUTOCAST[t.dtype] or torch.float32, t.peak_flops)
-            self.mfu_meter = metrics.MFUMeter(self.flops_per_token, peak, remeasure=(
-                lambda: machine.measured_peak(device, peak.label, again=True)) if peak.kind == "measured" else None)
         self.sinks = build_sinks(self.run_dir, info.is_main, tensorboard=t.tensorboard,
                                  wandb=False if t.wandb == "off" else t.wandb, config=config_mod.to_dict(cfg),
                                  resume_step=self.start_iter if self.resumed else None)
+        self.recorder = MetricsRecorder(
+            self.run_dir, info, batch_size=self.workload.batch_size, grad_accum=t.grad_accum, dp_size=dims.dp_size,
+            tokens_per_sample=self.workload.tokens_per_sample, flops_per_token=self.flops_per_token,
+            dtype=AUTOCAST[t.dtype] or torch.float32, peak_flops=t.peak_flops, loss_ranks=self.layout.loss_ranks,
+            local_forward=t.backend in ("ddp", "zero1") and dims.tp == dims.cp == dims.pp == 1, sinks=self.sinks,
+            straggler_ratio=t.straggler_ratio, straggler_intervals=t.straggler_intervals)
+        self.timer = self.recorder.timer
         if info.is_main:
             self._log_header()
 
     def _log_header(self) -> None:
         cfg, dims, workload = self.cfg, self.dims, self.workload
         t, o = cfg.train, cfg.optimizer
+        peak = self.recorder.mfu_meter.peak
         (self.run_dir / "config.yaml").write_text(config_mod.to_yaml(cfg))
         log.info("resolved config:\n%s", config_mod.to_yaml(cfg).rstrip())
         log.info("run directory: %s%s", self.run_dir,
@@ -228,7 +226,7 @@ class Trainer:
         if self.precision.warning:
             log.warning("%s", self.precision.warning)
         log.info("model: %.2fM parameters, %.3g FLOPs per token; peak %.4g TFLOP/s per device (%s)",
-                 self.num_params / 1e6, self.flops_per_token, self.peak.flops / 1e12, self.peak.source)
+                 self.num_params / 1e6, self.flops_per_token, peak.flops / 1e12, peak.source)
         log.info("layout: %s over %d rank(s) (%s); %s; %d data-parallel rank(s) × accumulation %d: global batch %d "
                  "samples (%d tokens) per iteration", t.backend, self.info.world_size, _describe(dims),
                  workload.describe(), dims.dp_size, t.grad_accum, self.samples_per_iter,
@@ -299,7 +297,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_now
         loss_sum = torch.zeros((), device=device)
-        with self.timer("dt"):
+        with self.recorder.section("dt"):
             for micro in range(t.grad_accum):
                 self._where = {"step": it + 1, "micro": micro}
                 with self.timer("data"):
@@ -318,36 +316,9 @@ class Trainer:
             if it == self.start_iter:
                 self._log_bytes_held()
             self.optimizer.zero_grad(set_to_none=True)
-        times = self.timer.pop()
         self.interval.add(loss_sum)
         if (it + 1) % t.log_interval == 0:
-            self._log_step(it + 1, loss_sum, times, grad_norm, lr_now)
-
-    def _log_step(self, it: int, loss_sum: torch.Tensor, times: dict, grad_norm, lr_now: float) -> None:
-        t, info = self.cfg.train, self.info
-        loss_value = self._mean_loss(loss_sum, "all_reduce of the training loss for logging")
-        _check_finite({"loss": loss_value}, it, self.run_dir)
-        rates = metrics.throughput(self.workload.batch_size, t.grad_accum, self.dims.dp_size, info.world_size,
-                                   self.workload.tokens_per_sample, times["dt"])
-        mfu, impossible = self.mfu_meter(rates["tps_per_gpu"]) if info.is_main else (None, None)
-        mem_gb = metrics.peak_memory_bytes(self.device) / 2**30
-        # before the step's first collective: its batches, and forward where it holds no collective
-        lead_in = times.get("data", 0.0) + (times.get("dtf", 0.0) if self._local_forward else 0.0)
-        with collective("all_gather of every rank's timings", info.timeout_s):
-            ranks = rank_stats.spread(rank_stats.gather({**times, "lead_in": lead_in, "mem_gb": mem_gb}, self.device))
-        # data and opt are in the ranks' spread only: the console line keeps its columns
-        row = {"loss": loss_value, **{k: v for k, v in times.items() if k not in ("data", "opt")}, **rates,
-               "mfu": mfu, "lr": lr_now, "mem_gb": mem_gb, "ranks": ranks}
-        if grad_norm is not None:
-            row["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        self.sinks.log(it, row)
-        if impossible:
-            log.warning("%s", impossible)
-        if self.stragglers is None:
-            hosts = gather_objects(info.hostname, "all_gather_object of host names for the straggler watch")
-            self.stragglers = rank_stats.StragglerWatch(t.straggler_ratio, t.straggler_intervals, hosts)
-        if info.is_main and (warning := self.stragglers.update(it, ranks)):  # one warning, not one a rank
-            log.warning("%s", warning)
+            self.recorder.log(it + 1, loss_sum, lr=lr_now, grad_norm=grad_norm)
 
     def evaluate(self, it: int) -> None:
         """The interval's summary and the workload's evaluation, logged; what the workload shows; a checkpoint."""
