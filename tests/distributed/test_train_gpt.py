@@ -114,6 +114,12 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, request):
             assert len(spread["each"]) == world
         late = r["step"] > 30 and world == 4
         assert (r["ranks"]["data"]["slowest"] == 3 and r["ranks"]["data"]["each"][3] >= 0.15) == late, r["ranks"]
+        # DDP's own timing of the wait for the gradient all-reduce (its reducer reports the previous timed
+        # iteration: at step 50 that of step 40): while rank 3 is late, the others wait out its delay there
+        waits = r["ranks"]["comm"]["each"]
+        assert len(waits) == world and all(w >= 0 for w in waits), waits
+        if world == 4 and r["step"] >= 50:
+            assert min(waits[:3]) > 0.1 > waits[3], waits
     assert "ranks=" not in text, "the console line keeps its columns"
     named = [line for line in text.splitlines() if "straggler: rank" in line]
     assert len(named) == (world == 4), named  # after three intervals (40, 50, 60), once

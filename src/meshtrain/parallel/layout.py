@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.parallel.data_parallel import SHARDED, apply_data_parallel
 from meshtrain.parallel.mesh import ParallelDims, submesh
@@ -86,6 +87,30 @@ class Layout:
 
         load_model_and_optimizer_state(self.model, optimizer, dcp_loader(checkpoint_dir), self.aliases)
         return None
+
+    def time_gradient_reduction(self, every: int) -> None:
+        """Have DDP's reducer time every `every`-th backward (its own timers: compute and all-reduce spans)."""
+        for part in self.parts:
+            if isinstance(part, DistributedDataParallel):
+                part._set_ddp_runtime_logging_sample_rate(every)  # private, but the reducer's only switch for it
+
+    def gradient_reduction_wait(self) -> float | None:
+        """Seconds a backward spent waiting for its gradient all-reduce after its own compute ended, as DDP's reducer
+        timed it. The reducer reads its timers at the forward after the timed one, so at a logged iteration this
+        is the figure of the one timed an interval before. None where it cannot be told apart: FSDP2 reduces in
+        hooks and streams of its own."""
+        waits = []
+        for part in self.parts:
+            if not isinstance(part, DistributedDataParallel):
+                continue
+            try:
+                data = part._get_ddp_logging_data()
+            except (AttributeError, RuntimeError):  # a torch without the reducer's logging
+                return None
+            if "backward_comm_time_end" not in data:  # not timed yet
+                return None
+            waits.append(max(0, data["backward_comm_time_end"] - data["backward_compute_time_end"]) / 1e9)
+        return sum(waits) if waits else None
 
     @property
     def loss_ranks(self) -> int:

@@ -15,8 +15,8 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from meshtrain.report.runs import Run  # noqa: E402
 
-PARTS = (("dtf", "forward"), ("dtb", "backward"), ("dtfb", "forward + backward (pipeline)"), ("opt", "optimizer"),
-         ("data", "waiting for data"))
+PARTS = (("dtf", "forward"), ("dtb", "backward"), ("comm", "waiting for the gradient all-reduce (DDP)"),
+         ("dtfb", "forward + backward (pipeline)"), ("opt", "optimizer"), ("data", "waiting for data"))
 
 
 def figures(runs: list[Run]) -> dict[str, Figure]:
@@ -150,6 +150,8 @@ def skill(runs: list[Run]) -> Figure | None:
 def _parts(row: dict) -> dict[str, float]:
     ranks = row["ranks"]
     parts = {key: ranks[key]["median"] for key, _ in PARTS if key in ranks}
+    if "comm" in parts and "dtb" in parts:  # the wait is a part of backward's time: shown once, beside it
+        parts["dtb"] = max(0.0, parts["dtb"] - parts["comm"])
     parts["other"] = max(0.0, ranks["dt"]["median"] - sum(parts.values()))
     return parts
 

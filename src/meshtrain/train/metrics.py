@@ -39,7 +39,8 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "grad_norm": "global gradient norm before clipping",
     "mem_gb": "peak memory since the previous evaluation, GiB (2^30 bytes): accelerator max allocated, or the CPU process's peak RSS",
     "dtfb": "forward + backward seconds under a pipeline schedule (they interleave), summed over micro-steps",
-    "ranks": "(JSONL only) per figure (dt, dtf, dtb, dtfb, data: waiting for batches, opt: optimizer step, mem_gb) "
+    "ranks": "(JSONL only) per figure (dt, dtf, dtb, dtfb, data: waiting for batches, opt: optimizer step, comm: DDP's "
+             "wait for the gradient all-reduce, inside dtb; mem_gb) "
              "min, median, max over the ranks, the rank with the most, and each rank's value",
     "train_loss": "loss on training batches at evaluation",
     "val_loss": "loss on validation batches at evaluation",

@@ -16,8 +16,9 @@ collective (ddp or zero1 without tensor, context or pipeline parallelism). A ran
 rank's by more than (ratio - 1) × the median step, for `intervals` log intervals in a row, delays every step by
 that much: StragglerWatch names it once, with its host.
 
-What is not told apart: the wait inside gradient reduction. DDP and FSDP overlap it with backward in hooks and
-streams, so it is part of dtb here, not a figure of its own.
+Communication is told apart where it can be: `comm`, DDP's wait for its gradient all-reduce after backward's own
+compute ended (its reducer times both; Layout.gradient_reduction_wait, one log interval behind), a part of dtb.
+FSDP2 reduces in hooks and streams of its own, so its wait stays inside dtb.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 # dt: the iteration; dtf, dtb (dtfb under a pipeline): forward and backward; data: waiting for batches; opt: the
-# optimizer step; lead_in: before the first collective (above); mem_gb: the peak memory since the last evaluation
-FIGURES = ("dt", "dtf", "dtb", "dtfb", "data", "opt", "lead_in", "mem_gb")
+# optimizer step; comm: the gradient all-reduce's wait (above); lead_in: before the first collective (above); mem_gb:
+# the peak memory since the last evaluation
+FIGURES = ("dt", "dtf", "dtb", "dtfb", "data", "opt", "comm", "lead_in", "mem_gb")
 EACH_UP_TO = 64
 
 

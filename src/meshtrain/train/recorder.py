@@ -90,10 +90,11 @@ class MetricsRecorder:
         if name == "dt":
             self.iteration = self.timer.pop()
 
-    def log(self, step: int, loss: float | torch.Tensor, **figures) -> dict:
+    def log(self, step: int, loss: float | torch.Tensor, *, comm: float | None = None, **figures) -> dict:
         """Log iteration `step`, the last that ended (every rank calls it: the loss and the ranks' figures are
-        gathered). `loss` is this rank's (0 on a rank without one); `figures` (lr, grad_norm, ...) go into the row
-        as they are. Returns the row."""
+        gathered). `loss` is this rank's (0 on a rank without one); `comm`, where it is known, the seconds of its
+        backward spent waiting for the gradient reduction (in the ranks' spread); `figures` (lr, grad_norm, ...) go
+        into the row as they are. Returns the row."""
         info, times = self.info, self.iteration
         if "dt" not in times:
             raise MeshtrainError(f"MetricsRecorder.log(step={step}) found no iteration: time each one in `with "
@@ -109,7 +110,8 @@ class MetricsRecorder:
         mem_gb = metrics.peak_memory_bytes(self.device) / 2**30
         lead_in = times.get("data", 0.0) + (times.get("dtf", 0.0) if self.local_forward else 0.0)
         with collective("all_gather of every rank's timings", info.timeout_s):
-            ranks = rank_stats.spread(rank_stats.gather({**times, "lead_in": lead_in, "mem_gb": mem_gb}, self.device))
+            mine = {**times, "lead_in": lead_in, "mem_gb": mem_gb} | ({"comm": comm} if comm is not None else {})
+            ranks = rank_stats.spread(rank_stats.gather(mine, self.device))
         row = {"loss": loss_value, **{k: v for k, v in times.items() if k not in SPREAD_ONLY}, **rates, "mfu": mfu,
                "mem_gb": mem_gb, "ranks": ranks}
         for key, value in figures.items():

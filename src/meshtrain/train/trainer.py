@@ -211,6 +211,7 @@ class Trainer:
             local_forward=t.backend in ("ddp", "zero1") and dims.tp == dims.cp == dims.pp == 1, sinks=self.sinks,
             straggler_ratio=t.straggler_ratio, straggler_intervals=t.straggler_intervals)
         self.timer = self.recorder.timer
+        self.layout.time_gradient_reduction(every=t.log_interval)
         if info.is_main:
             self._log_header()
 
@@ -318,7 +319,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.interval.add(loss_sum)
         if (it + 1) % t.log_interval == 0:
-            self.recorder.log(it + 1, loss_sum, lr=lr_now, grad_norm=grad_norm)
+            self.recorder.log(it + 1, loss_sum, comm=layout.gradient_reduction_wait(), lr=lr_now, grad_norm=grad_norm)
 
     def evaluate(self, it: int) -> None:
         """The interval's summary and the workload's evaluation, logged; what the workload shows; a checkpoint."""
