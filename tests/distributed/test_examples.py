@@ -96,10 +96,12 @@ def test_a_loop_of_ones_own_resumes_under_other_layouts_and_launchers_as_if_neve
                                  "--steps", "30"))
     run_dir = str(tmp_path / "moving")
     run("torchrun", 4, "resume_across_layouts.py", "--run-dir", run_dir, "--steps", "10", "--backend", "ddp")
-    resumed = run("torchrun", 4, "resume_across_layouts.py", "--run-dir", run_dir, "--steps", "20", "--tp", "2")
+    resumed = run("torchrun", 4, "resume_across_layouts.py", "--run-dir", run_dir, "--steps", "20", "--tp", "2",
+                  "--cp", "2")
     assert "step=11 " in resumed and "step=10 " not in resumed  # it went on from the checkpoint, not from 0
-    last = run("mpirun", 2, "resume_across_layouts.py", "--run-dir", run_dir, "--steps", "30", "--backend", "fsdp")
-    # ddp on 4 ranks -> fsdp × tp2 on 4 -> fsdp on 2 under mpirun: the one-process run's losses and weights
+    last = run("mpirun", 2, "resume_across_layouts.py", "--run-dir", run_dir, "--steps", "30", "--cp", "2")
+    # ddp on 4 ranks -> tp2 × cp2 (ring attention, FSDP over the cp ranks) on 4 -> fsdp × cp2 on 2 under mpirun:
+    # the one-process run's losses and weights
     assert_same(losses(Path(run_dir)), losses(reference), rel=1e-5)
     got_loss, got_parameters = final(last)
     assert got_loss == pytest.approx(loss, rel=1e-5) and got_parameters == pytest.approx(parameters, rel=1e-6)
