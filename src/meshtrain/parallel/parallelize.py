@@ -115,36 +115,26 @@ def _tensor_parallel(model: nn.Module, container: nn.Module, blocks: str, plan: 
 
 
 def _replicate_the_rest(model: nn.Module, tp_mesh) -> None:
-    """Every plain parameter becomes a Replicate DTensor, its module fed and read as plain tensors."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    """Every plain parameter becomes a Replicate DTensor, its module fed and read as plain tensors (replicate_module);
+    a parameter two modules share is replaced in each, then tied back to one."""
+    from torch.distributed.tensor import DTensor
 
-    replicated: dict[int, nn.Parameter] = {}  # by the old parameter: a tied one is replaced by one new parameter
+    from meshtrain.parallel.tensor_parallel import replicate_module
+
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # by the old parameter: every (module, name) holding it
     for name, module in model.named_modules():
-        plain = [(n, p) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        plain = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
         if not plain:
             continue
         if any(True for _ in module.children()):
             raise MeshError(f"parallelize: {name or 'the model'} ({type(module).__name__}) holds parameters of its own "
-                            f"({', '.join(n for n, _ in plain)}) and submodules; the tp_plan must give it a style")
-        for param_name, param in plain:
-            if id(param) not in replicated:
-                replicated[id(param)] = nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [Replicate()]),
-                                                     requires_grad=param.requires_grad)
-            module.register_parameter(param_name, replicated[id(param)])
-
-        def to_replicate(_module, args):
-            return tuple(DTensor.from_local(a, tp_mesh, [Replicate()], run_check=False)
-                         if torch.is_tensor(a) and not isinstance(a, DTensor) else a for a in args)
-
-        def to_plain(_module, _args, out):
-            if isinstance(out, DTensor):
-                return out.to_local()
-            if isinstance(out, tuple):
-                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
-            return out
-
-        module.register_forward_pre_hook(to_replicate)
-        module.register_forward_hook(to_plain)
+                            f"({', '.join(plain)}) and submodules; the tp_plan must give it a style")
+        for param_name in plain:
+            holders.setdefault(id(getattr(module, param_name)), []).append((module, param_name))
+        replicate_module(module, tp_mesh, output=None)
+    for (first, first_name), *others in holders.values():
+        for module, param_name in others:
+            module.register_parameter(param_name, getattr(first, first_name))
 
 
 def _is_meshtrain_block(block: nn.Module) -> bool:

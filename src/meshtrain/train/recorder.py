@@ -41,6 +41,16 @@ class TrainingDiverged(MeshtrainError, RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is left as it was."""
 
 
+def check_finite(row: Mapping[str, float], step: int, run_dir: Path) -> None:
+    """Raise TrainingDiverged if a loss in `row` (training, or an evaluation's *_loss) is NaN or infinite."""
+    bad = {k: v for k, v in row.items() if k.endswith("loss") and not math.isfinite(v)}
+    if bad:
+        what = f"training loss is {bad['loss']}" if "loss" in bad else f"evaluation gave {bad}"
+        raise TrainingDiverged(f"{what} at iteration {step}: the model diverged. The last good checkpoint in {run_dir} "
+                               "is left as it was; lower the learning rate (optimizer.lr) or lengthen its warm-up "
+                               "(optimizer.warmup_iters) and resume from it")
+
+
 class MetricsRecorder:
     """Times an iteration's sections and logs its row (see the module docstring).
 
@@ -101,10 +111,7 @@ class MetricsRecorder:
                                  "recorder.section('dt'):`")
         loss_value = reduce_scalar(loss, "sum", "all_reduce of the training loss for logging", info.timeout_s,
                                    self.device) / self.loss_ranks
-        if not math.isfinite(loss_value):
-            raise TrainingDiverged(f"training loss is {loss_value} at iteration {step}: the model diverged. The last "
-                                   f"good checkpoint in {self.run_dir} is left as it was; lower the learning rate or "
-                                   "lengthen its warm-up and resume from it")
+        check_finite({"loss": loss_value}, step, self.run_dir)
         rates = self.throughput.rates(times["dt"])
         mfu, impossible = self.mfu_meter(rates["tps_per_gpu"]) if self.mfu_meter and "tps" in rates else (None, None)
         mem_gb = metrics.peak_memory_bytes(self.device) / 2**30

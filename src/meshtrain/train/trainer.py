@@ -39,7 +39,7 @@ from meshtrain.runtime.log import get_logger, print_rich
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.train import checkpoint, faults, metrics, profiling
 from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
-from meshtrain.train.recorder import MetricsRecorder, TrainingDiverged
+from meshtrain.train.recorder import MetricsRecorder, check_finite
 from meshtrain.train.sinks import build_sinks, progress_bar
 from meshtrain.train.stopping import PREEMPTED, Stopping
 
@@ -210,7 +210,6 @@ class Trainer:
             dtype=AUTOCAST[t.dtype] or torch.float32, peak_flops=t.peak_flops, loss_ranks=self.layout.loss_ranks,
             local_forward=t.backend in ("ddp", "zero1") and dims.tp == dims.cp == dims.pp == 1, sinks=self.sinks,
             straggler_ratio=t.straggler_ratio, straggler_intervals=t.straggler_intervals)
-        self.timer = self.recorder.timer
         self.layout.time_gradient_reduction(every=t.log_interval)
         if info.is_main:
             self._log_header()
@@ -293,7 +292,7 @@ class Trainer:
         # Synchronising the device stalls its queue: a GPU step of a few ms then waits on the CPU's launches.
         # Only the iterations whose times are logged (or profiled) pay for exact section times.
         self.profiler.step(it)
-        self.timer.sync = (it + 1) % t.log_interval == 0 or self.profiler.active
+        self.recorder.timer.sync = (it + 1) % t.log_interval == 0 or self.profiler.active
         lr_now = learning_rate(it, self.lr, self.min_lr, o.warmup_iters, self.decay_iters, o.decay_lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_now
@@ -301,7 +300,7 @@ class Trainer:
         with self.recorder.section("dt"):
             for micro in range(t.grad_accum):
                 self._where = {"step": it + 1, "micro": micro}
-                with self.timer("data"):
+                with self.recorder.section("data"):
                     self._phase("data")
                     x, y = self.batches.next_batch()
                 with collective("forward and backward (gradient reduction)", self.info.timeout_s):
@@ -312,7 +311,7 @@ class Trainer:
                 layout.finish_backward()
             self._where["micro"] = None
             self._phase("optimizer")
-            with profiling.record("optimizer", device), self.timer("opt"):
+            with profiling.record("optimizer", device), self.recorder.section("opt"):
                 grad_norm = layout.optimizer_step(self.optimizer, self.scaler, o.grad_clip)
             if it == self.start_iter:
                 self._log_bytes_held()
@@ -332,7 +331,7 @@ class Trainer:
         self.model.train()
         if self.epochs:
             row["epoch"] = it / self.epochs
-        _check_finite(row, it, self.run_dir)
+        check_finite(row, it, self.run_dir)
         self.result.train_loss = row.get("train_loss", row.get("avg_loss", math.nan))
         self.result.val_loss = row.get("val_loss", math.nan)
         self.sinks.log(it, row)
@@ -369,7 +368,7 @@ class Trainer:
     def _ranged(self, section: str):
         """A timer section that is also a profiler range (torch trace, NVTX under nsys) and a heartbeat phase."""
         stack = contextlib.ExitStack()
-        stack.enter_context(self.timer(section))
+        stack.enter_context(self.recorder.section(section))
         self._phase(RANGES.get(section, section))  # in the section's time: a drilled slow phase counts there
         stack.enter_context(profiling.record(RANGES.get(section, section), self.device))
         return stack
@@ -417,15 +416,6 @@ class _Interval:
         return {"avg_loss": mean_loss(self.loss_sum / self.iterations, "all_reduce of the interval's training loss"),
                 "train_s": seconds, "avg_sps": samples_per_iter * self.iterations / seconds,
                 "peak_gb": peak / 2**30}
-
-
-def _check_finite(row: dict[str, float], it: int, run_dir: Path) -> None:
-    bad = {k: v for k, v in row.items() if k.endswith("loss") and not math.isfinite(v)}
-    if bad:
-        what = f"training loss is {bad['loss']}" if "loss" in bad else f"evaluation gave {bad}"
-        raise TrainingDiverged(f"{what} at iteration {it}: the model diverged. The last good checkpoint in {run_dir} "
-                               "is left as it was; lower optimizer.lr or raise optimizer.warmup_iters and resume "
-                               "from it")
 
 
 def _rank_state(batches, device: torch.device) -> dict:
