@@ -4,12 +4,15 @@
     python benchmarks/gpt2_gpu_features.py --rows bf16+compile,fp16 --iters 50
 
 Each row is a fresh `meshtrain train gpt preset=gpt2` process with batch 12 x accumulation --accum, changing one
-thing against the first row: bf16 + compile (the goal: MFU >= 50% on an H100), eager, fp16 with a GradScaler,
+thing against the first row: bf16 + compile (the goal: MFU >= 50% on an H100), the same tokens in fewer and larger
+micro-batches (no gradient accumulation to add up, fewer launches per token), float8 linears (torchao, tensorwise and
+rowwise scales; `--iters 200 --accum 1` compares their loss with bf16's), eager, fp16 with a GradScaler,
 activation checkpointing of every block, FSDP2 with parameters and optimizer state in pinned host memory
-(one NCCL rank), and checkpoints every 5 iterations written synchronously or in the background.
+(one NCCL rank under torchrun), and checkpoints every 5 iterations written synchronously or in the background.
 
 tokens/s and MFU (against the run's own peak: the datasheet's, for a GPU in the table) are medians over the
-logged iterations after the first third (compilation happens in those); memory is the CUDA allocator's high
+logged iterations after the first third (compilation happens in those; a logged iteration synchronises the GPU
+around its sections, the others do not); val loss is the evaluation after the last iteration; memory is the CUDA allocator's high
 watermark (max_memory_allocated). For the checkpoint rows, "train s" is the wall time from the first to the last
 logged iteration, which a synchronous save stalls and a background one should not.
 """
@@ -29,6 +32,10 @@ from train_runs import run_train
 
 ROWS = {
     "bf16+compile": ["train.dtype=bf16", "train.compile=true"],
+    "micro 24 × 2": ["train.dtype=bf16", "train.compile=true", "model.batch_size=24", "train.grad_accum=2"],
+    "micro 48 × 1": ["train.dtype=bf16", "train.compile=true", "model.batch_size=48", "train.grad_accum=1"],
+    "float8 tensorwise": ["train.dtype=bf16", "train.compile=true", "train.float8=tensorwise"],
+    "float8 rowwise": ["train.dtype=bf16", "train.compile=true", "train.float8=rowwise"],
     "bf16 eager": ["train.dtype=bf16"],
     "fp16+scaler+compile": ["train.dtype=fp16", "train.compile=true"],
     "bf16+compile+AC full": ["train.dtype=bf16", "train.compile=true", "train.activation_checkpointing=full"],
@@ -41,18 +48,19 @@ ROWS = {
 
 
 def run(name: str, overrides: list[str], data_root: Path, iters: int, accum: int) -> dict:
-    try:
+    try:  # FSDP2 wraps one rank only inside a process group: under torchrun
         run = run_train("gpt", 1, ["preset=gpt2", f"data.root={data_root}", f"train.max_iters={iters}",
-                                   f"train.grad_accum={accum}", "train.log_interval=1",
+                                   f"train.grad_accum={accum}", f"train.log_interval={max(1, min(5, iters // 10))}",
                                    f"train.eval_interval={iters}", "train.eval_iters=5", "optimizer.warmup_iters=10",
-                                   "train.sample_tokens=16", *overrides])
+                                   "train.sample_tokens=16", *overrides],
+                        torchrun="train.backend=fsdp" in overrides)
     except RuntimeError as failure:
         return {"name": name, "error": str(failure)[-1500:]}
     steps, steady = run.steady(0), run.steady(1 / 3)
     return {"name": name, "tps": statistics.median(r["tps"] for r in steady),
             "mfu": statistics.median(r["mfu"] for r in steady), "mem": max(r["mem_gb"] for r in steps),
             "ms": statistics.median(r["dt"] for r in steady) * 1e3, "train_s": steps[-1]["time"] - steps[0]["time"],
-            "loss": steps[-1]["loss"]}
+            "loss": steps[-1]["loss"], "val": run.evals()[-1]["val_loss"]}
 
 
 def main() -> None:
@@ -76,15 +84,15 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     print(f"\nGPT-2 124M, block 1024, batch 12 x accumulation {args.accum}, {args.iters} iterations, one "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| row | ms/iter | tokens/s | × first | MFU | max memory allocated | train s | last loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| row | ms/iter | tokens/s | × first | MFU | max memory allocated | train s | last loss | val loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
     first = next((r for r in results if "tps" in r), None)
     for r in results:
         if "error" in r:
-            print(f"| {r['name']} | failed: {r['error'].splitlines()[-1]} |||||||")
+            print(f"| {r['name']} | failed: {r['error'].splitlines()[-1]} ||||||||")
             continue
         print(f"| {r['name']} | {r['ms']:.1f} | {r['tps']:,.0f} | {r['tps'] / first['tps']:.2f}× | {r['mfu']:.1f}% | "
-              f"{r['mem']:.2f} GiB | {r['train_s']:.1f} | {r['loss']:.3f} |")
+              f"{r['mem']:.2f} GiB | {r['train_s']:.1f} | {r['loss']:.3f} | {r['val']:.4f} |")
 
 
 if __name__ == "__main__":

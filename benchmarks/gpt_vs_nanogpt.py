@@ -2,13 +2,15 @@
 
     python benchmarks/gpt_vs_nanogpt.py --nanogpt ~/src/nanoGPT            # 5000 iterations each, bf16 + compile
     python benchmarks/gpt_vs_nanogpt.py --iters 1500 train.cuda_graphs=true   # meshtrain alone, with overrides
+    python benchmarks/gpt_vs_nanogpt.py --nanogpt DIR --also "1000 train.cuda_graphs=false"  # + a shorter row
 
 --nanogpt is a checkout of github.com/karpathy/nanoGPT (outside this project); its shakespeare_char data is
 prepared offline from the Shakespeare meshtrain ships. Both runs use train_shakespeare_char's recipe
 (6 layers, 6 heads, 384 wide, block 256, batch 64, evaluation of 200 batches every 250 iterations).
 
-Prints one row per run: median tokens/s and ms/iter over the logged iterations after the first tenth (the
-iterations that ran an evaluation left out), MFU against this GPU's datasheet bf16 peak (nanoGPT's own figure
+Prints one row per run: tokens/s and ms/iter, nanoGPT's the median over its logged iterations after the first tenth
+(the iterations that ran an evaluation left out), meshtrain's the median over its evaluation intervals after the
+first (wall time between evaluations, the evaluation left out), MFU against this GPU's datasheet bf16 peak (nanoGPT's own figure
 is against an A100's 312 TFLOP/s: it is recomputed from its tokens/s with its own FLOPs formula), the wall time
 from process start to the first evaluation with val loss <= --target, the best and the last val loss (the baby GPT
 overfits Shakespeare late in a long run), and the total wall time. nanoGPT also writes a checkpoint whenever val
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import re
 import statistics
@@ -42,7 +45,7 @@ def baby_gpt_flops_per_token(n_layer=6, n_head=6, n_embd=384, block=256, vocab=6
     return 6 * params + 12 * n_layer * n_head * (n_embd // n_head) * block
 
 
-def run_nanogpt(root: Path, iters: int, target: float) -> dict:
+def run_nanogpt(root: Path, iters: int, target: float, stop_at_target: bool = False) -> dict:
     data = root / "data" / "shakespeare_char"
     text = gzip.decompress(resources.files("meshtrain.data.assets").joinpath("tinyshakespeare.txt.gz").read_bytes())
     (data / "input.txt").write_bytes(text)
@@ -60,24 +63,32 @@ def run_nanogpt(root: Path, iters: int, target: float) -> dict:
                 evals.append(float(m[2]))
                 if reached is None and evals[-1] <= target:
                     reached = time.time() - started
-    if proc.returncode:
+                    if stop_at_target:
+                        proc.terminate()
+                        break
+    if proc.returncode and not (stop_at_target and reached):
         sys.exit(f"nanoGPT failed (exit {proc.returncode}): {' '.join(cmd)}")
     steady = statistics.median(ms[len(ms) // 10:])
     tps = 64 * 256 / (steady / 1e3)
-    return {"name": "nanoGPT train.py", "ms": steady, "tps": tps, "flops": tps * baby_gpt_flops_per_token(),
+    name = "nanoGPT train.py" + (f", stopped at val {target}" if stop_at_target and reached else "")
+    return {"name": name, "ms": steady, "tps": tps, "flops": tps * baby_gpt_flops_per_token(),
             "reached": reached, "val": evals[-1], "best": min(evals), "wall": time.time() - started}
 
 
-def run_meshtrain(iters: int, target: float, overrides: list[str]) -> dict:
+def run_meshtrain(iters: int, target: float, overrides: list[str], name: str = "meshtrain") -> dict:
     with tempfile.TemporaryDirectory(prefix="meshtrain-vs-nanogpt-") as root:
         subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root", root],
                        check=True, capture_output=True)
         run = run_train("gpt", 1, ["preset=shakespeare_char", f"data.root={root}", f"train.max_iters={iters}",
                                    f"optimizer.lr_decay_iters={iters}", "train.compile=true", *overrides])
-    steady, evals = run.steady(0.1), run.evals()
+    evals = run.evals()
     reached = next((r["time"] - run.started for r in evals if r["val_loss"] <= target), None)
-    tps = statistics.median(r["tps"] for r in steady)
-    return {"name": "meshtrain", "ms": statistics.median(r["dt"] for r in steady) * 1e3, "tps": tps,
+    # Whole evaluation intervals after the first (compilation): wall time between two evaluations, every iteration
+    # counted as it ran (a logged one synchronises the GPU around its sections, the others do not), as nanoGPT's
+    # per-iteration wall times count its own.
+    intervals = [r["avg_sps"] for r in evals if "avg_sps" in r][1:] or [r["sps"] for r in run.steady(0.1)]
+    tps = statistics.median(intervals) * 256
+    return {"name": name, "ms": 64 * 256 / tps * 1e3, "tps": tps,
             "flops": tps * baby_gpt_flops_per_token(), "reached": reached, "val": evals[-1]["val_loss"],
             "best": min(r["val_loss"] for r in evals), "wall": run.wall}
 
@@ -88,6 +99,11 @@ def main() -> None:
     parser.add_argument("--nanogpt", type=Path, help="a checkout of karpathy/nanoGPT")
     parser.add_argument("--iters", type=int, default=5000)
     parser.add_argument("--target", type=float, default=1.47, help="val loss to time (nanoGPT's baby GPT: 1.4697)")
+    parser.add_argument("--also", action="append", default=[], metavar="'ITERS OVERRIDE…'",
+                        help="another meshtrain row: its iterations, then its overrides (repeatable)")
+    parser.add_argument("--stop-nanogpt", action="store_true",
+                        help="stop nanoGPT at its first evaluation at or under --target (its speed and time to "
+                             "target are known then; a short GPU lease keeps the rest)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this comparison is for a GPU (nanoGPT's recipe needs bf16 and compile); on a CPU use "
@@ -96,8 +112,14 @@ def main() -> None:
 
     entry = match_device(torch.cuda.get_device_name())
     peak = entry.flops["bf16"] if entry else None
-    runs = [run_nanogpt(args.nanogpt.expanduser(), args.iters, args.target)] if args.nanogpt else []
-    runs.append(run_meshtrain(args.iters, args.target, args.overrides))
+    runs = [run_nanogpt(args.nanogpt.expanduser(), args.iters, args.target, args.stop_nanogpt)] if args.nanogpt else []
+    print(json.dumps(runs), flush=True)  # each row as it is measured: a GPU lease may end before the table
+    runs.append(run_meshtrain(args.iters, args.target, args.overrides,
+                              f"meshtrain {' '.join(args.overrides)}".strip()))
+    for also in args.also:
+        iters, *overrides = also.split()
+        print(json.dumps(runs), flush=True)
+        runs.append(run_meshtrain(int(iters), args.target, overrides, f"meshtrain {' '.join(overrides)}, {iters} it"))
     print(f"\nbaby GPT (shakespeare_char), {args.iters} iterations, bf16 + compile, one {torch.cuda.get_device_name()}"
           f"{f' (bf16 peak {peak / 1e12:.1f} TFLOP/s, {entry.name})' if peak else ''}")
     print(f"| run | ms/iter | tokens/s | × first | MFU | time to val {args.target} | best val | last val | wall |")

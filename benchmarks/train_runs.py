@@ -37,14 +37,15 @@ class TrainRun:
 
 
 def run_train(workload: str, ranks: int, overrides: list[str], timeout: float = 3600,
-              keep: Path | None = None) -> TrainRun:
-    """`meshtrain train WORKLOAD OVERRIDES` as a plain process, or under torchrun with `ranks` processes, in a
+              keep: Path | None = None, torchrun: bool = False) -> TrainRun:
+    """`meshtrain train WORKLOAD OVERRIDES` as a plain process, or under torchrun with `ranks` processes (with
+    `torchrun`, even one), in a
     fresh output directory with no checkpoints (unless an override turns them on); its run directory is copied to
     `keep` (for a report), if given. Raises on failure."""
     with tempfile.TemporaryDirectory(prefix=f"{workload}_bench_") as out_dir:
         args = ["-m", "meshtrain", "train", workload, "train.save_checkpoints=false", f"train.out_dir={out_dir}",
                 *overrides]
-        argv = torchrun_argv(ranks, *args) if ranks > 1 else [sys.executable, *args]
+        argv = torchrun_argv(ranks, *args) if ranks > 1 or torchrun else [sys.executable, *args]
         env = {**os.environ, "MESHTRAIN_PROGRESS": "0"}
         started = time.time()
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)

@@ -32,6 +32,7 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: machine/precision.py chooses
 BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp", "deepspeed")  # parallel/data_parallel.py, deepspeed_backend.py
 PROFILERS = ("none", "torch", "nsys")  # train/profiling.py
 CP_IMPLS = ("ring", "ulysses")  # parallel/context_parallel.py
+FLOAT8 = ("off", "tensorwise", "rowwise")  # parallel/float8.py
 
 
 class ConfigError(MeshtrainError, ValueError):
@@ -85,7 +86,10 @@ class TrainSection:
     peak_flops: float | None = None  # FLOP/s per device for MFU; default: the device table or a measurement
     tensorboard: bool = False
     wandb: str = "off"  # off | offline | online
-    cuda_graphs: bool = False  # with compile: capture steps as CUDA graphs (torch.compile mode reduce-overhead)
+    # with compile: capture steps as CUDA graphs (torch.compile mode reduce-overhead); null (auto): on one CUDA rank for a
+    # small model, whose step is launch-bound (parallel/layout.py: use_cuda_graphs)
+    cuda_graphs: bool | None = None
+    float8: str = "off"  # off | tensorwise | rowwise: the blocks' linears in float8 (torchao; GPUs of sm89+)
     profile: str = "none"  # none | torch (Chrome trace of the window) | nsys (cudaProfilerStart/Stop around it)
     profile_start: int = 10  # the first iteration of the profiled window
     profile_steps: int = 5
@@ -238,6 +242,12 @@ def _validate_layout(cfg) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r}: choose one of {', '.join(DTYPES)}")
     if t.backend not in BACKENDS:
         raise ConfigError(f"train.backend={t.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if t.float8 not in FLOAT8:
+        raise ConfigError(f"train.float8={t.float8!r}: choose one of {', '.join(FLOAT8)}")
+    if t.float8 != "off" and (p.tp > 1 or t.backend == "deepspeed"):
+        raise ConfigError(f"train.float8={t.float8} with {'parallel.tp=' + str(p.tp) if p.tp > 1 else 'deepspeed'}: "
+                          "float8 linears are not composed with tensor parallelism or DeepSpeed in this version; "
+                          "use data parallelism (ddp, fsdp, zero2, hsdp) or set train.float8=off")
     for key in ("tp", "cp", "pp", "virtual_stages", "dp_replicate"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: must be at least 1")

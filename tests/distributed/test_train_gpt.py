@@ -486,6 +486,21 @@ def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_r
     assert after == {step: full[step] for step in range(21, 31)}, "the resumed run repeats the uninterrupted one"
 
 
+def test_fsdp_on_one_rank_under_a_launcher_offloads_and_trains_like_one_process(data_root, tmp_path):
+    """A one-GPU user who asks for FSDP2 with cpu_offload gets it (one rank used to be left unwrapped), and the run,
+    its sample from the sharded model included, follows the plain one-process run."""
+    common = ["train.max_iters=6", "train.eval_interval=6", "train.log_interval=1", "train.dtype=fp32",
+              "model.dropout=0.0"]
+    plain = train(1, data_root, tmp_path / "plain", *common)
+    fsdp = torchrun(1, "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path / 'fsdp'}",
+                    *common, "train.backend=fsdp", "parallel.cpu_offload=true", timeout=300, env=clean_env())
+    assert plain.returncode == 0 and fsdp.returncode == 0, output(fsdp)[-3000:]
+    want = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "plain")) if "loss" in r}
+    got = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "fsdp", "fsdp")) if "loss" in r}
+    assert sorted(got) == list(range(1, 7)) and got == pytest.approx(want, rel=1e-5)
+    assert "FSDP2 (fsdp) over 1 data-parallel rank(s), parameters and optimizer state in host memory" in output(fsdp)
+
+
 @pytest.mark.slow
 def test_model_parallel_layouts_train_resume_across_layouts_and_export(data_root, tmp_path):
     # tp 2 (sequence + loss parallel) trains 20 iterations, saving in the background; pp 2 resumes that to 30;

@@ -23,6 +23,7 @@ pytest.importorskip("build", reason="`build` is not installed: the dev extra car
 
 CORPUS = "meshtrain/data/assets/tinyshakespeare.txt.gz"
 BPE_RANKS = "meshtrain/data/assets/gpt2.tiktoken.gz"
+GPU_CURVES = "meshtrain/plan/data/h100_curves.json"  # the planner's measured H100 rates (plan/machines.py)
 MODELS = ("gpt", "llama", "vit")
 
 
@@ -113,7 +114,7 @@ def test_the_wheel_ships_every_file_of_the_package(built):
     # What prepare and the presets read at run time, named so that a moved or unlisted file fails here by name.
     presets = {model: preset_names(built.checkout, model) for model in MODELS}
     assert all(presets.values()), f"a model without presets: {presets}"
-    data = {CORPUS, BPE_RANKS} | {f"meshtrain/models/{model}/presets/{name}.yaml"
+    data = {CORPUS, BPE_RANKS, GPU_CURVES} | {f"meshtrain/models/{model}/presets/{name}.yaml"
                                   for model, names in presets.items() for name in names}
     assert not data - shipped, f"data files missing from the wheel: {sorted(data - shipped)}"
     assert not package_files(built.checkout) - shipped, \
@@ -138,13 +139,15 @@ def test_the_version_is_written_once(built):
 
 
 def test_the_fresh_environment_runs_the_wheel_not_the_checkout(installed, built):
-    probe = ("import json, sysconfig, meshtrain; from meshtrain import config; "
+    probe = ("import json, sysconfig, meshtrain; from meshtrain import config; from meshtrain.plan import machines; "
              "print(json.dumps({'file': meshtrain.__file__, 'site': sysconfig.get_paths()['purelib'], "
-             f"'presets': {{m: config.presets(m) for m in {MODELS!r}}}}}))")
+             f"'presets': {{m: config.presets(m) for m in {MODELS!r}}}, "
+             "'curves': sorted(machines.shipped_curves()['gemm'])}))")
     found = json.loads(run([installed.python, "-c", probe], env=installed.env, cwd=installed.cwd).stdout)
     assert Path(found["file"]).is_relative_to(found["site"]), f"meshtrain imported from {found['file']}"
     # The presets are found beside the installed models, so `train ... preset=NAME` works from the wheel.
     assert found["presets"] == {model: preset_names(built.checkout, model) for model in MODELS}
+    assert found["curves"] == ["bf16", "fp32", "tf32"]  # the planner's GPU curves, read from the installed package
 
 
 def test_version_names_the_wheel_and_torch(installed, built):

@@ -15,7 +15,7 @@ import torch
 from tests.conftest import REPO, clean_env, output, prepare_data, torchrun_cmd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed,  # each test starts meshtrain processes
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine; see README)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine; see docs/gpu.md)")]
 
 # Dropout off and fixed seeds, so runs on different devices or paths can be compared step by step.
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.batch_size=8",
@@ -115,7 +115,8 @@ def test_fp16_with_a_grad_scaler_follows_fp32(eager_fp32, data_root, tmp_path):
     assert scale > 1 and float(scale).is_integer() and (int(scale) & (int(scale) - 1)) == 0, scale  # a power of 2
 
 
-@pytest.mark.parametrize("flags", [["train.compile=true"], ["train.compile=true", "train.cuda_graphs=true"]],
+@pytest.mark.parametrize("flags", [["train.compile=true", "train.cuda_graphs=false"],
+                                   ["train.compile=true", "train.cuda_graphs=true"]],
                          ids=["compile", "cuda_graphs"])
 def test_compile_and_cuda_graphs_follow_eager(flags, eager_fp32, data_root, tmp_path):
     run = train(data_root, tmp_path, "train.dtype=fp32", *flags, timeout=600)
@@ -207,3 +208,28 @@ def test_vit_trains_on_the_gpu_in_bf16_and_fp16(tmp_path):
         finals[dtype] = losses[-1]
     for dtype in ("bf16", "fp16"):
         assert finals[dtype] == pytest.approx(finals["fp32"], rel=0.1)
+
+
+def test_auto_captures_cuda_graphs_for_a_small_compiled_model(eager_fp32, data_root, tmp_path):
+    run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=true", timeout=600)  # cuda_graphs=null
+    assert "CUDA graphs: on (train.cuda_graphs=null" in run.text
+    assert_close_losses(run, eager_fp32, rel=1e-3)
+
+
+def test_float8_follows_bf16_eager_compiled_and_under_fsdp2(data_root, tmp_path):
+    pytest.importorskip("torchao.float8", reason="torchao (the float8 extra) is not installed")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"{torch.cuda.get_device_name()} has no float8 tensor cores (compute capability 8.9+)")
+    bf16 = train(data_root, tmp_path / "bf16", "train.dtype=bf16")
+    eager = train(data_root, tmp_path / "eager", "train.dtype=bf16", "train.float8=tensorwise")
+    assert "float8 (tensorwise): 12 linears of the blocks" in eager.text
+    assert_close_losses(eager, bf16, rel=5e-2)  # e4m3's 3 mantissa bits against bf16's 8
+    assert eager.losses() != bf16.losses()  # the blocks really ran in float8
+    # FSDP2 on one NCCL rank gathers the weights in float8 and recomputes their scales after each step; compiled.
+    fsdp = train(data_root, tmp_path / "fsdp", "train.dtype=bf16", "train.float8=tensorwise", "train.compile=true",
+                 backend="fsdp", timeout=600)
+    assert "their weights gathered in float8 by FSDP2" in fsdp.text
+    assert_close_losses(fsdp, eager, rel=2e-2)
+    rowwise = train(data_root, tmp_path / "rowwise", "train.dtype=bf16", "train.float8=rowwise", "train.compile=true",
+                    timeout=600)
+    assert_close_losses(rowwise, bf16, rel=5e-2)

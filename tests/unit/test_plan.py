@@ -137,10 +137,11 @@ def test_tensor_bytes_counts_each_storage_until_it_dies_in_any_thread():
 
 def test_attention_is_its_flops_on_a_described_machine_and_its_own_kernel_timed_here():
     machine = polaris()
-    rate = machine.matmul_rate("bf16", 4 * 64, 32, 128)
-    # ring: this rank's 64 queries against 2 × 64 keys
+    # ring: this rank's 64 queries against 2 × 64 keys, at the measured SDPA rate (bf16) or the matmul rate (fp32)
     assert machine.attention_s("bf16", 4, 8, 64, 32, causal=True, ring=2) == \
-        pytest.approx(12 * 4 * 8 * 32 * 64 * 128 / rate)
+        pytest.approx(12 * 4 * 8 * 32 * 64 * 128 / machine.sdpa["bf16"].rate(64, 32, True))
+    assert machine.attention_s("fp32", 4, 8, 64, 32, causal=True, ring=2) == \
+        pytest.approx(12 * 4 * 8 * 32 * 64 * 128 / machine.matmul_rate("fp32", 4 * 64, 32, 128))
     here = machines.Machine("this", 1, 1e9, {"fp32": 1e10}, 1e10, 1e9, 1e9, 0.0, 0.0, overlap=False, threads=1)
     for ring in (1, 2):  # the score matrix 16 times larger (4 × the tokens) takes longer, whatever the kernel
         small = here.attention_s("fp32", 2, 2, 32, 16, causal=True, ring=ring)

@@ -5,6 +5,9 @@
     meshtrain machine --refresh          measure again and keep the new figures
     meshtrain machine --ranks 4          also collective bandwidth on 4 ranks, through this machine's launcher
     meshtrain machine --json             the same as JSON, for scripts and cost models
+
+On a CUDA GPU the profile also holds the planner's rate tables: GEMM FLOP/s by shape and attention (SDPA) by
+sequence length (`meshtrain plan --system this` reads them).
 """
 
 from __future__ import annotations
@@ -57,11 +60,14 @@ def collect(device: torch.device, refresh: bool = False) -> dict:
     data = profile.read_cache()
     collectives = {key: value for key, value in data.get("collectives", {}).items()
                    if key.split("|")[1:3] == [hw.kind, hw.name]}
-    return {"key": profile.profile_key(hw, profile.threads_of(device)),
-            "hardware": dataclasses.asdict(hw),
-            "datasheet": entry.name if entry else None, "auto_dtype": {"dtype": auto.dtype, "reason": auto.reason},
-            "matmul": matmul, "memory": profile.measured(device, "memory", refresh=refresh),
-            "collectives": collectives, "cache": str(profile.cache_path())}
+    p = {"key": profile.profile_key(hw, profile.threads_of(device)),
+         "hardware": dataclasses.asdict(hw),
+         "datasheet": entry.name if entry else None, "auto_dtype": {"dtype": auto.dtype, "reason": auto.reason},
+         "matmul": matmul, "memory": profile.measured(device, "memory", refresh=refresh),
+         "collectives": collectives, "cache": str(profile.cache_path())}
+    if hw.kind == "cuda":
+        p["curves"] = profile.curves(device, refresh=refresh)
+    return p
 
 
 def _gib(n: int | None) -> str:
@@ -104,6 +110,17 @@ def tables(p: dict) -> list:
                       f"{m['spread']:.0%}", m["measured"],
                       f"{m.get('others_cores', '?')}{' (busy)' if m.get('busy') else ''}")
     out = [head, peaks]
+    if "curves" in p:
+        rates = Table(title=f"rates by shape for the planner (measured {p['curves']['measured']})",
+                      title_justify="left")
+        for column in ("kernel", "dtype", "shapes", "lowest", "highest", "at"):
+            rates.add_column(column, justify="left" if column in ("kernel", "dtype", "at") else "right")
+        for kernel, what in (("gemm", "m × k × n"), ("sdpa", "T, head_dim, causal")):
+            for label, rows in p["curves"][kernel].items():
+                best = max(rows, key=lambda row: row[-1])
+                rates.add_row(kernel, label, str(len(rows)), profile.format_flops(min(row[-1] for row in rows)),
+                              profile.format_flops(best[-1]), f"{what} = {', '.join(map(str, best[:-1]))}")
+        out.append(rates)
     for key, entry in p["collectives"].items():
         table = Table(title=f"collectives {key} (measured {entry['measured']})", title_justify="left")
         for column in ("op", "latency (us)", "peak busbw (GB/s)", "at size"):

@@ -151,3 +151,70 @@ def memory_bandwidth(device: torch.device | str, nbytes: int | None = None) -> d
         stats = best_of_rounds(timed, budget_s=3.0)
     return {"gbs": 2 * nbytes / stats["best_s"] / 1e9, "bytes": nbytes, **stats, "threads": torch.get_num_threads(),
             "load": load_average(), **interference, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# The GEMM shapes of transformer training, for an accelerator's rate curve: tokens per micro-batch (m) by the widths
+# of its layers (k in, n out). Rates by shape, not by one square size: a 16384 × 768 × 3072 GEMM (GPT-2's MLP) runs
+# well under a square matmul of the same FLOPs on an H100.
+GEMM_TOKENS = (1024, 4096, 16384, 65536)
+GEMM_WIDTHS = (256, 768, 1536, 3072, 6144, 12288)
+# Attention shapes (sequence length, head dim) at about 256K query tokens (batch × heads × T), causal and full.
+SDPA_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+SDPA_HEAD_DIMS = (64, 128)
+
+
+def _event_time(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05) -> float:
+    """Median seconds of one call of `fn` on an accelerator: warmed up, repeated until `budget_s` of calls (at least
+    3), each timed alone between two synchronisations."""
+    fn()
+    synchronize(device)
+    times: list[float] = []
+    while len(times) < 3 or (sum(times) < budget_s and len(times) < 50):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_curve(device: torch.device | str, label: str, tokens=GEMM_TOKENS, widths=GEMM_WIDTHS) -> list[list[float]]:
+    """[m, k, n, FLOP/s] of an m × k by k × n matmul in `label` for every m in `tokens` and k, n in `widths` (random
+    operands; fp32 as IEEE unless label is tf32)."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    points = []
+    with fp32_matmuls(device, "tf32" if label == "tf32" else "ieee"):
+        for m in tokens:
+            for k in widths:
+                for n in widths:
+                    a = torch.randn(m, k, device=device, generator=generator).to(DTYPES[label])
+                    b = torch.randn(k, n, device=device, generator=generator).to(DTYPES[label])
+                    seconds = _event_time(lambda a=a, b=b: torch.mm(a, b), device)
+                    points.append([m, k, n, 2 * m * k * n / seconds])
+    return points
+
+
+def sdpa_curve(device: torch.device | str, label: str, lengths=SDPA_LENGTHS, head_dims=SDPA_HEAD_DIMS,
+               query_tokens: int = 1 << 18) -> list[list[float]]:
+    """[T, head_dim, causal, FLOP/s] of torch's scaled_dot_product_attention forward + backward in `label`, with
+    FLOPs counted as the planner counts them (12 · head_dim · T² per head: the whole score matrix, causal or not), at
+    `query_tokens` query tokens per call (batch 1, heads = query_tokens / T)."""
+    import torch.nn.functional as F
+
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    points = []
+    for d in head_dims:
+        for T in lengths:
+            heads = max(1, query_tokens // T)
+            q, k, v = (torch.randn(1, heads, T, d, device=device, generator=generator).to(DTYPES[label])
+                       .requires_grad_() for _ in range(3))
+            for causal in (True, False):
+                def step(q=q, k=k, v=v, causal=causal):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    out.backward(torch.ones_like(out))
+                seconds = _event_time(step, device)
+                points.append([T, d, int(causal), 12 * heads * d * T * T / seconds])
+            del q, k, v
+    return points

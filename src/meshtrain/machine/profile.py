@@ -5,7 +5,8 @@ every rank and run on the machine and by machines that share a home directory, s
 what changes its figures: device kind and name, instruction set and the caps in force, threads, torch:
 
     {"devices": {"cpu|AMD EPYC|AVX2|caps=none|threads=1|torch=2.13.0+cpu":
-                    {"hardware": {...}, "matmul": {"fp32": {"flops": 4.1e10, "n": 1024, ...}}, "memory": {...}}},
+                    {"hardware": {...}, "matmul": {"fp32": {"flops": 4.1e10, "n": 1024, ...}}, "memory": {...}},
+                 "cuda|NVIDIA H100 80GB HBM3|sm90|...": {..., "curves": {"gemm": {...}, "sdpa": {...}}}},
      "collectives": {"gloo|cpu|AMD EPYC|world=2|nodes=1|torch=2.13.0+cpu": {"ops": {"all_reduce": {...}}}}}
 
 Figures are measured when first asked for. One taken while the box was busy (other processes kept more
@@ -159,6 +160,33 @@ def measured(device: torch.device | str, figure: str, *, refresh: bool = False, 
                     new.get("others_cores", f"load {new['load']}"), hw.cores, format_figure(kept))
     _MEMO[key, figure] = kept
     return kept
+
+
+def curves(device: torch.device | str, *, refresh: bool = False) -> dict:
+    """A CUDA device's rate tables for the planner: {"gemm": {label: [[m, k, n, FLOP/s], ...]}, "sdpa": {label:
+    [[T, head_dim, causal, FLOP/s], ...]}, "measured": when} (machine/measure.py's gemm_curve and sdpa_curve; bf16,
+    tf32 and fp32 GEMMs and bf16 attention where the part has bf16 units, else fp32 GEMMs alone), from this
+    process's memory, else the cache, else measured now (once: about a minute); `refresh` measures again."""
+    device = torch.device(device)
+    hw = describe(device)
+    key = profile_key(hw, threads_of(device))
+    if not refresh and (key, "curves") in _MEMO:
+        return _MEMO[key, "curves"]
+    with _locked():
+        data = read_cache()
+        entry = data.setdefault("devices", {}).setdefault(key, {})
+        if refresh or "curves" not in entry:
+            log.info("measuring the GEMM and attention rates of %s by shape, once (cached in %s)", hw.name,
+                     cache_path())
+            labels = ("bf16", "tf32", "fp32") if hw.bf16 else ("fp32",)
+            entry["curves"] = {"gemm": {label: measure.gemm_curve(device, label) for label in labels},
+                               "sdpa": {"bf16": measure.sdpa_curve(device, "bf16")} if hw.bf16 else {},
+                               "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+            entry["hardware"] = dataclasses.asdict(hw)
+            _write_cache(data)
+        record = entry["curves"]
+    _MEMO[key, "curves"] = record
+    return record
 
 
 def _value(record: dict) -> float:

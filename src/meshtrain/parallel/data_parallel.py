@@ -19,8 +19,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshtrain.runtime.log import get_logger
+
 BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp")
 SHARDED = ("zero2", "fsdp", "zero3", "hsdp")
+log = get_logger("parallel")
 
 
 def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, world_size: int, *,
@@ -34,7 +37,7 @@ def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, wo
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown data-parallel backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if world_size == 1:
+    if not wraps(backend, world_size):
         return model
     if backend in ("ddp", "zero1"):
         kwargs = {"device_mesh": mesh} if mesh is not None else {}  # default: every rank
@@ -58,7 +61,18 @@ def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, wo
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
+    log.info("FSDP2 (%s) over %d data-parallel rank(s)%s", backend, mesh.size(),
+             ", parameters and optimizer state in host memory" if cpu_offload else "")
     return model
+
+
+def wraps(backend: str, world_size: int) -> bool:
+    """Whether apply_data_parallel wraps the model: over several data-parallel ranks, or a sharded backend in a job
+    of one rank under a launcher (FSDP2 still offloads to the host and gathers in float8 there). One data-parallel
+    rank inside a larger job (tensor or pipeline parallel only) has nothing to reduce: left as it is."""
+    import torch.distributed as dist
+
+    return world_size > 1 or (backend in SHARDED and dist.is_initialized() and dist.get_world_size() == 1)
 
 
 def gradient_sync(model: nn.Module, sync: bool):

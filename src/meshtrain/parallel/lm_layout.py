@@ -118,8 +118,9 @@ class LanguageModelLayout(Layout):
         """The whole model's tensors on rank 0 (None elsewhere), gathered from every layout. Every rank calls it."""
         from meshtrain.parallel.state_dict import full_model_state
 
-        if self.dims.world_size == 1:
-            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.dims.world_size == 1:  # FSDP2 on one rank (cpu_offload, float8) still holds DTensors
+            return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                    for k, v in self.model.state_dict().items()}
         if self.engine is not None and self.deepspeed["stage"] == 3:  # partitioned: DeepSpeed gathers to rank 0
             state = self.engine._zero3_consolidated_16bit_state_dict()
             if self.rank != 0:

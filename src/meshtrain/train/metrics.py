@@ -189,7 +189,7 @@ def reset_peak_memory(device: torch.device | str) -> None:
 
 # -------------------------------------------------------------------------------------------- timers
 class StepTimer:
-    """Named wall-clock sections that add up over an iteration:
+    """Named sections that add up over an iteration:
 
         with timer("dt"):
             for micro in range(accum):
@@ -197,16 +197,26 @@ class StepTimer:
                 with timer("dtb"): loss.backward()
         metrics |= timer.pop()        # {"dt": …, "dtf": …, "dtb": …}, summed, then reset
 
-    Each section synchronises the device at both ends so it times the kernels, not their launch. That
-    stalls the queue a little; pass sync=False for steps that are not logged."""
+    With sync (the logged iterations), a section times the device's work, not its launch: on CUDA by events
+    recorded in the stream around it, read once at pop() (one wait for the GPU per logged iteration: synchronising
+    at every section would drain the queue and leave the GPU idle while the next section launches); elsewhere by
+    synchronising the device at both ends. Without sync, host wall-clock time only."""
 
     def __init__(self, device: torch.device | str, sync: bool = True):
         self.device = torch.device(device)
         self.sync = sync
         self.totals: dict[str, float] = {}
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        if self.sync and self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((name, start, end))
+            return
         if self.sync:
             synchronize(self.device)
         t0 = time.perf_counter()
@@ -216,5 +226,9 @@ class StepTimer:
         self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
 
     def pop(self) -> dict[str, float]:
-        out, self.totals = self.totals, {}
+        if self.events:
+            self.events[-1][2].synchronize()  # the last section to end: every other event has run by then
+            for name, start, end in self.events:
+                self.totals[name] = self.totals.get(name, 0.0) + start.elapsed_time(end) / 1e3
+        out, self.totals, self.events = self.totals, {}, []
         return out

@@ -30,6 +30,7 @@ import torch
 from meshtrain import config as config_mod
 from meshtrain import machine, registry
 from meshtrain.errors import MeshtrainError
+from meshtrain.parallel import float8
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.report.runs import read_run, write_facts
@@ -113,6 +114,7 @@ class Trainer:
             raise config_mod.ConfigError(f"train.dtype=fp16 needs a GPU (GradScaler); this rank runs on {device}: "
                                          "use train.dtype=auto (or bf16, fp32)")
         profiling.cuda_graphs_check(t.cuda_graphs, device)
+        float8.check(t.float8, device)
         # Rank 0 chooses for all: nodes of different kinds must still compute in one dtype.
         self.precision = machine.choose(t.dtype, device) if self.info.is_main else None
         dtype = broadcast_object(self.precision and self.precision.dtype, "broadcast of the training dtype",
