@@ -1,4 +1,5 @@
-"""`meshtrain plan` for machines we do not have, set beside what was published (benchmarks/published_figures.py).
+"""`meshtrain plan` for machines we do not have, set beside what was published (benchmarks/data/published_figures.yaml,
+read and checked by published_figures.py).
 
     python benchmarks/plan_published.py            # the comparisons, then the planning tables
     python benchmarks/plan_published.py --tables   # only the planning tables
