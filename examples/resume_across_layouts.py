@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import meshtrain
-from meshtrain.models.transformer import Block
+from meshtrain.nn.transformer import Block
 
 
 class TinyDecoder(nn.Module):

@@ -193,7 +193,7 @@ def main() -> None:
                 continue
             _, layout, optimizer = build(parse(case), info)
             checkpoint_dir = checkpoint.latest_checkpoint(load)
-            layout.load_checkpoint(checkpoint_dir, optimizer)
+            layout.load_checkpoint(checkpoint_dir, optimizer, checkpoint.dcp_loader(checkpoint_dir))
             whole = gathered_state(layout, optimizer, info)
             if info.rank == 0:
                 torch.save(whole, load / f"gathered-{case.replace(':', '_').replace(',', '_')}.pt")

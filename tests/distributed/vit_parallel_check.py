@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from meshtrain.models.transformer import full_attention
 from meshtrain.models.vit.model import ViT, ViTConfig
 from meshtrain.models.vit.parallelize import (
     apply_vit_tensor_parallel,
@@ -36,6 +35,7 @@ from meshtrain.models.vit.parallelize import (
     gather_tokens,
     shard_tokens,
 )
+from meshtrain.nn.transformer import full_attention
 from meshtrain.parallel.context_parallel import (
     ContextParallelError,
     apply_context_parallel,

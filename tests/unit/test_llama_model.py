@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from meshtrain import registry
 from meshtrain.config import ConfigError, load_config
 from meshtrain.models.llama.model import Llama, LlamaConfig
-from meshtrain.models.transformer import rope_tables, rotate
+from meshtrain.nn.transformer import rope_tables, rotate
 from meshtrain.parallel.mesh import MeshError, ParallelDims
 
 TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64)

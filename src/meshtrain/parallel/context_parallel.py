@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.models.transformer import causal_attention, full_attention
+from meshtrain.nn.transformer import causal_attention, full_attention
 
 CP_IMPLS = ("ulysses", "ring")
 
@@ -298,7 +298,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def apply_context_parallel(blocks, cp_mesh, impl: str, num_heads: int | None = None) -> None:
-    """Every block's attention (models/transformer.Attention) becomes the `impl` kernel over `cp_mesh` (1-D cp
+    """Every block's attention (nn/transformer.Attention) becomes the `impl` kernel over `cp_mesh` (1-D cp
     DeviceMesh or its process group; None: nothing to do), causal or full as the block's `attn.causal` says.
 
     Works before or after activation checkpointing and FSDP (it only sets an attribute; a block under activation

@@ -9,7 +9,7 @@ ViT. The trainer calls
     optimizer = layout.attach_optimizer(optimizer)
     loss = layout.train_micro_step(x, y, accum=, sync=, autocast=, scaler=, timer=)   # per micro-batch
     layout.finish_backward(); norm = layout.optimizer_step(optimizer, scaler, max_norm)
-    layout.save_checkpoint(checkpointer, it, optimizer, trainer_state) / layout.load_checkpoint(dir, optimizer)
+    layout.save_checkpoint(checkpointer, it, optimizer, trainer_state) / layout.load_checkpoint(dir, optimizer, load)
 """
 
 from __future__ import annotations
@@ -86,16 +86,16 @@ class Layout:
 
         return checkpointer.save(iteration, model_and_optimizer_state(self.model, optimizer), trainer_state)
 
-    def load_checkpoint(self, checkpoint_dir, optimizer) -> None:
-        """Load a checkpoint saved under any layout (DeepSpeed's: under deepspeed only)."""
+    def load_checkpoint(self, checkpoint_dir, optimizer, load) -> None:
+        """Load a checkpoint saved under any layout (DeepSpeed's: under deepspeed only); `load(state)` fills a
+        template state dict from it (the checkpointer's: train/checkpoint.dcp_loader(checkpoint_dir))."""
         if self.engine is not None:
             from meshtrain.parallel import deepspeed_backend
 
             return deepspeed_backend.load(self.engine, checkpoint_dir)
         from meshtrain.parallel.state_dict import load_model_and_optimizer_state
-        from meshtrain.train.checkpoint import dcp_loader
 
-        load_model_and_optimizer_state(self.model, optimizer, dcp_loader(checkpoint_dir), self.aliases)
+        load_model_and_optimizer_state(self.model, optimizer, load, self.aliases)
         return None
 
     def time_gradient_reduction(self, every: int) -> None:

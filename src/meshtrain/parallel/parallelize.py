@@ -13,7 +13,7 @@ tensor parallelism left, DTensors on the tp dim of the same mesh included.
 
 The tensor-parallel plan is torch's: module paths from the model's root (each dot-separated part may be an fnmatch
 pattern, `transformer.h.*.attn.c_proj`) to ParallelStyles (ColwiseParallel, RowwiseParallel, SequenceParallel,
-PrepareModuleInput). Blocks built from meshtrain's models.transformer.Block need none: their plan is the one the GPT,
+PrepareModuleInput). Blocks built from meshtrain's nn.transformer.Block need none: their plan is the one the GPT,
 Llama and ViT use. Every parameter the plan leaves becomes a replicated DTensor on the tp dim (its module takes
 plain inputs and hands back plain outputs, the same on every tp rank), so that FSDP2, DCP and clip_grad_norm_ see
 one kind of parameter; a parameter tied to another (an embedding and its head) stays one.
@@ -107,7 +107,7 @@ def _tensor_parallel(model: nn.Module, container: nn.Module, blocks: str, plan: 
     refuse_prepared(model, container, "parallelize")
     if plan is None:
         if not all(_is_meshtrain_block(block) for block in container.children()):
-            raise MeshError(f"parallelize: the blocks under {blocks!r} are not meshtrain's models.transformer.Block, "
+            raise MeshError(f"parallelize: the blocks under {blocks!r} are not meshtrain's nn.transformer.Block, "
                             "so there is no plan to shard them by: pass tp_plan (module path -> ParallelStyle)")
         plan = block_plan(f"{blocks}.*", sequence_parallel=False)
     parallelize_module(model, tp_mesh, plan)
@@ -138,7 +138,7 @@ def _replicate_the_rest(model: nn.Module, tp_mesh) -> None:
 
 
 def _is_meshtrain_block(block: nn.Module) -> bool:
-    from meshtrain.models.transformer import Attention
+    from meshtrain.nn.transformer import Attention
 
     return isinstance(getattr(block, "attn", None), Attention)
 
@@ -148,6 +148,6 @@ def _context_parallel(container: nn.Module, blocks: str, cp_mesh, impl: str) -> 
 
     if not all(_is_meshtrain_block(block) for block in container.children()):
         raise MeshError(f"parallelize: context parallelism replaces the attention kernel of meshtrain's "
-                        f"models.transformer.Attention, and the blocks under {blocks!r} have another attention: "
-                        "build the blocks from models.transformer.Block, or set cp=1")
+                        f"nn.transformer.Attention, and the blocks under {blocks!r} have another attention: "
+                        "build the blocks from nn.transformer.Block, or set cp=1")
     apply_context_parallel(container.children(), cp_mesh, impl)

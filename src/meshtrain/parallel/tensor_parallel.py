@@ -1,5 +1,5 @@
 """Tensor parallelism (Megatron-style) on DTensor, with sequence and loss parallelism: the plan of one transformer
-block (models/transformer.Block) and the pieces each model's own plan is made of.
+block (nn/transformer.Block) and the pieces each model's own plan is made of.
 
 Each rank of a tp group holds a slice of every big matrix of a block and computes with it:
 

@@ -309,7 +309,7 @@ def _curve(device: torch.device, label: str) -> list[tuple[float, float]]:
 def _attention_seconds(threads: int, label: str, heads: int, tokens: int, head_dim: int, causal: bool,
                        ring: int) -> float:
     """The median of a few forward and backward passes of the attention a rank runs, on this CPU at `threads`."""
-    from meshtrain.models.transformer import attention
+    from meshtrain.nn.transformer import attention
     from meshtrain.parallel import context_parallel as cp
 
     dtype = torch.bfloat16 if label == "bf16" else torch.float32
@@ -355,7 +355,7 @@ def _timed(fn, device: torch.device) -> float:
 def _fixed_costs(device: torch.device) -> tuple[float, float]:
     """(seconds of a tiny transformer block's forward and backward, seconds per tensor of a fused AdamW step):
     what a step costs beyond its arithmetic, the operators' dispatch."""
-    from meshtrain.models.transformer import Block
+    from meshtrain.nn.transformer import Block
 
     torch.manual_seed(0)
     block = Block(16, 2, 64, causal=True, dropout=0.0, bias=False).to(device)

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 from meshtrain.runtime.env import LaunchEnvError, hostfile_slots, scheduler_info
 
+# The exit code of a run stopped by a preemption signal with a checkpoint (sysexits' EX_TEMPFAIL: a temporary failure,
+# try again later): a job script re-queues on it, the relaunch loop does not restart it.
+PREEMPTED = 75
+
 PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
 MPI_FLAVORS = ("pals", "openmpi", "mpich")
 
@@ -183,9 +187,7 @@ def run(args: argparse.Namespace) -> int:
 def relaunch(argv: list[str], max_restarts: int) -> int:
     """Run `argv` (mpiexec or srun) again while it fails, up to `max_restarts` more times, telling the ranks which
     attempt they are (MESHTRAIN_RESTART_COUNT, as torchrun's TORCHELASTIC_RESTART_COUNT). A job stopped by a
-    preemption signal (exit 75) is not restarted here: its nodes are going away; the job script re-queues it."""
-    from meshtrain.train.stopping import PREEMPTED
-
+    preemption signal (exit PREEMPTED) is not restarted here: its nodes are going away; the job script re-queues it."""
     for attempt in range(max_restarts + 1):
         started = time.monotonic()
         code = subprocess.run(argv, env={**os.environ, "MESHTRAIN_RESTART_COUNT": str(attempt)}).returncode

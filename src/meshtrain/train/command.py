@@ -6,9 +6,9 @@ import argparse
 
 from meshtrain import registry
 from meshtrain.config import ALIASES, load_config
+from meshtrain.runtime.launch import PREEMPTED
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.setup import distributed
-from meshtrain.train.stopping import PREEMPTED
 
 log = get_logger("train")
 

@@ -8,7 +8,7 @@ the signals a scheduler sends before it takes the nodes back.
 A handler only notes the signal (nothing else is safe inside one). After each iteration the loop asks whether any
 rank noted one, or has run out of time: one all-reduce of a flag, so that all ranks stop after the same iteration.
 The flag travels on a CPU (gloo) group, so that asking never waits for a GPU's queue to drain.
-The run then evaluates and saves a checkpoint as at any other stop, and `meshtrain train` exits with PREEMPTED, a
+The run then evaluates and saves a checkpoint as at any other stop, and `meshtrain train` exits with PREEMPTED (75), a
 code a job script tests to re-queue itself; the re-queued job continues with train.init_from=auto:
 
     meshtrain train gpt train.init_from=auto ...; [ $? -eq 75 ] && sbatch "$0"   # mpiexec and srun pass it on
@@ -24,7 +24,6 @@ import time
 
 from meshtrain.runtime.setup import DistInfo, cpu_group, reduce_scalar
 
-PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, try again later
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -36,13 +36,15 @@ from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.report.runs import read_run, write_facts
 from meshtrain.runtime import heartbeat
 from meshtrain.runtime.device import synchronize
+from meshtrain.runtime.launch import PREEMPTED
 from meshtrain.runtime.log import get_logger, print_rich
+from meshtrain.runtime.progress import progress_bar
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.train import checkpoint, faults, metrics, profiling
 from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
 from meshtrain.train.recorder import MetricsRecorder, check_finite
-from meshtrain.train.sinks import build_sinks, progress_bar
-from meshtrain.train.stopping import PREEMPTED, Stopping
+from meshtrain.train.sinks import build_sinks
+from meshtrain.train.stopping import Stopping
 
 log = get_logger("train")
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -174,7 +176,7 @@ class Trainer:
         """Load the checkpoint into this layout; returns the iteration it was written at."""
         resumed, dims = self.resumed, self.dims
         with collective(f"loading the checkpoint {self.checkpoint_dir}", self.info.timeout_s):
-            self.layout.load_checkpoint(self.checkpoint_dir, self.optimizer)
+            self.layout.load_checkpoint(self.checkpoint_dir, self.optimizer, checkpoint.dcp_loader(self.checkpoint_dir))
         self.scaler.load_state_dict(resumed["scaler"])
         # A rank's data and RNG streams belong to its place in the layout (its dp and cp rank): carry them over
         # only into the same layout. In another, the ranks of one replica would read different batches.

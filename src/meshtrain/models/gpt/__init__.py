@@ -13,7 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from meshtrain.models.gpt.config import GPTRunConfig, validate
-from meshtrain.models.transformer import block_activations
+from meshtrain.nn.transformer import block_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape, ModelSpec
 

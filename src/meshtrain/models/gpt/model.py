@@ -5,7 +5,7 @@ Parameter names follow nanoGPT / Hugging Face GPT-2 (`transformer.wte`, `transfo
 names. One departure: q, k and v are three projections (`attn.q_proj`, ...), not GPT-2's fused
 `c_attn`, so that sharding each one by output features gives every tensor-parallel rank whole heads.
 
-The blocks are models/transformer.py's (causal attention), whose seams let the parallel plans change
+The blocks are nn/transformer.py's (causal attention), whose seams let the parallel plans change
 the layout without changing this file; `forward` takes the positions of the tokens it is given (a
 context-parallel rank holds a slice of the sequence).
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.models.language import sampling
-from meshtrain.models.transformer import ACTIVATIONS, Block, decoder_output, init_gpt2_style
+from meshtrain.nn.transformer import ACTIVATIONS, Block, decoder_output, init_gpt2_style
 
 # HF config.activation_function -> ours; anything else is refused by from_pretrained.
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",

@@ -16,8 +16,8 @@ import torch
 from meshtrain.config import ConfigError
 from meshtrain.data.text import TokenBatches, load_meta, tokenizer_from_meta
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, reduce_scalar
-from meshtrain.train.sinks import track
 
 
 class _Batches:

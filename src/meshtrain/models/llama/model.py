@@ -5,7 +5,7 @@ and keys instead of a learned position table, a SwiGLU MLP (silu(gate(x)) * up(x
 attention (n_kv_head key/value heads shared by n_head query heads), no biases, and an output head of its own (not
 tied to the token embedding).
 
-Names follow meshtrain's transformer parts (models/transformer.py), so the shared tensor- and context-parallel
+Names follow meshtrain's transformer parts (nn/transformer.py), so the shared tensor- and context-parallel
 plans apply: `transformer.h.N.attn.{q,k,v,c}_proj`, `ln_1`, `ln_2`, and the MLP's `c_fc` (up), `c_gate` (gate)
 and `c_proj` (down). The seams are the GPT's: attention reads its local head counts from the projections'
 widths, `attn.attend` is the swappable kernel, and `forward` takes the positions of the tokens it is given, from
@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.models.language import sampling
-from meshtrain.models.transformer import Attention, decoder_output, init_gpt2_style, rope_tables
+from meshtrain.nn.transformer import Attention, decoder_output, init_gpt2_style, rope_tables
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Llama(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """GPT-2's init (models/transformer.init_gpt2_style), norms at 1. Public for meta-device builds."""
+        """GPT-2's init (nn/transformer.init_gpt2_style), norms at 1. Public for meta-device builds."""
         init_gpt2_style(self, self.config.n_layer)
 
     # ---- the three steps of forward, which a pipeline stage also calls -------------------------------------------

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import MappingProxyType
 
-from meshtrain.models.transformer import block_activations
 from meshtrain.models.vit.config import ViTRunConfig, validate
+from meshtrain.nn.transformer import block_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape, ModelSpec
 

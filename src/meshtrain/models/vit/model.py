@@ -11,7 +11,7 @@ is made only of Linears, LayerNorms and attention, which DTensor's tensor-parall
 patchify / unpatchify are plain reshapes that invert each other exactly. A patch flattens as (channel, row, column),
 Conv2d's weight order; tokens are numbered row-major over the patch grid, like Conv2d's output flattened.
 
-Seams for meshtrain.parallel: the blocks are models/transformer.py's, with full (non-causal) attention, so the
+Seams for meshtrain.parallel: the blocks are nn/transformer.py's, with full (non-causal) attention, so the
 block-level tensor- and context-parallel plans are the GPT's; besides,
   * the forward pass is four public steps, forward(x) = unpatchify(head(forward_tokens(embed(x)))), and
     forward(x, token_positions) stops before unpatchify with the patches of those tokens only:
@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtrain.models.transformer import Block
+from meshtrain.nn.transformer import Block
 
 LOSSES = ("mse", "relative_l2")
 LAYER_NORM_EPS = 1e-6  # NERSC's (timm's ViT) value; torch's default is 1e-5

@@ -26,8 +26,8 @@ from meshtrain.models.vit.metrics import latitude_weighted_rmse, rmse
 from meshtrain.models.vit.model import ViT
 from meshtrain.models.vit.parallelize import build_vit_layout
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, collective
-from meshtrain.train.sinks import track
 
 HEADLINE = ("u10", "t2m", "t850", "z500")  # latitude-weighted RMSEs logged by name when the data has them
 
