@@ -15,11 +15,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from tests.conftest import clean_env, output
+from tests.conftest import REPO, clean_env, output
 
 from meshtrain import cli, registry
 
-REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 README_MAX_LINES = 200

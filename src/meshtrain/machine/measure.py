@@ -163,19 +163,20 @@ SDPA_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 SDPA_HEAD_DIMS = (64, 128)
 
 
-def _event_time(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05) -> float:
-    """Median seconds of one call of `fn` on an accelerator: warmed up, repeated until `budget_s` of calls (at least
-    3), each timed alone between two synchronisations."""
+def timed_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of `fn`, the device synchronised before and after (its kernels, not their launch)."""
+    synchronize(device)
+    started = time.perf_counter()
     fn()
     synchronize(device)
-    times: list[float] = []
-    while len(times) < 3 or (sum(times) < budget_s and len(times) < 50):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - started
+
+
+def _median_call_s(fn: Callable[[], object], device: torch.device) -> float:
+    """The median seconds of `fn` after a warm-up call, in best_of_rounds' rounds within 50 ms: a table of hundreds of
+    shapes must take a minute, not an hour."""
+    fn()
+    return best_of_rounds(lambda: timed_call(fn, device), reps=3, budget_s=0.05)["median_s"]
 
 
 def gemm_curve(device: torch.device | str, label: str, tokens=GEMM_TOKENS, widths=GEMM_WIDTHS) -> list[list[float]]:
@@ -190,7 +191,7 @@ def gemm_curve(device: torch.device | str, label: str, tokens=GEMM_TOKENS, width
                 for n in widths:
                     a = torch.randn(m, k, device=device, generator=generator).to(DTYPES[label])
                     b = torch.randn(k, n, device=device, generator=generator).to(DTYPES[label])
-                    seconds = _event_time(lambda a=a, b=b: torch.mm(a, b), device)
+                    seconds = _median_call_s(lambda a=a, b=b: torch.mm(a, b), device)
                     points.append([m, k, n, 2 * m * k * n / seconds])
     return points
 
@@ -214,7 +215,7 @@ def sdpa_curve(device: torch.device | str, label: str, lengths=SDPA_LENGTHS, hea
                 def step(q=q, k=k, v=v, causal=causal):
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                     out.backward(torch.ones_like(out))
-                seconds = _event_time(step, device)
+                seconds = _median_call_s(step, device)
                 points.append([T, d, int(causal), 12 * heads * d * T * T / seconds])
             del q, k, v
     return points

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -70,8 +71,6 @@ def wraps(backend: str, world_size: int) -> bool:
     """Whether apply_data_parallel wraps the model: over several data-parallel ranks, or a sharded backend in a job
     of one rank under a launcher (FSDP2 still offloads to the host and gathers in float8 there). One data-parallel
     rank inside a larger job (tensor or pipeline parallel only) has nothing to reduce: left as it is."""
-    import torch.distributed as dist
-
     return world_size > 1 or (backend in SHARDED and dist.is_initialized() and dist.get_world_size() == 1)
 
 

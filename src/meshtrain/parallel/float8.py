@@ -22,7 +22,6 @@ from torch import nn
 
 from meshtrain.errors import MeshtrainError
 
-RECIPES = ("off", "tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 
 

@@ -39,8 +39,6 @@ class Layout:
     aliases: dict[str, str] = field(default_factory=dict)  # see parallel.state_dict
     deepspeed: dict | None = None  # train.backend=deepspeed: the engine's settings until attach_optimizer
     engine: object | None = None  # the DeepSpeed engine, which then owns forward, backward and step
-    # FSDP2 gathers float8 weights, whose scales follow each optimizer step (None: not yet asked)
-    _float8_gathers: bool | None = field(default=None, init=False, repr=False)
 
     # ---- the optimizer and checkpoints ---------------------------------------------------------------------
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -63,9 +61,7 @@ class Layout:
             norm = self.clip_grad_norm(max_norm)
         scaler.step(optimizer)
         scaler.update()
-        if self._float8_gathers is None:  # asked once: the layout does not change during a run
-            self._float8_gathers = float8.gathers_in_float8(self.model)
-        if self._float8_gathers:
+        if float8.gathers_in_float8(self.model):  # the weights' scales for the next forward's float8 gathers
             float8.after_optimizer_step(self.model)
         return norm
 
@@ -139,9 +135,9 @@ def wrap_data_parallel(parts: list[nn.Module], blocks_of, cfg, dims: ParallelDim
     dp_mesh = data_parallel_mesh(mesh, dims, t.backend)
     graphs = use_cuda_graphs(t, dims, device, sum(q.numel() for part in parts for q in part.parameters()))
     compile_options = {"mode": "reduce-overhead"} if graphs else {}  # CUDA graphs through compile
+    gathered = sharded and wraps(t.backend, dims.size("dp_cp"))  # FSDP2 shards the blocks: float8 gathers pay
     wrapped = []
     for part in parts:
-        gathered = sharded and wraps(t.backend, dims.size("dp_cp"))
         if swapped := float8.convert_blocks(blocks_of(part), t.float8, fsdp=gathered):
             log.info("float8 (%s): %d linears of the blocks%s", t.float8, swapped,
                      ", their weights gathered in float8 by FSDP2" if gathered and t.float8 == "tensorwise" else "")

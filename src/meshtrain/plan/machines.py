@@ -20,13 +20,13 @@ import itertools
 import json
 import math
 import statistics
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
 import torch
 
+from meshtrain.machine.measure import timed_call
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.systems import System
 
@@ -299,7 +299,7 @@ def _curve(device: torch.device, label: str) -> list[tuple[float, float]]:
             a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
             reps = max(1, int(2e8 / n**3))
             run = lambda a=a, b=b, reps=reps: [torch.mm(a, b) for _ in range(reps)]  # noqa: E731
-            best = min(_timed(run, device) for _ in range(5))
+            best = min(timed_call(run, device) for _ in range(5))
             points.append((float(n), 2 * n**3 * reps / best))
         _CURVES[key] = points
     return _CURVES[key]
@@ -337,19 +337,9 @@ def _attention_seconds(threads: int, label: str, heads: int, tokens: int, head_d
     torch.set_num_threads(threads)
     try:
         run()
-        return statistics.median(_timed(run, torch.device("cpu")) for _ in range(5))
+        return statistics.median(timed_call(run, torch.device("cpu")) for _ in range(5))
     finally:
         torch.set_num_threads(before)
-
-
-def _timed(fn, device: torch.device) -> float:
-    from meshtrain.runtime.device import synchronize
-
-    synchronize(device)
-    started = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - started
 
 
 def _fixed_costs(device: torch.device) -> tuple[float, float]:
@@ -362,13 +352,13 @@ def _fixed_costs(device: torch.device) -> tuple[float, float]:
     x = torch.randn(1, 4, 16, device=device, requires_grad=True)
     run = lambda: block(x).sum().backward()  # noqa: E731
     run()
-    block_s = statistics.median(_timed(run, device) for _ in range(30))
+    block_s = statistics.median(timed_call(run, device) for _ in range(30))
     params = [torch.nn.Parameter(torch.randn(16, device=device)) for _ in range(64)]
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-3, fused=device.type in ("cpu", "cuda"))
     optimizer.step()
-    tensor_s = statistics.median(_timed(optimizer.step, device) for _ in range(20)) / len(params)
+    tensor_s = statistics.median(timed_call(optimizer.step, device) for _ in range(20)) / len(params)
     return block_s, tensor_s
 
 

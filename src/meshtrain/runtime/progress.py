@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from meshtrain.runtime.log import ROOT
 
-_OFF = ("", "0", "false", "no", "off")
+OFF_VALUES = ("", "0", "false", "no", "off")  # an environment switch set to one of these is off
 
 
 def progress_enabled(is_main: bool = True) -> bool:
@@ -22,7 +22,7 @@ def progress_enabled(is_main: bool = True) -> bool:
         return False
     forced = os.environ.get("MESHTRAIN_PROGRESS", "auto").strip().lower()
     if forced != "auto":
-        return forced not in _OFF
+        return forced not in OFF_VALUES
     return sys.stdout.isatty()
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.runtime.log import get_logger
+from meshtrain.runtime.progress import OFF_VALUES
 from meshtrain.train.metrics import format_line
 
 log = get_logger("train")
 
-_OFF = ("", "0", "false", "no", "off")
 
 
 def _plain(value: Any) -> Any:
@@ -178,7 +178,7 @@ class TensorBoardSink(MetricsSink):
 
 
 def wandb_disabled(mode: str | None = None) -> bool:
-    return mode == "disabled" or os.environ.get("WANDB_DISABLED", "").strip().lower() not in _OFF
+    return mode == "disabled" or os.environ.get("WANDB_DISABLED", "").strip().lower() not in OFF_VALUES
 
 
 class WandbSink(MetricsSink):
