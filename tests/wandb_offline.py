@@ -2,6 +2,7 @@
 
 import json
 import struct
+import time
 from pathlib import Path
 
 
@@ -25,10 +26,24 @@ def wandb_records(path):
             yield record
 
 
+def finished_records(run_dir, timeout=30.0):
+    """The run file's records once W&B's service has written its exit record: the service writes the file in a
+    process of its own, so a run's `finish()` can return before the last records reach the disk."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run_files = list(Path(run_dir).glob("run-*.wandb"))
+        try:
+            records = list(wandb_records(run_files[0])) if len(run_files) == 1 else []
+        except Exception:  # a record cut short mid-write: read again
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_history(run_dir):
     history, config = {}, {}
-    (run_file,) = Path(run_dir).glob("run-*.wandb")
-    for record in wandb_records(run_file):
+    for record in finished_records(run_dir):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}

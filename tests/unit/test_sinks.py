@@ -311,5 +311,6 @@ def test_wandb_image_is_logged_as_an_image_file(wandb_offline, png):
     sink.close()
     (run_dir,) = (wandb_offline / "wandb").glob(f"offline-run-*-{run_id}*")
     history, _ = _wandb_history(run_dir)
+    assert 7 in history, f"no history record at step 7; steps written: {sorted(history)}"
     assert history[7]["forecast/_type"] == "image-file"
     assert (history[7]["forecast/height"], history[7]["forecast/width"]) == (3, 5)
