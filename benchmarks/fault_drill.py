@@ -41,7 +41,7 @@ def job(out_dir: Path, data_root: Path, iters: int, every: int, faults: str = ""
 
 
 def losses(out_dir: Path) -> dict[int, float]:
-    from meshtrain.train.sinks import read_jsonl
+    from meshtrain.runtime.rundir import read_jsonl
 
     run_dir = Path((out_dir / "gpt" / "ddp" / "latest").read_text().strip())
     return {r["step"]: r.get("loss", r.get("val_loss")) for r in read_jsonl(run_dir / "metrics.jsonl")}

@@ -4,8 +4,8 @@ planner promises (states exact, peak within 15%, step time MdAPE <= 25%, Spearma
     python benchmarks/plan_validation.py                        # 12 GPT + 6 ViT layouts on 4 ranks
     python benchmarks/plan_validation.py --ranks 8 --gpt 6 --vit 0
 
-Each layout runs as its own torchrun job (plan/measure.py: the Trainer's own step; CPU peaks from the profiler's
-allocation events). The machine's fixed costs are calibrated first on a tiny GPT and a tiny ViT (plan/calibrate.py), cached;
+Each layout runs as its own torchrun job (plan/measured/measure.py: the Trainer's own step; CPU peaks from the profiler's
+allocation events). The machine's fixed costs are calibrated first on a tiny GPT and a tiny ViT (plan/measured/calibrate.py), cached;
 nothing is fitted to the runs scored here. The ViT needs `meshtrain prepare era5-synthetic`, the GPT
 `meshtrain prepare shakespeare_char`.
 """
@@ -16,8 +16,11 @@ import argparse
 from dataclasses import replace
 
 from meshtrain import config as config_mod
-from meshtrain.plan import calibrate, command, machines, search, validate
-from meshtrain.plan.cost import predict
+from meshtrain.commands import plan as plan_command
+from meshtrain.plan import search
+from meshtrain.plan.cost import kinds_of, predict
+from meshtrain.plan.measured import calibrate, validate
+from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.log import configure_logging, print_rich
 
@@ -39,18 +42,18 @@ def main() -> None:
     for model, count in (("gpt", args.gpt), ("vit", args.vit)):
         if count:
             cfg = config_mod.load_config(WORKLOADS[model], model)
-            ranked, _ = search.search(cfg, 1, args.ranks, machines.this_machine(args.ranks, model=model))
-            chosen[model] = (cfg, command.spread(ranked, count))
+            ranked, _ = search.search(cfg, 1, args.ranks, this_machine(args.ranks, model=model))
+            chosen[model] = (cfg, plan_command.spread(ranked, count))
     for model, (cfg, layouts) in chosen.items():
-        kinds = sorted({k for c in layouts for k in calibrate.kinds_of(c.cfg, c.dims)})
+        kinds = sorted({k for c in layouts for k in kinds_of(c.cfg, c.dims)})
         calibrate.calibrate(args.ranks, kinds, model, cfg.data.root)
     every = []
     for model, (cfg, layouts) in chosen.items():
-        machine, facts = machines.this_machine(args.ranks, model=model), ModelFacts.of(cfg)
+        machine, facts = this_machine(args.ranks, model=model), ModelFacts.of(cfg)
         layouts = [replace(c, cost=predict(facts, c.cfg, c.dims, machine)) for c in layouts]
         checks = validate.run(model, WORKLOADS[model], layouts, args.ranks, steps=args.steps,
                               progress=lambda c: print(f"measured {c.candidate.label}", flush=True))
-        print_rich(command.validation_table(checks))
+        print_rich(plan_command.validation_table(checks))
         print(f"{model}: {validate.summary(checks)}")
         every += checks
     print(f"all {args.ranks}-rank layouts: {validate.summary(every)}")

@@ -1,3 +1,3 @@
-from meshtrain.cli import main
+from meshtrain.commands import main
 
 raise SystemExit(main())

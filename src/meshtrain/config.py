@@ -17,10 +17,12 @@ process group work.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -28,11 +30,19 @@ from omegaconf.errors import OmegaConfBaseException
 from meshtrain import registry
 from meshtrain.errors import MeshtrainError
 
-DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: machine/precision.py chooses
+# A choice is a field `key: Annotated[str, SomeLiteral] = default`: a plain str to OmegaConf (2.3 refuses Literal
+# annotations), its values declared once, by the Literal below. check_choices checks every choice of every section of a
+# run config, a model's own included, and its error names the key and the values.
+Dtype = Literal["auto", "fp32", "bf16", "fp16"]  # auto: machine/precision.py chooses
+Profiler = Literal["none", "torch", "nsys"]  # train/profiling.py
+CpImpl = Literal["ring", "ulysses"]  # parallel/context_parallel.py
+Float8 = Literal["off", "tensorwise", "rowwise"]  # parallel/float8.py
+Checkpointing = Literal["none", "full", "selective"]  # parallel/checkpointing.py
+Wandb = Literal["off", "offline", "online"]  # train/sinks.py
+PlanMode = Literal["manual", "auto"]  # auto: plan/search.py picks the layout
+InitFrom = Literal["scratch", "resume", "auto"]  # the starts every model has; a model's own rules may add others
+DTYPES, PROFILERS, CP_IMPLS, FLOAT8 = get_args(Dtype), get_args(Profiler), get_args(CpImpl), get_args(Float8)
 BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp", "deepspeed")  # parallel/data_parallel.py, deepspeed_backend.py
-PROFILERS = ("none", "torch", "nsys")  # train/profiling.py
-CP_IMPLS = ("ring", "ulysses")  # parallel/context_parallel.py
-FLOAT8 = ("off", "tensorwise", "rowwise")  # parallel/float8.py
 
 
 class ConfigError(MeshtrainError, ValueError):
@@ -40,16 +50,16 @@ class ConfigError(MeshtrainError, ValueError):
 
 
 @dataclass
-class OptimizerSection:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    warmup_iters: int = 100
-    lr_decay_iters: int | None = None  # default: train.max_iters
-    decay_lr: bool = True
-    grad_clip: float = 1.0  # 0 disables clipping
+class OptimizerSection:  # AdamW with linear warm-up, then cosine decay (train/optim.py)
+    lr: float = 1e-3  # the peak learning rate, reached at the end of warm-up
+    min_lr: float = 1e-4  # where the cosine decay ends
+    weight_decay: float = 0.1  # AdamW's, on matrices only (not on biases, norms)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.99  # AdamW's second-moment decay
+    warmup_iters: int = 100  # iterations of linear warm-up to lr
+    lr_decay_iters: int | None = None  # the iteration the decay reaches min_lr; default: train.max_iters
+    decay_lr: bool = True  # false: lr stays flat after warm-up
+    grad_clip: float = 1.0  # the gradients' global norm is clipped to this; 0 disables clipping
     fused: bool | None = None  # AdamW's fused kernel (NERSC's enable_fused); default: on CUDA and CPU
     # Square-root rule: lr (and min_lr) are for this global batch and scale by sqrt(global / base_batch_size).
     base_batch_size: int | None = None  # null: lr is used as given
@@ -57,60 +67,66 @@ class OptimizerSection:
 
 @dataclass
 class TrainSection:
-    backend: str = "ddp"
-    dtype: str = "auto"  # auto (what the device computes natively) | fp32 | bf16 (autocast) | fp16 (+ GradScaler, GPU)
-    compile: bool = False
-    activation_checkpointing: str = "none"  # none | full | selective (every ac_every-th block)
-    ac_every: int = 2
-    max_iters: int = 2000
+    backend: str = "ddp"  # data parallelism: one of BACKENDS (ddp, zero1, zero2, fsdp, zero3, hsdp, deepspeed)
+    # auto (what the device computes natively) | fp32 | bf16 (autocast) | fp16 (autocast + GradScaler, GPU)
+    dtype: Annotated[str, Dtype] = "auto"
+    compile: bool = False  # torch.compile the model (NERSC's enable_jit)
+    # none | full (every block recomputed in the backward) | selective (every ac_every-th block)
+    activation_checkpointing: Annotated[str, Checkpointing] = "none"
+    ac_every: int = 2  # selective: every ac_every-th block is recomputed
+    max_iters: int = 2000  # optimizer steps of the run (replaced by max_epochs when that is set)
     grad_accum: int = 1  # micro-steps per iteration; only the last one synchronises gradients
-    eval_interval: int = 250
-    eval_iters: int = 20
-    log_interval: int = 10
+    eval_interval: int = 250  # iterations between evaluations (and checkpoints)
+    eval_iters: int = 20  # batches per split in one evaluation (a language model)
+    log_interval: int = 10  # iterations between log lines (and the timings they show)
     # a rank that reaches its step's first collective later than the median rank by more than (straggler_ratio - 1)
     # × the median step, for straggler_intervals log intervals in a row, is named in one warning (train/rank_stats.py)
     straggler_ratio: float = 1.2
     straggler_intervals: int = 3
     report: bool = False  # write the run's report page (`meshtrain report`) when it ends
     max_minutes: float | None = None  # stop (with a checkpoint) once this wall-clock budget is spent
-    seed: int = 1337
+    seed: int = 1337  # of the initial weights (the same on every rank); each rank's data and dropout seeds derive from it
     max_epochs: int | None = None  # passes over the data (ViT); when set, it replaces max_iters and eval_interval
-    # scratch | resume | auto (resume if the run has a checkpoint, else scratch: for job scripts that re-queue) |
-    # what else a model's own rules accept (the GPT: GPT-2 weights)
+    # InitFrom: scratch | resume | auto (resume if the run has a checkpoint, else scratch: for job scripts that
+    # re-queue) | what else a model's own rules accept (the GPT: GPT-2 weights)
     init_from: str = "scratch"
-    out_dir: str = "outputs/runs"
+    out_dir: str = "outputs/runs"  # runs go to out_dir/<model>/<backend>/<run>/
     run_dir: str | None = None  # the run to resume (default: the latest run of this workload/backend)
-    save_checkpoints: bool = True
+    save_checkpoints: bool = True  # a checkpoint at each evaluation (after the first iteration)
     async_checkpoint: bool = False  # write checkpoints from a background thread while training goes on
     keep_checkpoints: int = 2  # step directories kept per run (0: all)
     peak_flops: float | None = None  # FLOP/s per device for MFU; default: the device table or a measurement
-    tensorboard: bool = False
-    wandb: str = "off"  # off | offline | online
+    tensorboard: bool = False  # also write TensorBoard event files (the [tensorboard] extra)
+    wandb: Annotated[str, Wandb] = "off"  # Weights & Biases: off | offline (no network; `wandb sync` later) | online
     # with compile: capture steps as CUDA graphs (torch.compile mode reduce-overhead); null (auto): on one CUDA rank for a
-    # small model, whose step is launch-bound (parallel/layout.py: use_cuda_graphs)
+    # small model, whose step is launch-bound (parallel/compose.py: use_cuda_graphs)
     cuda_graphs: bool | None = None
-    float8: str = "off"  # off | tensorwise | rowwise: the blocks' linears in float8 (torchao; GPUs of sm89+)
-    profile: str = "none"  # none | torch (Chrome trace of the window) | nsys (cudaProfilerStart/Stop around it)
+    # off | tensorwise | rowwise: the blocks' linears in float8 (torchao; GPUs of sm89+)
+    float8: Annotated[str, Float8] = "off"
+    # none | torch (Chrome trace of the window) | nsys (cudaProfilerStart/Stop around it)
+    profile: Annotated[str, Profiler] = "none"
     profile_start: int = 10  # the first iteration of the profiled window
-    profile_steps: int = 5
+    profile_steps: int = 5  # iterations in the profiled window
 
 
 @dataclass
 class ParallelSection:
     dp_replicate: int = 1  # hsdp: replicas, each sharded over dp_shard ranks
-    dp_shard: int = -1  # -1: the ranks left over
+    dp_shard: int = -1  # data-parallel ranks (hsdp: within a replica); -1: the ranks left over
     tp: int = 1  # tensor parallel: heads and MLP columns sharded; keep it within a node
     sequence_parallel: bool = True  # tp: norms and dropout on sequence shards (activations / tp)
     loss_parallel: bool = True  # tp: cross-entropy on vocabulary shards, the logits never gathered
     cp: int = 1  # context parallel: the sequence sharded
-    cp_impl: str = "ring"  # ring (K/V passed around, any head count) | ulysses (all-to-all, heads % cp == 0)
+    # ring (K/V passed around, any head count) | ulysses (all-to-all, heads % cp == 0)
+    cp_impl: Annotated[str, CpImpl] = "ring"
     pp: int = 1  # pipeline stages
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | ...
     microbatches: int | None = None  # per pipeline step (model.batch_size splits into them); default: pp x virtual_stages
     virtual_stages: int = 1  # stages per pipeline rank (interleaved/looped schedules need 2 or more)
     order: str = "tp-cp-dp-pp"  # the first dim's ranks are adjacent (on one node)
     cpu_offload: bool = False  # fsdp/zero2/zero3/hsdp: parameters and optimizer state live in host memory
-    plan: str = "manual"  # manual: the sizes above | auto: the fastest layout that fits, by `meshtrain plan`'s model
+    # manual: the sizes above | auto: the fastest layout that fits, by `meshtrain plan`'s model
+    plan: Annotated[str, PlanMode] = "manual"
     zero_stage: int = 2  # train.backend=deepspeed: ZeRO stage 1 (optimizer), 2 (+ gradients) or 3 (+ parameters)
 
 
@@ -196,12 +212,21 @@ def load_config(overrides: list[str] = (), workload: str = "gpt"):
             dotted.append(item)
     for item in dotted:
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([_keep_words(schema, item)]))
         except OmegaConfBaseException as e:
             raise _explain(e, schema, item) from None
     run = OmegaConf.to_object(cfg)
     validate(run)
     return run
+
+
+def _keep_words(schema: DictConfig, item: str) -> str:
+    """`key=off` as the text typed where the key holds text: YAML reads off, on, yes and no as booleans, which would
+    make train.float8=off the string 'False'."""
+    key, _, value = item.partition("=")
+    if value.lower() in ("off", "on", "yes", "no") and isinstance(OmegaConf.select(schema, key, default=None), str):
+        return f"{key}='{value}'"
+    return item
 
 
 def check_positive(values: dict[str, int | None]) -> None:
@@ -210,14 +235,36 @@ def check_positive(values: dict[str, int | None]) -> None:
             raise ConfigError(f"{key}={value}: must be at least 1")
 
 
+@functools.cache
+def choices(section: type) -> dict[str, tuple]:
+    """The choice fields of a section dataclass (`key: Annotated[str, Literal[...]]`) and the values of each."""
+    return {key: get_args(meta) for key, hint in get_type_hints(section, include_extras=True).items()
+            if get_origin(hint) is Annotated for meta in hint.__metadata__ if get_origin(meta) is Literal}
+
+
+def check_choices(cfg) -> None:
+    """Each choice field of each section of the run config `cfg` holds one of its values."""
+    for group in dataclasses.fields(cfg):
+        section = getattr(cfg, group.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for key, allowed in choices(type(section)).items():
+            value = getattr(section, key)
+            if value not in allowed:
+                names = [str(a) for a in allowed]
+                listed = " or ".join(names) if len(names) == 2 else f"one of {', '.join(names)}"
+                raise ConfigError(f"{group.name}.{key}={value!r}: choose {listed}")
+
+
 def validate(cfg) -> None:
-    """The shared rules, then the model's own."""
+    """Every section's choices, the shared rules, then the model's own."""
     m, t, o = cfg.model, cfg.train, cfg.optimizer
+    check_choices(cfg)
     check_positive({"train.max_iters": t.max_iters, "train.grad_accum": t.grad_accum,
                      "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters,
                      "train.log_interval": t.log_interval, "train.max_epochs": t.max_epochs,
                      "train.profile_steps": t.profile_steps, "optimizer.base_batch_size": o.base_batch_size,
-                     "train.straggler_intervals": t.straggler_intervals})
+                     "train.straggler_intervals": t.straggler_intervals, "train.ac_every": t.ac_every})
     if t.straggler_ratio <= 1:
         raise ConfigError(f"train.straggler_ratio={t.straggler_ratio}: a ratio to the median step, above 1 (1.2: "
                           "warn of a rank that keeps the others waiting 20% of a step)")
@@ -226,8 +273,6 @@ def validate(cfg) -> None:
         spec.validate(cfg)
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
-    if t.profile not in PROFILERS:
-        raise ConfigError(f"train.profile={t.profile!r}: choose one of {', '.join(PROFILERS)}")
     if t.profile_start < 0:
         raise ConfigError(f"train.profile_start={t.profile_start}: an iteration number, at least 0")
     if t.cuda_graphs and not t.compile:
@@ -238,12 +283,8 @@ def validate(cfg) -> None:
 
 def _validate_layout(cfg) -> None:
     t, o, p = cfg.train, cfg.optimizer, cfg.parallel
-    if t.dtype not in DTYPES:
-        raise ConfigError(f"train.dtype={t.dtype!r}: choose one of {', '.join(DTYPES)}")
     if t.backend not in BACKENDS:
         raise ConfigError(f"train.backend={t.backend!r}: choose one of {', '.join(BACKENDS)}")
-    if t.float8 not in FLOAT8:
-        raise ConfigError(f"train.float8={t.float8!r}: choose one of {', '.join(FLOAT8)}")
     if t.float8 != "off" and (p.tp > 1 or t.backend == "deepspeed"):
         raise ConfigError(f"train.float8={t.float8} with {'parallel.tp=' + str(p.tp) if p.tp > 1 else 'deepspeed'}: "
                           "float8 linears are not composed with tensor parallelism or DeepSpeed in this version; "
@@ -253,11 +294,6 @@ def _validate_layout(cfg) -> None:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: must be at least 1")
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"parallel.microbatches={p.microbatches}: must be at least 1 (or null for the default)")
-    if p.plan not in ("manual", "auto"):
-        raise ConfigError(f"parallel.plan={p.plan!r}: choose manual (the sizes you set) or auto (meshtrain plan "
-                          "picks the fastest layout that fits)")
-    if p.cp_impl not in CP_IMPLS:
-        raise ConfigError(f"parallel.cp_impl={p.cp_impl!r}: choose one of {', '.join(CP_IMPLS)}")
     if t.backend == "zero1" and max(p.tp, p.cp, p.pp) > 1:
         raise ConfigError(f"train.backend=zero1 with tp={p.tp} cp={p.cp} pp={p.pp}: ZeroRedundancyOptimizer "
                           "shards plain tensors over one group; use train.backend=zero2 or fsdp to combine "
@@ -272,11 +308,6 @@ def _validate_layout(cfg) -> None:
     if (p.dp_replicate > 1) != (t.backend == "hsdp"):
         raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} with train.backend={t.backend}: replicas of "
                           "shards are hsdp's; use train.backend=hsdp with parallel.dp_replicate > 1, or dp_replicate=1")
-    if t.activation_checkpointing not in ("none", "full", "selective") or t.ac_every < 1:
-        raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r}, train.ac_every={t.ac_every}: "
-                          "choose none, full or selective, and ac_every >= 1")
-    if t.wandb not in ("off", "offline", "online"):
-        raise ConfigError(f"train.wandb={t.wandb!r}: choose off, offline or online")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer.lr={o.lr}, optimizer.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0")
     if o.warmup_iters < 0 or o.grad_clip < 0:

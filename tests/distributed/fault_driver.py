@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshtrain import cli
+from meshtrain import commands
 from meshtrain.runtime import check
 
 mode, faulty_rank, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -43,4 +43,4 @@ def diverged_mismatch(model, timeout=None):
 
 torch.optim.SGD.step = faulty_step
 check.parameter_mismatch = diverged_mismatch if mode == "diverge" else original_mismatch
-sys.exit(cli.main(["test-dist", *rest]))
+sys.exit(commands.main(["test-dist", *rest]))

@@ -72,62 +72,19 @@ def check(schedule: str, layout: str, mesh, info) -> bool:
     sgd = dict(lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(pipeline.parameters(), **sgd)
     ref_opt = torch.optim.SGD(reference.parameters(), **sgd)
-
-    # Each pp rank's state-dict keys are full-model names; together they are the whole model, each once.
-    gathered: list = [None] * dist.get_world_size(pp_mesh.get_group())
-    dist.all_gather_object(gathered, keys, group=pp_mesh.get_group())
-    all_keys = [k for ks in gathered for k in ks]
-    keys_ok = sorted(all_keys) == sorted(reference.state_dict())
+    keys_ok = stages_cover_the_model(keys, pp_mesh, reference)
 
     worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0, "eval": 0.0, "eval_plain": 0.0}
-    norms = []
+    norms = []  # the reference's gradient norm before clipping, per step
     for step in range(STEPS):
         if step == STEPS - 1:  # eval in between training steps: forward only, and training still matches after
-            x, y = batch(100, dp_size * ROWS)
-            mine = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
-            with torch.no_grad():
-                ref_eval = reference(x[mine], y[mine])[1]
-            default = pipeline._plain_eval  # the schedule's eval(), or for V schedules the plain pass
-            for kind, plain in (("eval", default), ("eval_plain", True)):
-                pipeline._plain_eval = plain
-                got = pipeline.eval_loss(x[mine], y[mine])
-                assert (got is None) != pipeline.is_last
-                if got is not None:
-                    worst[kind] = max(worst[kind], abs(got.item() - ref_eval.item()))
-            pipeline._plain_eval = default
-
-        x, y = batch(step, dp_size * ACCUM * ROWS)
-        _, ref_loss = reference(x, y)
-        ref_loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item())
-        base = dp_rank * ACCUM * ROWS
-        with torch.no_grad():
-            ref_mine = reference(x[base:base + ACCUM * ROWS], y[base:base + ACCUM * ROWS])[1]
-        loss = 0.0
-        for micro in range(ACCUM):
-            rows = slice(base + micro * ROWS, base + (micro + 1) * ROWS)
-            got = pipeline.step(x[rows], y[rows], scale=1 / ACCUM)
-            assert (got is None) != pipeline.is_last
-            loss = loss + (got.item() / ACCUM if got is not None else 0.0)
-        if pipeline.is_last:
-            worst["loss"] = max(worst["loss"], abs(loss - ref_mine.item()))
-        pipeline.sync_tied_embedding()
-        norm = pipeline.clip_grad_norm_(MAX_NORM)
-        worst["norm"] = max(worst["norm"], abs(norm.item() - norms[-1]))
-        for part in pipeline.parts:
-            for name, p in part.named_parameters():
-                q = reference.get_parameter(name)  # lm_head.weight resolves to the tied wte weight
-                # Absolute: some gradients are exactly zero in theory (k_proj.bias: softmax ignores a constant
-                # shift of the scores) and rounding noise of 1e-12 in both would make a relative measure huge.
-                worst["grad"] = max(worst["grad"], (full(p.grad).cpu() - q.grad).abs().max().item())
+            compare_eval(pipeline, reference, dp_size, dp_rank, worst)
+        norms.append(compare_train_step(step, pipeline, reference, dp_size, dp_rank, worst))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        for part in pipeline.parts:
-            for name, p in part.named_parameters():
-                q = reference.get_parameter(name)
-                worst["param"] = max(worst["param"], (full(p.detach()).cpu() - q.detach()).abs().max().item())
+        worst["param"] = max(worst["param"], worst_difference(pipeline, reference, lambda p: p.detach()))
 
     ref_held = sum(p.numel() for p in reference.parameters())
     ok = keys_ok and all(v < TOL for v in worst.values()) and min(norms) > MAX_NORM
@@ -135,6 +92,70 @@ def check(schedule: str, layout: str, mesh, info) -> bool:
            pp_rank=dist.get_rank(pp_mesh.get_group()), stages=list(pipeline.stage_indices), first=pipeline.is_first,
            last=pipeline.is_last, reference_norms=norms, keys_ok=keys_ok)
     return ok
+
+
+def stages_cover_the_model(keys: list[str], pp_mesh, reference: GPT) -> bool:
+    """Each pp rank's state-dict keys are full-model names; together they must be the whole model, each once."""
+    gathered: list = [None] * dist.get_world_size(pp_mesh.get_group())
+    dist.all_gather_object(gathered, keys, group=pp_mesh.get_group())
+    all_keys = [k for ks in gathered for k in ks]
+    return sorted(all_keys) == sorted(reference.state_dict())
+
+
+def compare_eval(pipeline, reference: GPT, dp_size: int, dp_rank: int, worst: dict) -> None:
+    """Raise worst["eval"] (the schedule's eval()) and worst["eval_plain"] (the plain forward pass) to the loss
+    differences on this dp rank's rows; only the last stage gets a loss."""
+    x, y = batch(100, dp_size * ROWS)
+    mine = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+    with torch.no_grad():
+        ref_eval = reference(x[mine], y[mine])[1]
+    default = pipeline._plain_eval  # the schedule's eval(), or for V schedules the plain pass
+    for kind, plain in (("eval", default), ("eval_plain", True)):
+        pipeline._plain_eval = plain
+        got = pipeline.eval_loss(x[mine], y[mine])
+        assert (got is None) != pipeline.is_last
+        if got is not None:
+            worst[kind] = max(worst[kind], abs(got.item() - ref_eval.item()))
+    pipeline._plain_eval = default
+
+
+def compare_train_step(step: int, pipeline, reference: GPT, dp_size: int, dp_rank: int, worst: dict) -> float:
+    """Backward and clip both models on batch `step` (the reference on the whole global batch, the pipeline on
+    this dp rank's share in ACCUM calls), raise worst["loss"], ["norm"] and ["grad"]; return the reference's
+    gradient norm before clipping. The optimizers are left to the caller."""
+    x, y = batch(step, dp_size * ACCUM * ROWS)
+    _, ref_loss = reference(x, y)
+    ref_loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()
+    base = dp_rank * ACCUM * ROWS
+    with torch.no_grad():
+        ref_mine = reference(x[base:base + ACCUM * ROWS], y[base:base + ACCUM * ROWS])[1]
+    loss = 0.0
+    for micro in range(ACCUM):
+        rows = slice(base + micro * ROWS, base + (micro + 1) * ROWS)
+        got = pipeline.step(x[rows], y[rows], scale=1 / ACCUM)
+        assert (got is None) != pipeline.is_last
+        loss = loss + (got.item() / ACCUM if got is not None else 0.0)
+    if pipeline.is_last:
+        worst["loss"] = max(worst["loss"], abs(loss - ref_mine.item()))
+    pipeline.sync_tied_embedding()
+    norm = pipeline.clip_grad_norm_(MAX_NORM)
+    worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm))
+    worst["grad"] = max(worst["grad"], worst_difference(pipeline, reference, lambda p: p.grad))
+    return ref_norm
+
+
+def worst_difference(pipeline, reference: GPT, tensor_of) -> float:
+    """The largest absolute difference of `tensor_of(parameter)` (its gradient or its value) between the
+    parameters this rank holds and the reference's parameters of the same full-model name."""
+    worst = 0.0
+    for part in pipeline.parts:
+        for name, p in part.named_parameters():
+            q = reference.get_parameter(name)  # lm_head.weight resolves to the tied wte weight
+            # Absolute: some gradients are exactly zero in theory (k_proj.bias: softmax ignores a constant
+            # shift of the scores) and rounding noise of 1e-12 in both would make a relative measure huge.
+            worst = max(worst, (full(tensor_of(p)).cpu() - tensor_of(q)).abs().max().item())
+    return worst
 
 
 def errors(mesh, layout: str, info) -> None:

@@ -120,15 +120,20 @@ def check_dropout_keeps_replicas_equal(case: dict, tp_mesh) -> None:
 _meshes: dict[int, tuple] = {}
 
 
+def mesh_for(info, tp: int) -> tuple:
+    """(ParallelDims, mesh) with dp filling the rest; built once per tp size (collective: same order everywhere)."""
+    if tp not in _meshes:
+        dims = ParallelDims(world_size=info.world_size, tp=tp)
+        _meshes[tp] = dims, dims.build_mesh("cpu")
+    return _meshes[tp]
+
+
 def check(label: str, info) -> bool:
     kind, _, options = label.partition(":")
     case = CASES[kind]
     activation_checkpointing = "full" if options == "ac=full" else "none"
     tp = info.world_size // 2 if case["fsdp"] else info.world_size
-    if tp not in _meshes:  # built once per tp size, in the same order on every rank (collective)
-        dims = ParallelDims(world_size=info.world_size, tp=tp)
-        _meshes[tp] = dims, dims.build_mesh("cpu")
-    dims, mesh = _meshes[tp]
+    dims, mesh = mesh_for(info, tp)
     tp_mesh, dp_mesh = submesh(mesh, "tp"), submesh(mesh, "dp")
     tp_rank, dp_rank, dp = dims.coords(info.rank)["tp"], dims.dp_rank(info.rank), dims.dp_size
     reference, model = tiny_gpt(case, None), tiny_gpt(case, tp_mesh)
@@ -140,37 +145,35 @@ def check(label: str, info) -> bool:
         assert model.lm_head.weight is model.transformer.wte.weight, "the tie survives fully_shard"
     seen = watch_layout(model)
 
+    worst, (x, y) = train_and_compare(case, model, reference, seen, tp, dp_mesh, dp_rank, dp, info.torch_device)
+    same_samples = compare_inference(model, reference, x[:MICRO], y[:MICRO], worst)
+    if not case["fsdp"]:
+        check_dropout_keeps_replicas_equal(case, tp_mesh)
+    ok = max(worst.values()) < 1e-5 and same_samples
+    record(label, equal=ok, worst=worst, same_samples=same_samples, tp_rank=tp_rank, **holds)  # grad: relative
+    return ok
+
+
+def train_and_compare(case: dict, model: GPT, reference: GPT, seen: dict, tp: int, dp_mesh, dp_rank: int, dp: int,
+                      device: torch.device) -> tuple[dict, tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS SGD steps of the parallel model and the reference on the same global batches; the worst differences
+    of loss, gradient (relative), clipped norm and parameters, and the last step's (inputs, targets)."""
     sgd = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
     ref_opt = build_optimizer(reference.configure_optimizer_groups(0.1), torch.device("cpu"), **sgd)
-    opt = build_optimizer(model.configure_optimizer_groups(0.1), info.torch_device, **sgd)
+    opt = build_optimizer(model.configure_optimizer_groups(0.1), device, **sgd)
     worst = dict.fromkeys(("loss", "grad", "norm", "param", "logits", "eval"), 0.0)
     for step in range(STEPS):
-        batch = torch.randint(0, VOCAB, (dp * ACCUM * MICRO, 17), generator=torch.Generator().manual_seed(step))
-        x, y = batch[:, :-1], batch[:, 1:].clone()
-        y[:, 0] = -1  # ignored targets, the same number in every row so micro-batch means average to the whole
+        x, y = global_batch(step, dp)
         _, ref_loss = reference(x, y)
         ref_loss.backward()
         mine = slice(dp_rank * ACCUM * MICRO, (dp_rank + 1) * ACCUM * MICRO)  # tp ranks of one dp rank: same rows
-        rows, targets = x[mine], y[mine]
-        loss_sum = torch.zeros(())
-        for micro in range(ACCUM):
-            part = slice(micro * MICRO, (micro + 1) * MICRO)
-            with gradient_sync(model, micro == ACCUM - 1), loss_parallel_context(case["lp"]):
-                _, loss = model(rows[part], targets[part])
-                (loss / ACCUM).backward()
-            assert type(loss) is torch.Tensor, f"the loss is a plain tensor, got {type(loss)}"
-            loss_sum += loss.detach() / ACCUM
+        loss_sum = accumulate_gradients(case, model, x[mine], y[mine])
         if step == 0:
             check_layout(case, seen, tp)
         if dp > 1:
             dist.all_reduce(loss_sum, group=dp_mesh.get_group())
         worst["loss"] = max(worst["loss"], abs(float(loss_sum) / dp - ref_loss.item()))
-        for (name, p), (ref_name, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-            assert name.replace("_checkpoint_wrapped_module.", "") == ref_name, (name, ref_name)
-            # Relative to the gradient's size, but not below 1e-4: k_proj.bias's gradient is zero in exact arithmetic
-            # (softmax ignores a shift shared by all keys), so its reference value is pure rounding noise.
-            scale = q.grad.abs().max().clamp_min(1e-4)
-            worst["grad"] = max(worst["grad"], ((full(p.grad) - q.grad).abs().max() / scale).item())
+        worst["grad"] = max(worst["grad"], worst_relative_grad(model, reference))
         # What the loop's clipping sees: the global norm over every shard, the same on every rank.
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -181,7 +184,44 @@ def check(label: str, info) -> bool:
         opt.zero_grad()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             worst["param"] = max(worst["param"], (full(p.detach()) - q.detach()).abs().max().item())
+    return worst, (x, y)
 
+
+def global_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of step `step`, the same on every rank: ACCUM micro-batches of MICRO rows per dp rank."""
+    batch = torch.randint(0, VOCAB, (dp * ACCUM * MICRO, 17), generator=torch.Generator().manual_seed(step))
+    x, y = batch[:, :-1], batch[:, 1:].clone()
+    y[:, 0] = -1  # ignored targets, the same number in every row so micro-batch means average to the whole
+    return x, y
+
+
+def accumulate_gradients(case: dict, model: GPT, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Backward over this rank's rows in ACCUM micro-batches, syncing gradients on the last; the mean loss."""
+    loss_sum = torch.zeros(())
+    for micro in range(ACCUM):
+        part = slice(micro * MICRO, (micro + 1) * MICRO)
+        with gradient_sync(model, micro == ACCUM - 1), loss_parallel_context(case["lp"]):
+            _, loss = model(rows[part], targets[part])
+            (loss / ACCUM).backward()
+        assert type(loss) is torch.Tensor, f"the loss is a plain tensor, got {type(loss)}"
+        loss_sum += loss.detach() / ACCUM
+    return loss_sum
+
+
+def worst_relative_grad(model: GPT, reference: GPT) -> float:
+    """The largest gradient difference, parallel (gathered) vs reference, relative to each gradient's size."""
+    worst = 0.0
+    for (name, p), (ref_name, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert name.replace("_checkpoint_wrapped_module.", "") == ref_name, (name, ref_name)
+        # Relative to the gradient's size, but not below 1e-4: k_proj.bias's gradient is zero in exact arithmetic
+        # (softmax ignores a shift shared by all keys), so its reference value is pure rounding noise.
+        scale = q.grad.abs().max().clamp_min(1e-4)
+        worst = max(worst, ((full(p.grad) - q.grad).abs().max() / scale).item())
+    return worst
+
+
+def compare_inference(model: GPT, reference: GPT, x: torch.Tensor, y: torch.Tensor, worst: dict) -> bool:
+    """Set worst["logits"] and worst["eval"] (evaluation loss on x, y); whether greedy samples are the same."""
     # Sampling and evaluation outside loss_parallel_context: lm_head hands out whole logits.
     model.eval()
     reference.eval()
@@ -190,16 +230,11 @@ def check(label: str, info) -> bool:
         logits, _ = model(prompt)
         ref_logits, _ = reference(prompt)
         worst["logits"] = (logits - ref_logits).abs().max().item()
-        _, eval_loss = model(x[:MICRO], y[:MICRO])
-        _, ref_eval_loss = reference(x[:MICRO], y[:MICRO])
+        _, eval_loss = model(x, y)
+        _, ref_eval_loss = reference(x, y)
         worst["eval"] = abs(eval_loss.item() - ref_eval_loss.item())
         greedy = dict(max_new_tokens=4, temperature=0)
-        same_samples = torch.equal(model.generate(prompt, **greedy), reference.generate(prompt, **greedy))
-    if not case["fsdp"]:
-        check_dropout_keeps_replicas_equal(case, tp_mesh)
-    ok = max(worst.values()) < 1e-5 and same_samples
-    record(label, equal=ok, worst=worst, same_samples=same_samples, tp_rank=tp_rank, **holds)  # grad: relative
-    return ok
+        return torch.equal(model.generate(prompt, **greedy), reference.generate(prompt, **greedy))
 
 
 with distributed() as info:

@@ -93,7 +93,7 @@ def test_demo_fails_when_a_rank_gets_a_wrong_answer(tmp_path):
     script.write_text(textwrap.dedent("""
         import sys
 
-        from meshtrain import cli
+        from meshtrain import commands
         from meshtrain.runtime import collectives
 
         real = collectives._demo_case
@@ -105,7 +105,7 @@ def test_demo_fails_when_a_rank_gets_a_wrong_answer(tmp_path):
             return after, note
 
         collectives._demo_case = corrupted
-        sys.exit(cli.main(["collectives", "--demo"]))
+        sys.exit(commands.main(["collectives", "--demo"]))
     """))
     result = subprocess.run(torchrun_cmd(2, str(script)), capture_output=True, text=True, timeout=120, env=clean_env(),
                             cwd=REPO)
@@ -190,7 +190,7 @@ def test_bench_skips_ops_without_a_native_collective():
 
 
 def test_unknown_op_is_refused_before_any_process_group(capsys):
-    from meshtrain.cli import main
+    from meshtrain.commands import main
 
     assert main(["collectives", "--bench", "--ops", "all_reduce,scatter"]) == 2  # scatter: demo only
     assert "unknown op(s) scatter" in capsys.readouterr().err

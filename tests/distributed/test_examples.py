@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import REPO, clean_env, mpirun_cmd, output, requires_mpirun, torchrun_cmd
 
 from meshtrain.report.runs import read_run
-from meshtrain.train.sinks import read_jsonl
+from meshtrain.runtime.rundir import read_jsonl
 
 EXAMPLES = REPO / "examples"
 

@@ -8,8 +8,9 @@ from tests.conftest import output, prepare_data, torchrun
 
 from meshtrain import config as config_mod
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan import machines, systems, validate
+from meshtrain.plan import machines, systems
 from meshtrain.plan.cost import predict
+from meshtrain.plan.measured import validate
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
 

@@ -124,7 +124,7 @@ def test_stuck_rank_under_mpirun_fails_the_job():
 def test_mpi_broadcast_rendezvous_when_nothing_is_shared():
     # Hide every shared job id so the ranks must agree over MPI: rank 0's host and port, broadcast.
     code = ("import meshtrain.runtime.env as e, sys; e._job_key = lambda env, launch: None; "
-            "from meshtrain.cli import main; sys.exit(main(['test-dist', '--iters', '2']))")
+            "from meshtrain.commands import main; sys.exit(main(['test-dist', '--iters', '2']))")
     cmd = mpirun_cmd(2, sys.executable, "-c", code)
     out = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
     assert_test_dist_passed(out, 2, 2, "openmpi")

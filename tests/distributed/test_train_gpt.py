@@ -174,7 +174,7 @@ def test_resume_after_a_kill_continues_bit_exactly(data_root, ddp_reference, tmp
     import signal
     import time
 
-    from meshtrain.train.sinks import read_jsonl
+    from meshtrain.runtime.rundir import read_jsonl
 
     common = RESUMABLE
     full_rows = ddp_reference
@@ -220,7 +220,7 @@ def _start_and_wait_for_steps(world: int, data_root: Path, out_dir: Path, steps:
     cmd = torchrun_cmd(world, *args) if world > 1 else [sys.executable, *args]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
                            cwd=REPO, start_new_session=True)
-    from meshtrain.train.sinks import read_jsonl  # skips a line being written
+    from meshtrain.runtime.rundir import read_jsonl  # skips a line being written
 
     deadline = time.monotonic() + 120
     while True:
@@ -247,7 +247,7 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_exit_code_75(data_root,
 def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, ddp_reference, tmp_path):
     import signal
 
-    from meshtrain.train.sinks import read_jsonl
+    from meshtrain.runtime.rundir import read_jsonl
 
     common = [*RESUMABLE, "train.init_from=auto"]
     reference = {r["step"]: r["loss"] for r in ddp_reference if "loss" in r}
@@ -275,7 +275,7 @@ def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, ddp_ref
 def test_fault_drill_restarts_by_itself_and_finishes_bit_exactly(data_root, ddp_reference, tmp_path):
     """Two ranks killed in one job (rank 1 after iteration 13, rank 0 after 27 in the first restart): torchrun
     restarts it, each attempt resumes its latest checkpoint, and the finished history equals an uninterrupted run."""
-    from meshtrain.train.sinks import read_jsonl
+    from meshtrain.runtime.rundir import read_jsonl
 
     common = [*RESUMABLE, "train.max_iters=30", "train.init_from=auto"]
     reference = ddp_reference
@@ -300,7 +300,7 @@ def test_launch_relaunches_an_mpiexec_job_that_lost_a_rank_and_it_finishes_bit_e
     """mpiexec has no restarts of its own: `meshtrain launch --max-restarts` runs the job again, and the next attempt
     resumes with init_from=auto."""
     pytest.importorskip("mpi4py", reason="without a scheduler the ranks meet through mpi4py: the [mpi] extra")
-    from meshtrain.train.sinks import read_jsonl
+    from meshtrain.runtime.rundir import read_jsonl
 
     root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}
     job = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "--launcher", "mpiexec", "-n", "2",
@@ -363,7 +363,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_root, tmp_path):
         "    if self.training: calls[0] += 1\n"
         "    return logits, (loss * float('nan') if self.training and calls[0] > 7 else loss)\n"
         "gpt.GPT.forward = poisoned\n"
-        "from meshtrain.cli import main; sys.exit(main(sys.argv[1:]))\n"
+        "from meshtrain.commands import main; sys.exit(main(sys.argv[1:]))\n"
     )
     args = ["train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path}", "train.max_iters=20",
             "train.eval_interval=5", "train.log_interval=1"]

@@ -28,7 +28,7 @@ def train(data_root: Path, out_dir: Path, *overrides: str):
 
 
 def rows_of(out_dir: Path) -> list[dict]:
-    from meshtrain.train.sinks import read_jsonl
+    from meshtrain.runtime.rundir import read_jsonl
 
     return read_jsonl(Path((out_dir / "llama" / "fsdp" / "latest").read_text().strip()) / "metrics.jsonl")
 
@@ -45,7 +45,7 @@ def test_llama_trains_under_fsdp_tp_resumes_bit_exactly_exports_and_samples(data
     evals = {r["step"]: r["val_loss"] for r in full if "val_loss" in r}
     assert sorted(evals) == [0, 10, 20] and evals[20] < evals[0] - 0.5, evals  # from ~ln(50304) = 10.8
 
-    from meshtrain.train.sinks import read_jsonl
+    from meshtrain.runtime.rundir import read_jsonl
 
     run_dir = rewound_copy(Path((tmp_path / "straight" / "llama" / "fsdp" / "latest").read_text().strip()),
                            tmp_path / "halves", 10)  # the run as it stood at its checkpoint of iteration 10

@@ -155,7 +155,7 @@ def test_resume_continues_bit_exactly(small_data, tmp_path):
     resumed = train(2, small_data, tmp_path / "full", "train.max_iters=9", "train.init_from=resume",
                     f"train.run_dir={run_dir}", *common)
     assert resumed.returncode == 0 and "resuming at iteration 6" in output(resumed), output(resumed)[-3000:]
-    from meshtrain.train.sinks import read_jsonl
+    from meshtrain.runtime.rundir import read_jsonl
 
     got = {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 6 and "loss" in r}
     assert sorted(got) == [7, 8, 9] and all(got[s] == want[s] for s in got), (got, want)

@@ -109,34 +109,38 @@ def check_training(info, *, tp: int = 1, cp: int = 1, impl: str = "ulysses", sp:
                             mesh=shard_mesh)
     elif dp_cp_mesh is not None:  # DDP averages every rank's gradient of its own mean loss
         parallel = DistributedDataParallel(model, process_group=dp_cp_mesh.get_group())
+    positions = shard_tokens(CONFIG.num_patches, coords["cp"], cp)
+    rows = slice(dp_rank * LOCAL_BATCH, (dp_rank + 1) * LOCAL_BATCH)  # tp and cp ranks of a replica: same rows
+    worst, x = train_and_compare(model, parallel, reference, dims.dp_size, rows, positions, cp, dp_cp_mesh)
+    if cp > 1:  # evaluation: the whole prediction, gathered from the ranks' token slices
+        with torch.no_grad():
+            local = cp_forward_patches(parallel, x[rows], positions)
+            whole = model.unpatchify(gather_tokens(local, cp_mesh))
+            worst["predict"] = (whole - reference(x[rows])).abs().max().item()
+    shape = f"dp={dims.dp_size} tp={tp} cp={cp}" + (f" {impl}" if cp > 1 else "") + (" sp" if sp else "")
+    return max(worst.values()) < TOL, {"worst": worst, "shape": shape}  # grad and norm: relative
+
+
+def train_and_compare(model: ViT, parallel, reference: ViT, dp_size: int, rows: slice, positions, cp: int,
+                      dp_cp_mesh) -> tuple[dict, torch.Tensor]:
+    """STEPS SGD steps of the parallel model (through `parallel`, its DDP wrapper or itself) and the reference on
+    the same global batches; the worst differences of loss, gradient and norm (both relative) and parameters, and
+    the last step's inputs."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    positions = shard_tokens(CONFIG.num_patches, coords["cp"], cp)
     worst = dict.fromkeys(("loss", "grad", "norm", "param"), 0.0)
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(dims.dp_size * LOCAL_BATCH, CONFIG.in_channels, *CONFIG.img_size, generator=g)
-        y = torch.randn(dims.dp_size * LOCAL_BATCH, CONFIG.out_channels, *CONFIG.img_size, generator=g)
+        x, y = random_fields(step, dp_size * LOCAL_BATCH)
         ref_loss = reference.loss(reference(x), y)
         ref_loss.backward()
-        rows = slice(dp_rank * LOCAL_BATCH, (dp_rank + 1) * LOCAL_BATCH)  # tp and cp ranks of a replica: same rows
         if cp > 1:
             loss = cp_forward_loss(parallel, x[rows], y[rows], positions)
         else:
             loss = model.loss(parallel(x[rows]), y[rows])
         loss.backward()
         assert type(loss) is torch.Tensor, f"the loss is a plain tensor, got {type(loss)}"
-        mean_loss = loss.detach().clone()
-        if dp_cp_mesh is not None:  # SUM (gloo has no AVG); equal token and row counts -> the mean
-            dist.all_reduce(mean_loss, group=dp_cp_mesh.get_group())
-            mean_loss /= dp_cp_mesh.size()
-        worst["loss"] = max(worst["loss"], abs(mean_loss.item() - ref_loss.item()))
-        for (name, p), (ref_name, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-            assert name == ref_name, (name, ref_name)
-            # k_proj.bias's gradient is 0 in exact arithmetic (a shift shared by all keys changes no softmax): its
-            # reference is rounding noise, hence the 1e-2 floor.
-            scale = q.grad.abs().max().clamp_min(1e-2)
-            worst["grad"] = max(worst["grad"], ((full(p.grad) - q.grad).abs().max() / scale).item())
+        worst["loss"] = max(worst["loss"], abs(mean_over_ranks(loss, dp_cp_mesh) - ref_loss.item()))
+        worst["grad"] = max(worst["grad"], worst_relative_grad(model, reference))
         # What the loop's clipping sees: the global norm over every shard and mesh, the same on every rank.
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
@@ -147,13 +151,36 @@ def check_training(info, *, tp: int = 1, cp: int = 1, impl: str = "ulysses", sp:
         opt.zero_grad()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             worst["param"] = max(worst["param"], (full(p.detach()) - q.detach()).abs().max().item())
-    if cp > 1:  # evaluation: the whole prediction, gathered from the ranks' token slices
-        with torch.no_grad():
-            local = cp_forward_patches(parallel, x[rows], positions)
-            whole = model.unpatchify(gather_tokens(local, cp_mesh))
-            worst["predict"] = (whole - reference(x[rows])).abs().max().item()
-    shape = f"dp={dims.dp_size} tp={tp} cp={cp}" + (f" {impl}" if cp > 1 else "") + (" sp" if sp else "")
-    return max(worst.values()) < TOL, {"worst": worst, "shape": shape}  # grad and norm: relative
+    return worst, x
+
+
+def random_fields(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of step `step`: random [batch, C, H, W] fields, the same on every rank."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(batch, CONFIG.in_channels, *CONFIG.img_size, generator=g)
+    y = torch.randn(batch, CONFIG.out_channels, *CONFIG.img_size, generator=g)
+    return x, y
+
+
+def mean_over_ranks(loss: torch.Tensor, dp_cp_mesh) -> float:
+    """The loss averaged over the data- and context-parallel ranks: what the reference computes on the whole batch."""
+    mean_loss = loss.detach().clone()
+    if dp_cp_mesh is not None:  # SUM (gloo has no AVG); equal token and row counts -> the mean
+        dist.all_reduce(mean_loss, group=dp_cp_mesh.get_group())
+        mean_loss /= dp_cp_mesh.size()
+    return mean_loss.item()
+
+
+def worst_relative_grad(model: ViT, reference: ViT) -> float:
+    """The largest gradient difference, parallel (gathered) vs reference, relative to each gradient's size."""
+    worst = 0.0
+    for (name, p), (ref_name, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert name == ref_name, (name, ref_name)
+        # k_proj.bias's gradient is 0 in exact arithmetic (a shift shared by all keys changes no softmax): its
+        # reference is rounding noise, hence the 1e-2 floor.
+        scale = q.grad.abs().max().clamp_min(1e-2)
+        worst = max(worst, ((full(p.grad) - q.grad).abs().max() / scale).item())
+    return worst
 
 
 def check_layout(model: ViT, tp: int, cp: int, sp: bool) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshtrain.runtime import rundir
 from meshtrain.train import checkpoint
 from meshtrain.train.optim import learning_rate
 
@@ -24,24 +25,24 @@ def test_schedule_warms_up_linearly_then_follows_the_cosine_to_min_lr():
 
 
 def test_run_dirs_are_unique_and_latest_points_at_the_last(tmp_path):
-    a = checkpoint.new_run_dir(tmp_path, "gpt", "ddp", now=0)
-    b = checkpoint.new_run_dir(tmp_path, "gpt", "ddp", now=0)
+    a = rundir.new_run_dir(tmp_path, "gpt", "ddp", now=0)
+    b = rundir.new_run_dir(tmp_path, "gpt", "ddp", now=0)
     assert a != b and a.parent == b.parent and a.is_dir()
-    checkpoint.record_run(tmp_path, "gpt", "ddp", a)
-    checkpoint.record_run(tmp_path, "gpt", "ddp", b)
-    assert checkpoint.latest_run(tmp_path, "gpt", "ddp") == b.resolve()
+    rundir.record_run(tmp_path, "gpt", "ddp", a)
+    rundir.record_run(tmp_path, "gpt", "ddp", b)
+    assert rundir.latest_run(tmp_path, "gpt", "ddp") == b.resolve()
     assert len((tmp_path / "checkpoints.log").read_text().splitlines()) == 2
 
 
 def test_resume_without_any_run_is_a_clear_error(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="found no earlier run"):
-        checkpoint.latest_run(tmp_path, "gpt", "ddp")
+        rundir.latest_run(tmp_path, "gpt", "ddp")
 
 
 def test_auto_resumes_only_a_run_with_a_complete_checkpoint(tmp_path):
     assert checkpoint.resumable_run(tmp_path, "gpt", "ddp") is None  # no run yet: start fresh
-    run = checkpoint.new_run_dir(tmp_path, "gpt", "ddp", now=0)
-    checkpoint.record_run(tmp_path, "gpt", "ddp", run)
+    run = rundir.new_run_dir(tmp_path, "gpt", "ddp", now=0)
+    rundir.record_run(tmp_path, "gpt", "ddp", run)
     assert checkpoint.resumable_run(tmp_path, "gpt", "ddp") is None  # killed before its first save
     step = run / "checkpoints" / "step-0000010"
     step.mkdir(parents=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import REPO, clean_env, output
 
-from meshtrain import cli, registry
+from meshtrain import commands, registry
 
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
@@ -106,6 +106,32 @@ def test_every_docs_page_is_reachable_from_the_readme():
     assert not unreached, f"no chain of links from README.md reaches {unreached}"
 
 
+def drawn_tree() -> set[str]:
+    """The modules architecture.md's tree lists, as paths under src/meshtrain (two spaces of indent per folder)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("## The tree", 1)[1].split("```", 2)[1]
+    listed, folders = set(), []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        depth, name = (len(line) - len(line.lstrip())) // 2, line.split()[0]
+        folders = folders[:depth]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+            listed.add("/".join([*folders, "__init__.py"]))
+        else:
+            listed.add("/".join([*folders, name]))
+    return listed
+
+
+def test_the_architecture_tree_lists_every_module():
+    source = REPO / "src" / "meshtrain"
+    modules = {str(p.relative_to(source)) for p in source.rglob("*.py")}
+    drawn = drawn_tree()
+    assert modules == drawn, (f"docs/architecture.md's tree misses {sorted(modules - drawn)} and lists what is gone: "
+                              f"{sorted(drawn - modules)}")
+
+
 def test_the_readme_is_a_five_minute_read():
     lines = len(README.read_text().splitlines())
     assert lines <= README_MAX_LINES, \
@@ -183,7 +209,7 @@ def launch_options(argv) -> tuple[str, ...]:
     return tuple(argv[argv.index("launch") + 1:argv.index("--") if "--" in argv else len(argv)])
 
 
-HELP_KEYS = sorted({help_key(argv) for _, argv in INVOCATIONS if subcommand(argv) in cli.SUBCOMMANDS})
+HELP_KEYS = sorted({help_key(argv) for _, argv in INVOCATIONS if subcommand(argv) in commands.SUBCOMMANDS})
 # One `--dry-run` per set of launch options: the launcher command is built from them, and the command after `--`
 # is only appended (test_every_command_line_parses checks every line's options, and the command it runs).
 LAUNCHES = sorted({launch_options(argv): argv for _, argv in sorted(INVOCATIONS, reverse=True)
@@ -192,15 +218,15 @@ LAUNCHES = sorted({launch_options(argv): argv for _, argv in sorted(INVOCATIONS,
 
 def test_the_pages_show_every_command():
     shown = {key[0] for key in HELP_KEYS}
-    assert shown == set(cli.SUBCOMMANDS), f"no bash block runs meshtrain {sorted(set(cli.SUBCOMMANDS) - shown)}"
+    assert shown == set(commands.SUBCOMMANDS), f"no bash block runs meshtrain {sorted(set(commands.SUBCOMMANDS) - shown)}"
     assert LAUNCHES, "no bash block shows `meshtrain launch … -- …`"
 
 
 @pytest.mark.parametrize("page,argv", INVOCATIONS, ids=[" ".join(argv)[:70] for _, argv in INVOCATIONS])
 def test_every_command_line_parses(page, argv):
     name = subcommand(argv)
-    assert name in cli.SUBCOMMANDS, f"{page}: `meshtrain {' '.join(argv)}`: no subcommand {name!r}"
-    parser = cli.build_parser(name)  # imports that command's module and adds its options, as `meshtrain` does
+    assert name in commands.SUBCOMMANDS, f"{page}: `meshtrain {' '.join(argv)}`: no subcommand {name!r}"
+    parser = commands.build_parser(name)  # imports that command's module and adds its options, as `meshtrain` does
     try:
         args = parser.parse_args(list(argv))
     except SystemExit as e:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshtrain.data import prepare_cmd
+from meshtrain.commands import prepare as prepare_command
 from meshtrain.data.era5 import (
     CHANNEL_NAMES,
     ERA5Dataset,
@@ -33,7 +33,7 @@ FIX = "laid out as NERSC's ERA5 (train/ valid/ test/ of YEAR.h5 files, stats/), 
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    prepare_cmd.add_arguments(parser)
+    prepare_command.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -167,7 +167,7 @@ def test_split_rule_and_explicit_years():
 
 
 def test_prepare_command_line(tmp_path, synthetic):
-    assert prepare_cmd.run(parse("era5-synthetic", "--data-root", str(tmp_path), "--years", "2016", "2017",
+    assert prepare_command.run(parse("era5-synthetic", "--data-root", str(tmp_path), "--years", "2016", "2017",
                                  "--samples-per-year", "3", "--grid", "8x16", "--channels", "4",
                                  "--dt-hours", "3")) == 0
     root = tmp_path / "era5_synthetic"  # DATA_ROOT/era5_synthetic without --out
@@ -175,18 +175,18 @@ def test_prepare_command_line(tmp_path, synthetic):
     assert ERA5Dataset(root, "valid")[0][0].shape == (4, 8, 16)
     assert json.loads((root / "synthetic.json").read_text())["dt_hours"] == 3.0
     out = tmp_path / "explicit"
-    assert prepare_cmd.run(parse("era5-synthetic", "--out", str(out), "--train-years", "2000", "2001",
+    assert prepare_command.run(parse("era5-synthetic", "--out", str(out), "--train-years", "2000", "2001",
                                  "--valid-years", "2002", "--samples-per-year", "2", "--grid", "4x8")) == 0
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*.h5")) == [
         "train/2000.h5", "train/2001.h5", "valid/2002.h5"]
-    assert prepare_cmd.run(parse("era5-synthetic", "--out", str(out), "--tokenizer", "char")) == 2
-    assert prepare_cmd.run(parse("shakespeare", "--years", "2016", "--data-root", str(tmp_path))) == 2
-    assert prepare_cmd.run(parse("era5-synthetic", "--out", str(out), "--years", "2016")) == 1  # one year
+    assert prepare_command.run(parse("era5-synthetic", "--out", str(out), "--tokenizer", "char")) == 2
+    assert prepare_command.run(parse("shakespeare", "--years", "2016", "--data-root", str(tmp_path))) == 2
+    assert prepare_command.run(parse("era5-synthetic", "--out", str(out), "--years", "2016")) == 1  # one year
     with pytest.raises(SystemExit):
         parse("era5-synthetic", "--grid", "90by180")
     foreign = tmp_path / "foreign"  # a directory of someone else's h5 files is never overwritten silently
     write_h5(foreign / "train" / "2016.h5", np.zeros((2, 1, 2, 2), np.float32))
-    assert prepare_cmd.run(parse("era5-synthetic", "--out", str(foreign), "--grid", "4x8")) == 1
+    assert prepare_command.run(parse("era5-synthetic", "--out", str(foreign), "--grid", "4x8")) == 1
     assert h5py.File(foreign / "train/2016.h5", "r")["fields"].shape == (2, 1, 2, 2)
 
 

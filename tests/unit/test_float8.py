@@ -12,8 +12,8 @@ import torch
 from meshtrain.config import ConfigError, load_config
 from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.parallel import float8
+from meshtrain.parallel.compose import CUDA_GRAPHS_AUTO_MAX_PARAMS, use_cuda_graphs
 from meshtrain.parallel.data_parallel import wraps
-from meshtrain.parallel.layout import CUDA_GRAPHS_AUTO_MAX_PARAMS, use_cuda_graphs
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

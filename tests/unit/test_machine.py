@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshtrain.machine import command, hardware, measure, precision, profile
+from meshtrain.commands import machine as machine_command
+from meshtrain.machine import hardware, measure, precision, profile
 from meshtrain.machine.datasheet import PEAK_FLOPS, match_device
 from meshtrain.machine.hardware import Hardware, cpu_bf16, cpu_caps, cpu_flags
 from meshtrain.machine.profile import peak_flops
@@ -371,13 +372,13 @@ def test_the_command_prints_and_dumps_the_profile(monkeypatch, capsys):
     key = profile.collectives_key("gloo", torch.device("cpu"), 2, 1)
     profile.record_collectives(key, "float32", {"all_reduce": [(8, 40e-6, 0.0002), (1 << 20, 2e-3, 0.5)]})
     args = SimpleNamespace(device="cpu", threads=None, refresh=False, ranks=None, max_bytes="64M", json=True)
-    assert command.run(args) == 0
+    assert machine_command.run(args) == 0
     dumped = json.loads(capsys.readouterr().out)
     assert dumped["matmul"]["fp32"]["measured"]["flops"] == 40e9 and dumped["matmul"]["fp32"]["datasheet"] is None
     assert set(dumped["matmul"]) == {"fp32", "bf16", "fp16"} and dumped["memory"]["gbs"] == 18.5
     assert dumped["auto_dtype"]["dtype"] == ("bf16" if hardware.describe("cpu").bf16 else "fp32")
     assert list(dumped["collectives"]) == [key]
-    assert command.run(SimpleNamespace(**{**vars(args), "json": False})) == 0
+    assert machine_command.run(SimpleNamespace(**{**vars(args), "json": False})) == 0
     text = capsys.readouterr().out
     for expected in ("machine profile:", "train.dtype=auto", "40 GFLOP/s", "0.025", "18.5 GB/s", "all_reduce",
                      "40.0"):  # 40 us latency

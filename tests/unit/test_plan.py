@@ -3,6 +3,7 @@ bubble terms, collective times on a described machine, and that every layout it 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
@@ -15,8 +16,9 @@ from tests.conftest import REPO, clean_env, prepare_data
 
 from meshtrain import config as config_mod
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan import machines, measure, search, systems
+from meshtrain.plan import machines, search, systems
 from meshtrain.plan.cost import FP32, predict
+from meshtrain.plan.measured import measure, this_machine
 from meshtrain.plan.shares import chunk, stage_shares, tp_local_shape
 from meshtrain.plan.workload import ModelFacts
 
@@ -142,7 +144,8 @@ def test_attention_is_its_flops_on_a_described_machine_and_its_own_kernel_timed_
         pytest.approx(12 * 4 * 8 * 32 * 64 * 128 / machine.sdpa["bf16"].rate(64, 32, True))
     assert machine.attention_s("fp32", 4, 8, 64, 32, causal=True, ring=2) == \
         pytest.approx(12 * 4 * 8 * 32 * 64 * 128 / machine.matmul_rate("fp32", 4 * 64, 32, 128))
-    here = machines.Machine("this", 1, 1e9, {"fp32": 1e10}, 1e10, 1e9, 1e9, 0.0, 0.0, overlap=False, threads=1)
+    here = machines.Machine("this", 1, 1e9, {"fp32": 1e10}, 1e10, 1e9, 1e9, 0.0, 0.0, overlap=False,
+                            attention_timer=functools.partial(this_machine.attention_seconds, 1))
     for ring in (1, 2):  # the score matrix 16 times larger (4 × the tokens) takes longer, whatever the kernel
         small = here.attention_s("fp32", 2, 2, 32, 16, causal=True, ring=ring)
         large = here.attention_s("fp32", 2, 2, 128, 16, causal=True, ring=ring)

@@ -13,10 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshtrain.machine import command, hardware, measure, profile
+from meshtrain.commands import machine as machine_command
+from meshtrain.machine import hardware, measure, profile, survey
 from meshtrain.machine.hardware import Hardware
 from meshtrain.plan import machines, systems
 from meshtrain.plan.machines import GemmTable, SdpaTable
+from meshtrain.plan.measured import this_machine
 
 SHIPPED = machines.shipped_curves()
 H100_BF16, H100_TF32, H100_FP32 = 989.4e12, 494.7e12, 66.9e12  # machine/datasheet.py: NVIDIA H100 SXM, dense
@@ -170,7 +172,7 @@ def fake_cuda(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(hardware, "describe", lambda device: H100)
     monkeypatch.setattr(profile, "describe", lambda device: H100)
-    monkeypatch.setattr(command, "describe", lambda device: H100)
+    monkeypatch.setattr(survey, "describe", lambda device: H100)
     monkeypatch.setattr(measure, "gemm_curve", lambda device, label: calls.append(("gemm", label))
                         or fake_gemm_curve(device, label))
     monkeypatch.setattr(measure, "sdpa_curve", lambda device, label: calls.append(("sdpa", label))
@@ -180,7 +182,7 @@ def fake_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(measure, "matmul_peak", lambda device, label: {
         "flops": FAKE_GEMM.get(label, 4e14), "n": 8192, "best_s": 0.01, "median_s": 0.01, "spread": 0.0,
         "rounds": 1, "stable": True, "threads": 1, "load": 0.1, "measured": "now"})
-    monkeypatch.setattr(machines, "_fixed_costs", lambda device: (1e-4, 1e-6))
+    monkeypatch.setattr(this_machine, "_fixed_costs", lambda device: (1e-4, 1e-6))
     yield calls
     profile.clear()
 
@@ -200,9 +202,9 @@ def test_curves_are_measured_once_then_come_from_memory_then_disk(fake_cuda):
 
 
 def test_this_machine_on_a_cuda_gpu_reads_the_cached_curves(fake_cuda):
-    machine = machines.this_machine(1, "cuda:0")
+    machine = this_machine.this_machine(1, "cuda:0")
     assert set(machine.gemm) == {"bf16", "tf32", "fp32"} and set(machine.sdpa) == {"bf16"}
-    assert machine.curve == {} and machine.threads == 0  # no square curve, no attention timed on a CPU
+    assert machine.curve == {} and machine.attention_timer is None  # no square curve, no attention timed on a CPU
     assert machine.matmul_rate("bf16", 1024, 256, 256) == 4e14
     assert machine.matmul_rate("bf16", 4096, 1024, 1024) == 32e14
     assert machine.matmul_rate("fp32", 4096, 256, 256) == 8e13
@@ -211,18 +213,18 @@ def test_this_machine_on_a_cuda_gpu_reads_the_cached_curves(fake_cuda):
     flops = 12 * 2 * 8 * 64 * 1024 * 1024
     assert machine.attention_s("bf16", 2, 8, 1024, 64, causal=True) == pytest.approx(flops / 2e14)
     assert "GEMM rate by shape" in machine.sources["matmul"] and machine.memory_bps == 3000e9
-    machines.this_machine(1, "cuda:0")
+    this_machine.this_machine(1, "cuda:0")
     assert len(fake_cuda) == 4  # measured once
 
 
 def test_the_command_shows_the_curves_on_a_cuda_gpu(fake_cuda, monkeypatch, capsys):
     monkeypatch.setattr("meshtrain.runtime.device.pick_device", lambda rank, name=None: torch.device("cuda", 0))
     args = SimpleNamespace(device="cuda", threads=None, refresh=False, ranks=None, max_bytes="64M", json=True)
-    assert command.run(args) == 0
+    assert machine_command.run(args) == 0
     dumped = json.loads(capsys.readouterr().out)
     assert dumped["curves"]["gemm"]["bf16"] == fake_gemm_curve(None, "bf16")
     assert dumped["curves"]["sdpa"]["bf16"] == fake_sdpa_curve(None, "bf16")
-    assert command.run(SimpleNamespace(**{**vars(args), "json": False})) == 0
+    assert machine_command.run(SimpleNamespace(**{**vars(args), "json": False})) == 0
     text = capsys.readouterr().out
     assert "rates by shape for the planner" in text and "3.2 PFLOP/s" in text and "4096, 1024, 1024" in text
 
@@ -237,6 +239,6 @@ def test_the_command_on_a_cpu_has_no_curves(tmp_path, monkeypatch):
         "gbs": 10.0, "bytes": 1 << 28, "spread": 0.01, "threads": 1, "load": 0.1, "measured": "now"})
     profile.clear()
     try:
-        assert "curves" not in command.collect(torch.device("cpu"))
+        assert "curves" not in survey.collect(torch.device("cpu"))
     finally:
         profile.clear()

@@ -10,8 +10,9 @@ import re
 import pytest
 
 from meshtrain.report.page import write_report
-from meshtrain.report.runs import ReportError, read_run, write_facts
+from meshtrain.report.runs import ReportError, read_run
 from meshtrain.report.summary import sparkline, summary
+from meshtrain.runtime.rundir import write_facts
 
 
 def spread(values: list[float]) -> dict:

@@ -11,6 +11,7 @@ import torch
 from tests.wandb_offline import wandb_history as _wandb_history
 
 from meshtrain.runtime.progress import progress_bar, progress_enabled, track
+from meshtrain.runtime.rundir import read_jsonl
 from meshtrain.train.sinks import (
     ConsoleSink,
     JsonlSink,
@@ -19,7 +20,6 @@ from meshtrain.train.sinks import (
     TensorBoardSink,
     WandbSink,
     build_sinks,
-    read_jsonl,
 )
 
 ROWS = {1: {"loss": 3.5, "dt": 0.25, "lr": torch.tensor(1e-3)}, 2: {"loss": 3.25, "dt": 0.2, "lr": 9e-4}}

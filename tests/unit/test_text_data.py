@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshtrain.data import prepare_cmd, text
+from meshtrain.commands import prepare as prepare_command
+from meshtrain.data import text
 from meshtrain.data.text import (
     CharTokenizer,
     DataError,
@@ -65,7 +66,7 @@ def prepared(tmp_path_factory):
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    prepare_cmd.add_arguments(parser)
+    prepare_command.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -182,7 +183,7 @@ def user_text(tmp_path):
 @pytest.mark.parametrize("kind", ["char", "gpt2"])
 def test_prepare_text_file(tmp_path, user_text, kind):
     root = tmp_path / "root"
-    assert prepare_cmd.run(parse("text", str(user_text), "--tokenizer", kind, "--data-root", str(root))) == 0
+    assert prepare_command.run(parse("text", str(user_text), "--tokenizer", kind, "--data-root", str(root))) == 0
     data_dir = root / "poems"  # the file's stem
     meta = load_meta(data_dir)
     assert meta["tokenizer"] == kind and meta["source"] == str(user_text.resolve())
@@ -197,14 +198,14 @@ def test_prepare_text_file(tmp_path, user_text, kind):
 def test_prepare_text_with_name_and_env_root(tmp_path, user_text, monkeypatch):
     monkeypatch.setenv("MESHTRAIN_DATA_ROOT", str(tmp_path / "envroot"))
     assert text.default_data_root() == tmp_path / "envroot"
-    assert prepare_cmd.run(parse("text", str(user_text), "--name", "verses")) == 0
+    assert prepare_command.run(parse("text", str(user_text), "--name", "verses")) == 0
     assert load_meta(tmp_path / "envroot" / "verses")["tokenizer"] == "char"
 
 
 def test_prepare_command_line_mistakes(tmp_path):
-    assert prepare_cmd.run(parse("text", "--data-root", str(tmp_path))) == 2  # no PATH
-    assert prepare_cmd.run(parse("shakespeare", "--tokenizer", "char", "--data-root", str(tmp_path))) == 2
-    assert prepare_cmd.run(parse("text", str(tmp_path / "absent.txt"), "--data-root", str(tmp_path))) == 1
+    assert prepare_command.run(parse("text", "--data-root", str(tmp_path))) == 2  # no PATH
+    assert prepare_command.run(parse("shakespeare", "--tokenizer", "char", "--data-root", str(tmp_path))) == 2
+    assert prepare_command.run(parse("text", str(tmp_path / "absent.txt"), "--data-root", str(tmp_path))) == 1
     assert not any(tmp_path.iterdir())
 
 
@@ -391,12 +392,12 @@ def test_state_dict_resumes_the_same_batches(prepared):
 
 
 def test_meshtrain_prepare_through_the_cli(prepared, capsys):
-    from meshtrain import cli
+    from meshtrain import commands
 
     logger = logging.getLogger("meshtrain")
     saved = (list(logger.handlers), logger.level, logger.propagate)
     try:
-        assert cli.main(["prepare", "shakespeare_char", "--data-root", str(prepared["root"])]) == 0
-    finally:  # cli.main pointed the logger at this test's captured stdout: put it back
+        assert commands.main(["prepare", "shakespeare_char", "--data-root", str(prepared["root"])]) == 0
+    finally:  # commands.main pointed the logger at this test's captured stdout: put it back
         logger.handlers[:], logger.level, logger.propagate = saved
     assert "shakespeare_char is up to date" in capsys.readouterr().out

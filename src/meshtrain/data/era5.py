@@ -141,6 +141,40 @@ def _channel_names(root: Path, num_channels: int) -> list[str]:
     return names
 
 
+def _check_arguments(split: str, dt: int, limit: int | None, crop: tuple[int, int] | None) -> None:
+    """ValueError for an ERA5Dataset argument that no data could make valid (checked before touching files)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if int(dt) != dt or dt < 1:
+        raise ValueError(f"dt (the forecast step, in samples) must be an integer >= 1, got {dt}")
+    if limit is not None and (int(limit) != limit or limit < 1):
+        raise ValueError(f"limit must be a positive number of samples or None, got {limit}")
+    if crop is not None and (len(crop) != 2 or any(int(c) != c or c < 1 for c in crop)):
+        raise ValueError(f"crop must be (rows, columns) of positive integers or None, got {crop}")
+
+
+def _split_files(root: Path, split: str) -> tuple[Path, list[Path], list[tuple[int, int, int, int]]]:
+    """(split directory, its year files in year order, each file's `fields` shape [N, C, H, W]).
+
+    Every file must share one [C, H, W]: a sample is cut from one file, but batches mix years.
+    """
+    split_dir = root / split
+    if not split_dir.is_dir():
+        raise DataError(f"{split_dir} not found: the {split} split of ERA5 data is a directory of YEAR.h5 "
+                        f"files. {how_to_fix(root, sentence=True)}")
+    files = sorted(split_dir.glob("*.h5"), key=lambda p: (_year_of(p), p.name))
+    if not files:
+        raise DataError(f"{split_dir} holds no .h5 files: expected one per year (e.g. 2016.h5). "
+                        f"{how_to_fix(root, sentence=True)}")
+    shapes = [_fields_shape(path, root) for path in files]
+    file_chw = {tuple(s[1:]) for s in shapes}
+    if len(file_chw) > 1:
+        listing = ", ".join(f"{p.name} {list(s)}" for p, s in zip(files, shapes, strict=True))
+        raise DataError(f"the files of {split_dir} disagree in channels or grid ({listing}); "
+                        "every year must have the same [C, H, W]")
+    return split_dir, files, shapes
+
+
 class ERA5Dataset(Dataset):
     """Pairs (fields[t], fields[t + dt]) of one split, normalised float32 tensors [C, H, W].
 
@@ -151,36 +185,33 @@ class ERA5Dataset(Dataset):
 
     def __init__(self, root: str | Path, split: str, *, dt: int = 1, limit: int | None = None,
                  crop: tuple[int, int] | None = DEFAULT_CROP, channels: Sequence[int | str] | None = None):
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-        if int(dt) != dt or dt < 1:
-            raise ValueError(f"dt (the forecast step, in samples) must be an integer >= 1, got {dt}")
-        if limit is not None and (int(limit) != limit or limit < 1):
-            raise ValueError(f"limit must be a positive number of samples or None, got {limit}")
-        if crop is not None and (len(crop) != 2 or any(int(c) != c or c < 1 for c in crop)):
-            raise ValueError(f"crop must be (rows, columns) of positive integers or None, got {crop}")
+        _check_arguments(split, dt, limit, crop)
         self.root, self.split, self.dt = Path(root), split, int(dt)
-        split_dir = self.root / split
-        if not split_dir.is_dir():
-            raise DataError(f"{split_dir} not found: the {split} split of ERA5 data is a directory of YEAR.h5 "
-                            f"files. {how_to_fix(self.root, sentence=True)}")
-        files = sorted(split_dir.glob("*.h5"), key=lambda p: (_year_of(p), p.name))
-        if not files:
-            raise DataError(f"{split_dir} holds no .h5 files: expected one per year (e.g. 2016.h5). "
-                            f"{how_to_fix(self.root, sentence=True)}")
-        shapes = [_fields_shape(path, self.root) for path in files]
-        file_chw = {tuple(s[1:]) for s in shapes}
-        if len(file_chw) > 1:
-            listing = ", ".join(f"{p.name} {list(s)}" for p, s in zip(files, shapes, strict=True))
-            raise DataError(f"the files of {split_dir} disagree in channels or grid ({listing}); "
-                            "every year must have the same [C, H, W]")
+        split_dir, files, shapes = _split_files(self.root, split)
         file_channels, file_rows, file_columns = shapes[0][1:]
         self.files, self.years = files, [_year_of(p) for p in files]
+        self._select_channels(channels, file_channels)
 
+        rows, columns = file_rows, file_columns
+        if crop is not None:  # the top-left corner, as NERSC crops to 360 x 720
+            rows, columns = min(rows, crop[0]), min(columns, crop[1])
+        self.img_size = (rows, columns)
+        self.num_channels = len(self.channels)
+        self.lat = latitudes(file_rows)[:rows]
+
+        self._number_samples(split_dir, [s[0] for s in shapes], limit)
+        self._handles: dict[int, h5py.Dataset] = {}
+        self._files_open: list[h5py.File] = []
+        self._inherited: list[list[h5py.File]] = []
+        self._owner_pid: int | None = None
+
+    def _select_channels(self, channels: Sequence[int | str] | None, file_channels: int) -> None:
+        """Set the selected channels with their names and statistics, and how to read just them from a file."""
         all_names = _channel_names(self.root, file_channels)
         all_means = _load_stat(self.root, MEANS_FILE, file_channels)
         all_stds = _load_stat(self.root, STDS_FILE, file_channels)
         self.channels = self._resolve_channels(channels, all_names)
+        # Only the selected channels must normalise: a constant channel the user leaves out is harmless.
         bad = [all_names[c] for c in self.channels if not all_stds[c] > 0]
         if bad:
             raise DataError(f"{self.root / STDS_FILE}: the standard deviation of {', '.join(bad)} is not positive, "
@@ -195,28 +226,19 @@ class ERA5Dataset(Dataset):
         self._channel_read = slice(lo, hi)
         self._channel_pick = None if self.channels == list(range(lo, hi)) else [c - lo for c in self.channels]
 
-        rows, columns = file_rows, file_columns
-        if crop is not None:  # the top-left corner, as NERSC crops to 360 x 720
-            rows, columns = min(rows, crop[0]), min(columns, crop[1])
-        self.img_size = (rows, columns)
-        self.num_channels = len(self.channels)
-        self.lat = latitudes(file_rows)[:rows]
-
+    def _number_samples(self, split_dir: Path, steps_per_file: list[int], limit: int | None) -> None:
+        """Set the sample count and where each file's samples start in the numbering."""
         # Samples are numbered file by file: file f holds samples _starts[f] .. _starts[f + 1] - 1, its pairs
         # (t, t + dt) for t = 0 .. N_f - dt - 1; a file with no more than dt steps adds none.
-        pairs_per_file = [max(s[0] - self.dt, 0) for s in shapes]
+        pairs_per_file = [max(steps - self.dt, 0) for steps in steps_per_file]
         self.samples_per_file = pairs_per_file
         self._starts = np.cumsum([0, *pairs_per_file])
         total = int(self._starts[-1])
         if total == 0:
             raise DataError(f"{split_dir}: no file has more than dt={self.dt} time steps "
-                            f"(steps per file: {[s[0] for s in shapes]}), so there is no (t, t+dt) pair; "
+                            f"(steps per file: {steps_per_file}), so there is no (t, t+dt) pair; "
                             "use a smaller dt or longer files")
         self.length = total if limit is None else min(total, int(limit))
-        self._handles: dict[int, h5py.Dataset] = {}
-        self._files_open: list[h5py.File] = []
-        self._inherited: list[list[h5py.File]] = []
-        self._owner_pid: int | None = None
 
     @staticmethod
     def _resolve_channels(channels, names: list[str]) -> list[int]:

@@ -176,27 +176,7 @@ def prepare(name: str, data_root: Path, source: Path | None = None, tokenizer: s
     """
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}")
-    data_root = Path(data_root)
-    if name in BUILTIN_TOKENIZER:
-        kind = BUILTIN_TOKENIZER[name]
-        if source is not None:
-            raise DataError(f"{name} uses the shipped corpus; for a file of your own run `meshtrain prepare text PATH`")
-        if tokenizer not in (None, kind):
-            raise DataError(f"{name} is tokenized with {kind}; for another tokenizer run "
-                            f"`meshtrain prepare text PATH --tokenizer {tokenizer}`")
-        raw, source_label, out_dir = _asset_bytes(SHAKESPEARE_ASSET), f"meshtrain:{SHAKESPEARE_ASSET}", data_root / name
-    elif name == "text":
-        kind = tokenizer or "char"
-        if kind not in TOKENIZERS:
-            raise DataError(f"unknown tokenizer {kind!r}: choose one of {', '.join(TOKENIZERS)}")
-        if source is None:
-            raise DataError("`text` needs the text file to prepare: meshtrain prepare text PATH")
-        source = Path(source)
-        if not source.is_file():
-            raise DataError(f"{source} not found: `meshtrain prepare text PATH` needs an existing text file")
-        raw, source_label, out_dir = source.read_bytes(), str(source.resolve()), data_root / (out_name or source.stem)
-    else:
-        raise DataError(f"unknown dataset {name!r}: choose shakespeare_char, shakespeare or text")
+    kind, raw, source_label, out_dir = _resolve_corpus(name, Path(data_root), source, tokenizer, out_name)
 
     source_md5 = hashlib.md5(raw).hexdigest()
     if not force:
@@ -206,29 +186,9 @@ def prepare(name: str, data_root: Path, source: Path | None = None, tokenizer: s
                      out_dir, source_md5, f"{meta['train_tokens']:,}", f"{meta['val_tokens']:,}")
             return meta
 
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{source_label} is not UTF-8 text ({e})") from None
-    log.info("length of dataset in characters: %s", f"{len(text):,}")
-    tok = CharTokenizer.from_text(text) if kind == "char" else GPT2Tokenizer()
-    if kind == "char":
-        log.info("all the unique characters: %r", "".join(tok.itos))
-    log.info("vocab size: %s", f"{tok.vocab_size:,}")
-    if tok.vocab_size > 1 << 16:
-        raise DataError(f"{source_label} needs {tok.vocab_size:,} token ids, more than uint16 .bin files hold "
-                        f"(65,536); use --tokenizer gpt2")
-
-    # Split the text, not the tokens: the val text is then the same whatever the tokenizer (as nanoGPT).
-    n_train_chars = int(len(text) * (1.0 - val_fraction))
-    splits = {"train": text[:n_train_chars], "val": text[n_train_chars:]}
-    ids = {split: np.asarray(tok.encode(part), dtype=TOKEN_DTYPE) for split, part in splits.items()}
-    for split in SPLITS:
-        log.info("%s has %s tokens", split, f"{len(ids[split]):,}")
-        if len(ids[split]) < 2:
-            raise DataError(f"{source_label} is too short: its {split} split has {len(ids[split])} tokens, "
-                            "and a training window needs at least 2")
-
+    text = _decode_corpus(raw, source_label)
+    tok = _fit_tokenizer(kind, text, source_label)
+    ids = _encode_splits(tok, text, val_fraction, source_label)
     meta = {
         "format_version": FORMAT_VERSION,
         "name": out_dir.name,
@@ -244,6 +204,69 @@ def prepare(name: str, data_root: Path, source: Path | None = None, tokenizer: s
     _write_dataset(out_dir, ids, meta)
     log.info("wrote %s and %s", ", ".join(str(out_dir / f"{s}.bin") for s in SPLITS), out_dir / "meta.json")
     return meta
+
+
+def _resolve_corpus(name: str, data_root: Path, source: Path | None, tokenizer: str | None,
+                    out_name: str | None) -> tuple[str, bytes, str, Path]:
+    """(tokenizer kind, source bytes, source label for messages and meta, output folder) for `prepare`.
+
+    Every argument mistake is caught here, before any bytes are hashed or tokenized.
+    """
+    if name in BUILTIN_TOKENIZER:
+        kind = BUILTIN_TOKENIZER[name]
+        if source is not None:
+            raise DataError(f"{name} uses the shipped corpus; for a file of your own run `meshtrain prepare text PATH`")
+        if tokenizer not in (None, kind):
+            raise DataError(f"{name} is tokenized with {kind}; for another tokenizer run "
+                            f"`meshtrain prepare text PATH --tokenizer {tokenizer}`")
+        return kind, _asset_bytes(SHAKESPEARE_ASSET), f"meshtrain:{SHAKESPEARE_ASSET}", data_root / name
+    if name == "text":
+        kind = tokenizer or "char"
+        if kind not in TOKENIZERS:
+            raise DataError(f"unknown tokenizer {kind!r}: choose one of {', '.join(TOKENIZERS)}")
+        if source is None:
+            raise DataError("`text` needs the text file to prepare: meshtrain prepare text PATH")
+        source = Path(source)
+        if not source.is_file():
+            raise DataError(f"{source} not found: `meshtrain prepare text PATH` needs an existing text file")
+        return kind, source.read_bytes(), str(source.resolve()), data_root / (out_name or source.stem)
+    raise DataError(f"unknown dataset {name!r}: choose shakespeare_char, shakespeare or text")
+
+
+def _decode_corpus(raw: bytes, source_label: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{source_label} is not UTF-8 text ({e})") from None
+
+
+def _fit_tokenizer(kind: str, text: str, source_label: str) -> CharTokenizer | GPT2Tokenizer:
+    """The tokenizer of `kind` for `text` (a char vocabulary is built from the text itself)."""
+    log.info("length of dataset in characters: %s", f"{len(text):,}")
+    tok = CharTokenizer.from_text(text) if kind == "char" else GPT2Tokenizer()
+    if kind == "char":
+        log.info("all the unique characters: %r", "".join(tok.itos))
+    log.info("vocab size: %s", f"{tok.vocab_size:,}")
+    # A char vocabulary of a large, varied text can outgrow the uint16 ids of the .bin format.
+    if tok.vocab_size > 1 << 16:
+        raise DataError(f"{source_label} needs {tok.vocab_size:,} token ids, more than uint16 .bin files hold "
+                        f"(65,536); use --tokenizer gpt2")
+    return tok
+
+
+def _encode_splits(tok: CharTokenizer | GPT2Tokenizer, text: str, val_fraction: float,
+                   source_label: str) -> dict[str, np.ndarray]:
+    """Token ids of the train and val parts of `text`, each long enough for one training window."""
+    # Split the text, not the tokens: the val text is then the same whatever the tokenizer (as nanoGPT).
+    n_train_chars = int(len(text) * (1.0 - val_fraction))
+    splits = {"train": text[:n_train_chars], "val": text[n_train_chars:]}
+    ids = {split: np.asarray(tok.encode(part), dtype=TOKEN_DTYPE) for split, part in splits.items()}
+    for split in SPLITS:
+        log.info("%s has %s tokens", split, f"{len(ids[split]):,}")
+        if len(ids[split]) < 2:
+            raise DataError(f"{source_label} is too short: its {split} split has {len(ids[split])} tokens, "
+                            "and a training window needs at least 2")
+    return ids
 
 
 def _up_to_date_meta(out_dir: Path, source_md5: str, kind: str, val_fraction: float) -> dict | None:

@@ -6,7 +6,7 @@
     profile.py     the cached profile (~/.cache/meshtrain/machine.json): measured figures, MFU peaks,
                    collective bandwidth recorded by `collectives --bench --record`
     precision.py   train.dtype=auto: the dtype this device computes natively, and why
-    command.py     `meshtrain machine`: measure and print the profile
+    survey.py      the whole profile of one device as one dict (what `meshtrain machine` prints)
 """
 
 from meshtrain.machine.hardware import Hardware, describe

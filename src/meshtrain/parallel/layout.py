@@ -21,11 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.parallel import float8
-from meshtrain.parallel.data_parallel import SHARDED, apply_data_parallel, wraps
-from meshtrain.parallel.mesh import ParallelDims, submesh
-from meshtrain.runtime.log import get_logger
-
-log = get_logger("parallel")
+from meshtrain.parallel.mesh import ParallelDims
 
 
 @dataclass
@@ -122,61 +118,3 @@ class Layout:
     def loss_ranks(self) -> int:
         """How many ranks return a loss: all but those without the last pipeline stage."""
         return self.dims.world_size // self.dims.pp
-
-
-def wrap_data_parallel(parts: list[nn.Module], blocks_of, cfg, dims: ParallelDims, mesh, device) -> list[nn.Module]:
-    """float8 linears in each part's blocks (train.float8), then data parallelism (and torch.compile) over each part,
-    last of all: DDP over dp×cp, or FSDP2 per block (`blocks_of(part)`) and then the part over dp_shard×cp.
-    Context-parallel ranks hold the same weights and see the same batch, each a slice of its tokens, so to data
-    parallelism they are replicas whose gradients are averaged: a slice's loss is the mean over its tokens and the
-    slices are equal-sized, so their mean is the whole's."""
-    t, p = cfg.train, cfg.parallel
-    sharded = t.backend in SHARDED
-    dp_mesh = data_parallel_mesh(mesh, dims, t.backend)
-    graphs = use_cuda_graphs(t, dims, device, sum(q.numel() for part in parts for q in part.parameters()))
-    compile_options = {"mode": "reduce-overhead"} if graphs else {}  # CUDA graphs through compile
-    gathered = sharded and wraps(t.backend, dims.size("dp_cp"))  # FSDP2 shards the blocks: float8 gathers pay
-    wrapped = []
-    for part in parts:
-        if swapped := float8.convert_blocks(blocks_of(part), t.float8, fsdp=gathered):
-            log.info("float8 (%s): %d linears of the blocks%s", t.float8, swapped,
-                     ", their weights gathered in float8 by FSDP2" if gathered and t.float8 == "tensorwise" else "")
-        wrapped.append(apply_data_parallel(
-            part if sharded or not t.compile else torch.compile(part, **compile_options), t.backend, device,
-            dims.size("dp_cp"), blocks=blocks_of(part), mesh=dp_mesh,
-            param_dtype=_param_dtype(t.dtype) if sharded else None, cpu_offload=p.cpu_offload))
-    if sharded and t.compile:  # FSDP first, then compile the sharded model
-        wrapped = [torch.compile(w, **compile_options) for w in wrapped]
-    return wrapped
-
-
-# train.cuda_graphs=null (auto) captures models under this many parameters: their kernels are short, so a step waits on
-# the CPU's launches. Measured on one H100 (bf16 + compile, docs/gpu.md): the 10.7M baby GPT ran 1.23× faster with CUDA
-# graphs; GPT-2 124M's kernels already keep the GPU busy.
-CUDA_GRAPHS_AUTO_MAX_PARAMS = 50_000_000
-
-
-def use_cuda_graphs(t, dims: ParallelDims, device: torch.device, params: int) -> bool:
-    """train.cuda_graphs, with null (auto) resolved: on for a compiled model of under CUDA_GRAPHS_AUTO_MAX_PARAMS
-    parameters trained by one CUDA rank in float32/bf16/fp16 linears (several ranks' collectives, and torchao's float8
-    casts, are left out of capture)."""
-    if t.cuda_graphs is not None or device.type != "cuda" or not t.compile:
-        return bool(t.cuda_graphs)
-    chosen = dims.world_size == 1 and t.float8 == "off" and params < CUDA_GRAPHS_AUTO_MAX_PARAMS
-    log.info("CUDA graphs: %s (train.cuda_graphs=null: %.1fM parameters on %d rank(s), float8 %s; on for one rank, "
-             "no float8, under %dM)", "on" if chosen else "off", params / 1e6, dims.world_size, t.float8,
-             CUDA_GRAPHS_AUTO_MAX_PARAMS // 10**6)
-    return chosen
-
-
-def data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
-    """What data parallelism spans: dp and cp together (cp ranks are replicas that see other tokens)."""
-    if mesh is None:
-        return None
-    if backend == "hsdp":  # replicate x shard, a 2-D mesh (cp > 1 is refused by the model's layout)
-        return mesh[("dp_replicate", "dp_shard")]
-    return submesh(mesh, "dp_shard_cp" if backend in SHARDED else "dp_cp")
-
-
-def _param_dtype(dtype: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)

@@ -10,11 +10,8 @@ windows (the GPT, the Llama-style decoder), given the model's own structure (`St
     layout.finish_backward(); grad_norm = layout.optimizer_step(optimizer, scaler, max_norm=1.0)
     layout.eval_loss(x, y, ctx); layout.save_checkpoint(...); layout.load_checkpoint(...)
 
-Order of application (each step sees the modules the previous one left):
-    pipeline split (pp)  -> tensor + sequence parallel (tp)  -> context parallel attention (cp)
-    -> activation checkpointing -> data parallel (ddp over dp×cp, or FSDP2 over dp_shard×cp)
-FSDP must come last: it shards whatever parameters the others left (DTensors on the tp mesh
-included); see layout.wrap_data_parallel for why cp ranks are data-parallel replicas.
+The pipeline split (pp) comes first: every other parallelism is applied to each of this rank's stages, in the one
+order of compose.py (tp -> cp -> activation checkpointing -> float8 -> compile -> data parallel).
 
 The loop sees one object whatever the layout (parallel/layout.py, shared with the ViT's): the step
 methods hide whether a forward is a call, a pipeline schedule or a DeepSpeed engine.
@@ -30,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtrain.parallel.checkpointing import apply_activation_checkpointing
+from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
 from meshtrain.parallel.data_parallel import gradient_sync
-from meshtrain.parallel.layout import Layout, wrap_data_parallel
+from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.pipeline_schedules import StageSplit
 
@@ -164,28 +161,23 @@ def build_language_model_layout(model: nn.Module, cfg, dims: ParallelDims, mesh,
         parts = layout.pipeline.parts
     else:
         parts = [model]
-    if dims.tp > 1:
-        # Pipeline stages hand plain tensors to each other and compute the loss in the schedule: no
-        # sequence-sharded stream, no vocab-sharded loss across a stage boundary.
-        sequence_parallel, loss_parallel = (p.sequence_parallel, p.loss_parallel) if dims.pp == 1 else (False, False)
-        for part in parts:
-            tensor_parallel(part, submesh(mesh, "tp"), sequence_parallel=sequence_parallel,
-                            loss_parallel=loss_parallel)
-        layout.loss_parallel = loss_parallel
+    # Pipeline stages hand plain tensors to each other and compute the loss in the schedule: no sequence-sharded
+    # stream, no vocab-sharded loss across a stage boundary.
+    sequence_parallel, loss_parallel = (p.sequence_parallel, p.loss_parallel) if dims.pp == 1 else (False, False)
+    recipe = Recipe.of(cfg)
+    # a stage holds its blocks in a ModuleDict of its own, under the model's own path
+    apply_model_parallelism(parts, split.blocks, recipe, dims, mesh, tensor_parallel=lambda part, tp_mesh: tensor_parallel(
+        part, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
+    layout.loss_parallel = dims.tp > 1 and loss_parallel
     if dims.cp > 1:
-        from meshtrain.parallel.context_parallel import apply_context_parallel
-
-        apply_context_parallel(model.get_submodule(split.blocks).values(), submesh(mesh, "cp"), p.cp_impl)
         layout.sequence_shard = (dims.coords(rank)["cp"], dims.cp, p.cp_impl)
-    for part in parts:  # a stage holds its blocks in a ModuleDict of its own, under the model's own path
-        apply_activation_checkpointing(part.get_submodule(split.blocks), t.activation_checkpointing, t.ac_every)
 
     if t.backend == "deepspeed":
         layout.deepspeed = dict(device=device, stage=p.zero_stage, micro_batch_size=cfg.model.batch_size,
                                 grad_accum=t.grad_accum, grad_clip=cfg.optimizer.grad_clip, dtype=t.dtype)
         layout.runnable = model
         return layout
-    wrapped = wrap_data_parallel(parts, lambda part: part.get_submodule(split.blocks).values(), cfg, dims, mesh, device)
+    wrapped = wrap_data_parallel(parts, split.blocks, recipe, dims, mesh, device)
     layout.parts = wrapped
     if layout.pipeline is None:
         layout.runnable = wrapped[0]

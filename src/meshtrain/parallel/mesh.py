@@ -199,73 +199,106 @@ def check_layout(dims: ParallelDims, cfg, spec, local_world_size: int) -> None:
     `local_world_size` ranks with cfg.train's backend and dtype. After this, the parallelize functions assume a
     valid layout."""
     p, t, shape = cfg.parallel, cfg.train, spec.shape(cfg)
-    key = lambda what: shape.keys.get(what, what)  # noqa: E731  (the config key a user changes)
+    # The checks run in this order so that the first error a user sees stays the same across versions.
+    _check_model_has_plans(dims, spec, shape, t.backend)
+    _check_tensor_parallel(dims, shape, local_world_size)
+    if dims.cp > 1:
+        _check_context_parallel(dims, p, shape)
+    if dims.pp > 1:
+        _check_pipeline_parallel(dims, p, shape, t.dtype)
+    _check_backend_combinations(dims, t.backend)
+
+
+def _config_key(shape, what: str) -> str:
+    """The config key a user changes to fix the model's `what` (e.g. "heads" -> "model.n_head")."""
+    return shape.keys.get(what, what)
+
+
+def _check_model_has_plans(dims: ParallelDims, spec, shape, backend: str) -> None:
+    """The model must have a parallelize plan for every dim (and DeepSpeed) the job asks for."""
     missing = [d for d in ("tp", "cp", "pp") if getattr(dims, d) > 1 and d not in shape.parallelisms]
-    if missing or (t.backend == "deepspeed" and "deepspeed" not in shape.parallelisms):
+    if missing or (backend == "deepspeed" and "deepspeed" not in shape.parallelisms):
         what = ", ".join(f"parallel.{d}={getattr(dims, d)}" for d in missing) or "train.backend=deepspeed"
         raise MeshError(f"{what}: the {spec.name} model has no plan for it in this version; it supports "
                         f"{', '.join(sorted(shape.parallelisms)) or 'data parallelism only'} (ZeRO-2/3 through "
                         "train.backend=zero2 / fsdp)")
+
+
+def _check_tensor_parallel(dims: ParallelDims, shape, local_world_size: int) -> None:
+    """tp must fit in a node and divide the heads, kv heads and MLP width (checked even at tp=1: always true)."""
     if dims.tp > local_world_size:
         raise MeshError(
             f"parallel.tp={dims.tp} is larger than the {local_world_size} ranks of a node: tensor parallelism "
             f"all-reduces every layer and belongs inside a node (use tp <= {local_world_size})")
     for what, count in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("mlp_hidden", shape.mlp_hidden)):
         if count % dims.tp:
-            raise MeshError(f"{key(what)}={count} is not divisible by parallel.tp={dims.tp}: each tensor-parallel rank "
-                            f"needs whole attention heads and an equal share of the MLP; pick a tp that divides {count}")
-    if dims.cp > 1:
-        chunks = 2 * dims.cp if shape.causal and p.cp_impl == "ring" else dims.cp
-        if shape.tokens is not None and shape.tokens % chunks:
-            why = ("ring attention balances the causal load by cutting each sequence into 2·cp chunks"
-                   if chunks > dims.cp else "each cp rank holds an equal, contiguous share of the tokens")
-            raise MeshError(f"{key('tokens')}={shape.tokens} tokens are not divisible by {chunks} (parallel.cp="
-                            f"{dims.cp}, cp_impl={p.cp_impl}): {why}")
-        if p.cp_impl == "ulysses" and (shape.heads // dims.tp) % dims.cp:
-            raise MeshError(f"parallel.cp_impl=ulysses gives each of the cp={dims.cp} ranks whole heads, but each "
-                            f"tensor-parallel rank has {shape.heads // dims.tp} of {key('heads')}={shape.heads}: pick "
-                            "a cp that divides them, or parallel.cp_impl=ring")
-        if p.cp_impl == "ring" and shape.dropout > 0:
-            raise MeshError(f"{key('dropout')}={shape.dropout} with parallel.cp_impl=ring: ring attention has no "
-                            "attention dropout; set it to 0 or use parallel.cp_impl=ulysses")
-    if dims.pp > 1:
-        stages, microbatches = dims.pp * p.virtual_stages, p.microbatches or dims.pp * p.virtual_stages
-        if stages > shape.layers:
-            raise MeshError(f"parallel.pp={dims.pp} × virtual_stages={p.virtual_stages} = {stages} stages, but "
-                            f"{key('layers')}={shape.layers}: every stage needs at least one block")
-        if microbatches < dims.pp:
-            raise MeshError(f"parallel.microbatches={microbatches} is fewer than parallel.pp={dims.pp} stages: some "
-                            f"stages would always sit idle; use at least {dims.pp} microbatches (more shrink the bubble)")
-        if shape.batch_size % microbatches:
-            raise MeshError(f"{key('batch_size')}={shape.batch_size} does not split into parallel.microbatches="
-                            f"{microbatches} for the pipeline: make the batch a multiple of {microbatches} (or change "
-                            "microbatches)")
-        from meshtrain.parallel.pipeline_schedules import PipelineError, check_schedule
+            raise MeshError(f"{_config_key(shape, what)}={count} is not divisible by parallel.tp={dims.tp}: each "
+                            "tensor-parallel rank needs whole attention heads and an equal share of the MLP; pick a tp "
+                            f"that divides {count}")
 
-        try:
-            check_schedule(p.pp_schedule, dims.pp, p.virtual_stages, microbatches)
-        except PipelineError as e:
-            raise MeshError(f"parallel.pp_schedule={p.pp_schedule}: {e}") from None
-        if t.dtype == "fp16":
-            raise MeshError("train.dtype=fp16 with parallel.pp > 1: the GradScaler cannot scale a loss inside the "
-                            "pipeline schedule; use train.dtype=bf16")
-    if dims.tp > 1 and t.backend in ("ddp", "zero1") and dims.size("dp_cp") > 1:
+
+def _check_context_parallel(dims: ParallelDims, p, shape) -> None:
+    """cp > 1: the tokens must split evenly, and the chosen cp_impl must be able to run this model."""
+    key = lambda what: _config_key(shape, what)  # noqa: E731
+    chunks = 2 * dims.cp if shape.causal and p.cp_impl == "ring" else dims.cp
+    if shape.tokens is not None and shape.tokens % chunks:
+        why = ("ring attention balances the causal load by cutting each sequence into 2·cp chunks"
+               if chunks > dims.cp else "each cp rank holds an equal, contiguous share of the tokens")
+        raise MeshError(f"{key('tokens')}={shape.tokens} tokens are not divisible by {chunks} (parallel.cp="
+                        f"{dims.cp}, cp_impl={p.cp_impl}): {why}")
+    if p.cp_impl == "ulysses" and (shape.heads // dims.tp) % dims.cp:
+        raise MeshError(f"parallel.cp_impl=ulysses gives each of the cp={dims.cp} ranks whole heads, but each "
+                        f"tensor-parallel rank has {shape.heads // dims.tp} of {key('heads')}={shape.heads}: pick "
+                        "a cp that divides them, or parallel.cp_impl=ring")
+    if p.cp_impl == "ring" and shape.dropout > 0:
+        raise MeshError(f"{key('dropout')}={shape.dropout} with parallel.cp_impl=ring: ring attention has no "
+                        "attention dropout; set it to 0 or use parallel.cp_impl=ulysses")
+
+
+def _check_pipeline_parallel(dims: ParallelDims, p, shape, dtype: str) -> None:
+    """pp > 1: enough blocks and microbatches for the stages, a runnable schedule, and no fp16 loss scaling."""
+    key = lambda what: _config_key(shape, what)  # noqa: E731
+    stages, microbatches = dims.pp * p.virtual_stages, p.microbatches or dims.pp * p.virtual_stages
+    if stages > shape.layers:
+        raise MeshError(f"parallel.pp={dims.pp} × virtual_stages={p.virtual_stages} = {stages} stages, but "
+                        f"{key('layers')}={shape.layers}: every stage needs at least one block")
+    if microbatches < dims.pp:
+        raise MeshError(f"parallel.microbatches={microbatches} is fewer than parallel.pp={dims.pp} stages: some "
+                        f"stages would always sit idle; use at least {dims.pp} microbatches (more shrink the bubble)")
+    if shape.batch_size % microbatches:
+        raise MeshError(f"{key('batch_size')}={shape.batch_size} does not split into parallel.microbatches="
+                        f"{microbatches} for the pipeline: make the batch a multiple of {microbatches} (or change "
+                        "microbatches)")
+    from meshtrain.parallel.pipeline_schedules import PipelineError, check_schedule
+
+    try:
+        check_schedule(p.pp_schedule, dims.pp, p.virtual_stages, microbatches)
+    except PipelineError as e:
+        raise MeshError(f"parallel.pp_schedule={p.pp_schedule}: {e}") from None
+    if dtype == "fp16":
+        raise MeshError("train.dtype=fp16 with parallel.pp > 1: the GradScaler cannot scale a loss inside the "
+                        "pipeline schedule; use train.dtype=bf16")
+
+
+def _check_backend_combinations(dims: ParallelDims, backend: str) -> None:
+    """The data-parallel backend must be able to wrap the tp/cp/pp layout it is combined with."""
+    if dims.tp > 1 and backend in ("ddp", "zero1") and dims.size("dp_cp") > 1:
         # DDP spans the context-parallel ranks too (they are replicas to it), so cp alone counts as well.
-        raise MeshError(f"train.backend={t.backend} with parallel.tp={dims.tp} and {dims.size('dp_cp')} data- or "
+        raise MeshError(f"train.backend={backend} with parallel.tp={dims.tp} and {dims.size('dp_cp')} data- or "
                         "context-parallel ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use "
                         "train.backend=fsdp (fsdp x tp) or zero2")
     from meshtrain.parallel.data_parallel import SHARDED
 
     sharded_with = [d for d in ("dp", "cp") if dims.size(d) > 1]
     order = parse_order(dims.order)
-    if dims.tp > 1 and t.backend in SHARDED and any(order.index(d) < order.index("tp") for d in sharded_with):
-        raise MeshError(f"train.backend={t.backend} with parallel.tp={dims.tp} and parallel.order={dims.order}: FSDP2 "
+    if dims.tp > 1 and backend in SHARDED and any(order.index(d) < order.index("tp") for d in sharded_with):
+        raise MeshError(f"train.backend={backend} with parallel.tp={dims.tp} and parallel.order={dims.order}: FSDP2 "
                         f"shards tensor-parallel weights only when tp is inner to {' and '.join(sharded_with)} in the "
                         "mesh; name tp before them (e.g. parallel.order=tp-cp-dp-pp, which also keeps tp inside a "
                         "node)")
-    if t.backend == "hsdp" and dims.cp > 1:
+    if backend == "hsdp" and dims.cp > 1:
         raise MeshError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
-    if t.backend == "deepspeed" and max(dims.tp, dims.cp, dims.pp) > 1:
+    if backend == "deepspeed" and max(dims.tp, dims.cp, dims.pp) > 1:
         raise MeshError(f"train.backend=deepspeed with tp={dims.tp} cp={dims.cp} pp={dims.pp}: meshtrain runs "
                         "DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine with tp/cp/pp")
 

@@ -6,10 +6,10 @@
                         tp_plan={"transformer.h.*.mlp.c_fc": ColwiseParallel(), ...}, backend="fsdp")
     optimizer = torch.optim.AdamW(model.parameters())               # after parallelize: FSDP made new parameters
 
-It takes the steps the trainer's layouts take (lm_layout.py), in the same order, because each must see what the one
-before left: tensor parallel on the plain model, then context parallel, then activation checkpointing, then data
-parallelism last (DDP over the data-parallel ranks, or FSDP2 per block and then the whole), so FSDP shards whatever
-tensor parallelism left, DTensors on the tp dim of the same mesh included.
+It takes the steps the trainer's layouts take, through the same functions (compose.py), in the one order in which
+each sees what the one before left: tensor parallel on the plain model, then context parallel, then activation
+checkpointing, then data parallelism last (DDP over the data-parallel ranks, or FSDP2 per block and then the whole),
+so FSDP shards whatever tensor parallelism left, DTensors on the tp dim of the same mesh included.
 
 The tensor-parallel plan is torch's: module paths from the model's root (each dot-separated part may be an fnmatch
 pattern, `transformer.h.*.attn.c_proj`) to ParallelStyles (ColwiseParallel, RowwiseParallel, SequenceParallel,
@@ -29,10 +29,9 @@ from fnmatch import fnmatch
 import torch
 from torch import nn
 
-from meshtrain.parallel.checkpointing import apply_activation_checkpointing
-from meshtrain.parallel.data_parallel import BACKENDS, apply_data_parallel
-from meshtrain.parallel.layout import data_parallel_mesh
-from meshtrain.parallel.mesh import MeshError, ParallelDims, submesh
+from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
+from meshtrain.parallel.data_parallel import BACKENDS
+from meshtrain.parallel.mesh import MeshError, ParallelDims
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, blocks: str, tp_plan: dict | None = None,
@@ -63,17 +62,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, blocks: str, tp_p
     if dims.pp > 1:
         raise MeshError("parallelize has no pipeline parallelism (pp > 1): a pipeline cuts a model by its structure, "
                         "which meshtrain knows only for a registered model (meshtrain train, ModelSpec.split)")
-    if dims.tp > 1:
-        _tensor_parallel(model, container, blocks, tp_plan, submesh(mesh, "tp"))
     if dims.cp > 1:
-        _context_parallel(container, blocks, submesh(mesh, "cp"), cp_impl)
-    apply_activation_checkpointing(container, activation_checkpointing, ac_every)
+        _check_attention(container, blocks)
+    recipe = Recipe(backend=backend, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
+                    cp_impl=cp_impl, param_dtype=param_dtype, cpu_offload=cpu_offload)
+    apply_model_parallelism([model], blocks, recipe, dims, mesh, tensor_parallel=lambda part, tp_mesh:
+                            _tensor_parallel(part, container, blocks, tp_plan, tp_mesh))
     if mesh is None:
         return model
-    device = next(model.parameters()).device
-    return apply_data_parallel(model, backend, device, dims.size("dp_cp"), blocks=list(container.children()),
-                               mesh=data_parallel_mesh(mesh, dims, backend), param_dtype=param_dtype,
-                               cpu_offload=cpu_offload)
+    (wrapped,) = wrap_data_parallel([model], blocks, recipe, dims, mesh, next(model.parameters()).device)
+    return wrapped
 
 
 def _blocks(model: nn.Module, path: str) -> nn.Module:
@@ -143,11 +141,8 @@ def _is_meshtrain_block(block: nn.Module) -> bool:
     return isinstance(getattr(block, "attn", None), Attention)
 
 
-def _context_parallel(container: nn.Module, blocks: str, cp_mesh, impl: str) -> None:
-    from meshtrain.parallel.context_parallel import apply_context_parallel
-
+def _check_attention(container: nn.Module, blocks: str) -> None:
     if not all(_is_meshtrain_block(block) for block in container.children()):
         raise MeshError(f"parallelize: context parallelism replaces the attention kernel of meshtrain's "
                         f"nn.transformer.Attention, and the blocks under {blocks!r} have another attention: "
                         "build the blocks from nn.transformer.Block, or set cp=1")
-    apply_context_parallel(container.children(), cp_mesh, impl)

@@ -1,13 +1,11 @@
-"""`meshtrain plan`: a cost model of every parallel layout, ranked, explained, and checked against measured runs.
+"""`meshtrain plan`'s cost model: every parallel layout of a run, costed and ranked from a config, a model's facts
+and a machine description alone (no process, no torch.distributed, no Trainer). What measures this machine, and
+checks the model against runs, is the measured side (plan/measured/); the command is commands/plan.py.
 
     systems.py    real machines (Polaris, Perlmutter, Aurora, Frontier, DGX H100), every figure with its source
-    machines.py   the machine as the cost model reads it: a shipped system, or this one, measured
+    machines.py   the machine as the cost model reads it (from a shipped system; measured/this_machine.py: this one)
     workload.py   the model, built once on the meta device through its ModelSpec
     shares.py     what a rank holds of the model under a layout: parameters, gradients, optimizer state (exact)
     cost.py       per layout: memory by term and peak; step time as compute, exposed communication, bubble
-    search.py     every layout `train` accepts on N nodes × G devices, costed and ranked; parallel.plan=auto
-    calibrate.py  this machine's fixed costs per kind of layout (a tiny model) and its ranks' shared-core slowdown
-    measure.py    one layout run for a few steps: bytes held, peak tensor bytes, step time (per rank)
-    validate.py   predicted against measured, with the errors
-    command.py    the command line
+    search.py     every layout `train` accepts on N nodes × G devices, costed and ranked
 """

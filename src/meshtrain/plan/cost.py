@@ -2,7 +2,7 @@
 the communication it cannot hide, the pipeline's bubble), each term kept so that `plan --explain` can show it.
 
 Memory, in bytes of rank 0 of the heaviest pipeline stage (checked against the tensors' own peak on real ranks:
-plan/measure.py, docs/plan.md):
+plan/measured/measure.py, docs/plan.md):
 
     states       parameters, gradients, AdamW's two moments: plan/shares.py, exact (fp32 master copies)
     activations  what the blocks save for backward: ModelShape.activations_per_token (exact for fp32 eager, tp=1)
@@ -175,7 +175,7 @@ def _memory(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Mi
     head = _head_bytes(facts, cfg, dims, micro) if share.last else 0.0
     first, later = held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
-    # what autograd holds beside the saved tensors, measured by plan/measure.py), the block being recomputed under
+    # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
     act_bytes = 2 if t.dtype in ("bf16", "fp16") else FP32
     working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
@@ -254,11 +254,22 @@ def _time(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micr
              "bubble": bubble, "step": step}, sent)
 
 
+def kinds_of(cfg, dims: ParallelDims) -> list[str]:
+    """The kinds of layout whose fixed costs a layout pays (plan/measured/calibrate.py measures each)."""
+    p, t = cfg.parallel, cfg.train
+    kinds = [f"backend:{t.backend}"]
+    if dims.tp > 1:
+        kinds.append("tp")
+    if dims.cp > 1:
+        kinds.append(f"cp:{p.cp_impl}")
+    if dims.pp > 1:
+        kinds.append(f"pp:{p.pp_schedule}")
+    return kinds
+
+
 def _fixed_costs(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro, machine: Machine) -> float:
     """What a step costs beyond arithmetic and bytes: calibrated per kind of layout where calibrate.py measured
     this machine (with ranks sharing cores already in it), else the dispatch of one block per micro-step."""
-    from meshtrain.plan.calibrate import kinds_of
-
     kinds = kinds_of(cfg, dims)
     if machine.fixed and all(k in machine.fixed for k in kinds):
         accum = cfg.train.grad_accum

@@ -1,11 +1,12 @@
 """The machine a plan is for, as the cost model reads it: matmul rates by shape or size, attention rates, memory
-bandwidth, fixed costs, and collective time by message size and link. Two sources:
+bandwidth, fixed costs, and collective time by message size and link. Two sources (the second measures, so it lives
+in the planner's measured side):
 
     from_system(System)   a shipped description (plan/systems.py): GEMM rates by shape (m, k, n) and SDPA rates by
                           sequence length measured on one H100 (plan/data/h100_curves.json), as they are for the
                           DGX H100 and scaled by the ratio of datasheet peaks for every other device; alpha-beta links
                           per node and between
-    this_machine(...)     this machine, measured (machine/profile.py's cache): on a CUDA GPU the same GEMM and SDPA
+    this_machine(...)     (plan/measured/this_machine.py) this machine, measured (machine/profile.py's cache): on a CUDA GPU the same GEMM and SDPA
                           tables, measured here; elsewhere a curve of square matmul rates by size at the threads one
                           rank gets and attention timed as it runs; copy bandwidth, the fixed cost of a block's
                           forward and backward and of an optimizer step per tensor, and the collective timings
@@ -19,14 +20,10 @@ import functools
 import itertools
 import json
 import math
-import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
-import torch
-
-from meshtrain.machine.measure import timed_call
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.systems import System
 
@@ -119,7 +116,9 @@ class Machine:
     block_overhead_s: float = 0.0  # fixed cost of one block's forward and backward (operator dispatch)
     optimizer_tensor_s: float = 0.0  # fixed cost per parameter tensor of an optimizer step
     fixed: dict[str, list[float]] = field(default_factory=dict)  # calibrate.py: kind -> [per block, per step] s
-    threads: int = 0  # measure kernels (attention) at this many threads: what one rank of the plan gets; 0: none
+    # (label, heads, tokens, head_dim, causal, ring) -> seconds of one attention forward and backward, timed on this
+    # machine at the threads one rank of the plan gets (plan/measured/this_machine.py); None: from the tables
+    attention_timer: Callable[[str, int, int, int, bool, int], float] | None = None
     curve: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # label -> [(size, FLOP/s)] measured
     gemm: dict[str, GemmTable] = field(default_factory=dict)  # label -> FLOP/s by GEMM shape (an accelerator's)
     sdpa: dict[str, SdpaTable] = field(default_factory=dict)  # label -> attention FLOP/s by sequence length
@@ -139,14 +138,14 @@ class Machine:
     def attention_s(self, label: str, samples: int, heads: int, tokens: int, head_dim: int, *, causal: bool,
                     ring: int = 1) -> float:
         """Seconds of one block's attention forward and backward over `samples` × `heads` local heads × `tokens`
-        queries (this rank's), each seeing all `tokens` × `ring` keys. Measured here (`threads` set): the kernel
+        queries (this rank's), each seeing all `tokens` × `ring` keys. Measured (`attention_timer` set): the kernel
         the run calls, torch's SDPA or, with ring > 1, ring attention's own block arithmetic; else 12 × heads ×
         head_dim × queries × keys FLOPs (the whole score matrix, causal or not) at the SDPA table's rate for
         `tokens` (a ring step's block is tokens × tokens) where there is one for `label`, else at the matmul rate."""
-        if self.threads:  # timed on at most 4M scores' worth of heads (linear in them), as planning a long
+        if self.attention_timer:  # timed on at most 4M scores' worth of heads (linear in them), as planning a long
             many = samples * heads  # sequence must not take minutes
             timed = max(1, min(many, 2**22 // (tokens * tokens * ring)))
-            return _attention_seconds(self.threads, label, timed, tokens, head_dim, causal, ring) * many / timed
+            return self.attention_timer(label, timed, tokens, head_dim, causal, ring) * many / timed
         keys = tokens * ring
         flops = 12 * samples * heads * head_dim * tokens * keys
         if label in self.sdpa:
@@ -229,148 +228,3 @@ def from_system(system: System) -> Machine:
                    intra_bps=system.intra_node_gbs * 1e9, inter_bps=system.inter_node_gbs * 1e9,
                    intra_latency_s=system.intra_node_latency_s, inter_latency_s=system.inter_node_latency_s,
                    overlap=True, gemm=gemm, sdpa=sdpa, sources=sources)
-
-
-# ------------------------------------------------------------------------------------------------- this machine
-def this_machine(ranks_per_node: int, device: str | None = None, model: str = "gpt") -> Machine:
-    """This machine as `ranks_per_node` ranks of a job see it (each with the threads the launcher gives it), with
-    the fixed costs calibrate.py measured for that many ranks on `model`'s tiny model, if any."""
-    from meshtrain.machine import profile
-    from meshtrain.machine.hardware import describe
-    from meshtrain.plan import calibrate
-    from meshtrain.runtime.device import pick_device, threads_per_rank
-
-    dev = torch.device(device) if device else pick_device(0)
-    hw = describe(dev)
-    threads = threads_per_rank(ranks_per_node) if dev.type == "cpu" else 0
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        gemm, sdpa, curve = {}, {}, {}
-        if dev.type == "cuda":  # rates by GEMM shape and attention by length, measured once and cached
-            tables = profile.curves(dev)
-            gemm = {label: GemmTable.of(rows) for label, rows in tables["gemm"].items()}
-            sdpa = {label: SdpaTable.of(rows) for label, rows in tables["sdpa"].items()}
-        else:
-            curve = {label: _curve(dev, label) for label in ["fp32"] + (["bf16"] if hw.bf16 else [])}
-        memory = profile.measured(dev, "memory")["gbs"] * 1e9
-        block_s, tensor_s = _fixed_costs(dev)
-    finally:
-        torch.set_num_threads(before)
-    cores = hw.cores if dev.type == "cpu" else 0
-    calibrated = calibrate.cached_slowdown(ranks_per_node)
-    slowdown = (calibrated or max(1.0, ranks_per_node * threads / cores)) if cores else 1.0
-    collectives = _recorded_collectives(hw, dev)
-    intra = min((max(p[0] / p[1] for p in pts) for pts in collectives.values()), default=1e9)
-    return Machine(name="this", devices_per_node=ranks_per_node,
-                   # a CPU's ranks share the host's memory
-                   device_memory_bytes=hw.device_memory_bytes or hw.host_memory_bytes / ranks_per_node,
-                   peak={label: max(r for _, r in points) for label, points in curve.items()} or
-                   {label: max(table.rates.values()) for label, table in gemm.items()}, memory_bps=memory,
-                   intra_bps=intra, inter_bps=intra, intra_latency_s=50e-6, inter_latency_s=50e-6,
-                   overlap=dev.type != "cpu", slowdown=slowdown, threads=threads, block_overhead_s=block_s,
-                   optimizer_tensor_s=tensor_s, curve=curve, gemm=gemm, sdpa=sdpa, collectives=collectives,
-                   fixed=calibrate.cached(ranks_per_node, model),
-                   sources={"matmul": "measured here: GEMM rate by shape (m, k, n), attention (SDPA) by sequence "
-                                      "length (machine profile)" if gemm else
-                            f"measured here: matmul rate by size at {threads or 'all'} thread(s)",
-                            "memory": "measured here: copy bandwidth (machine profile)",
-                            "collectives": "recorded by `meshtrain machine --ranks N`" if collectives else
-                            "none recorded: `meshtrain machine --ranks N` measures them (assumed 1 GB/s, 50 µs)",
-                            "slowdown": f"{ranks_per_node} rank(s) × {threads} thread(s) on {cores} core(s): "
-                                        f"{slowdown:.2f}× a rank alone, " + ("calibrated (plan/calibrate.py)"
-                                                                            if calibrated else "ranks × threads / cores"),
-                            "fixed costs": f"calibrated here on a tiny {calibrate.calibrated_as(model)} "
-                            "(plan/calibrate.py)" if calibrate.cached(ranks_per_node, model) else
-                            "dispatch of one block, measured (no calibration)"})
-
-
-_CURVES: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
-
-
-def _curve(device: torch.device, label: str) -> list[tuple[float, float]]:
-    """FLOP/s of square matmuls of 32..1024 (the sizes small models run), best of a few calls each."""
-    key = (str(device), label, torch.get_num_threads())
-    if key not in _CURVES:
-        dtype = torch.bfloat16 if label == "bf16" else torch.float32
-        points = []
-        for n in (32, 64, 128, 256, 512, 1024):
-            a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-            reps = max(1, int(2e8 / n**3))
-            run = lambda a=a, b=b, reps=reps: [torch.mm(a, b) for _ in range(reps)]  # noqa: E731
-            best = min(timed_call(run, device) for _ in range(5))
-            points.append((float(n), 2 * n**3 * reps / best))
-        _CURVES[key] = points
-    return _CURVES[key]
-
-
-@functools.lru_cache(maxsize=256)
-def _attention_seconds(threads: int, label: str, heads: int, tokens: int, head_dim: int, causal: bool,
-                       ring: int) -> float:
-    """The median of a few forward and backward passes of the attention a rank runs, on this CPU at `threads`."""
-    from meshtrain.nn.transformer import attention
-    from meshtrain.parallel import context_parallel as cp
-
-    dtype = torch.bfloat16 if label == "bf16" else torch.float32
-    q, k, v = (torch.randn(1, heads, tokens, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
-    scale = head_dim ** -0.5
-
-    def sdpa():
-        out = attention(q, k, v, 0.0, causal=causal)
-        out.backward(torch.ones_like(out))
-
-    def ring_blocks():  # what one rank computes of the ring's pairs: step 0 on its own K/V (masked if causal),
-        half = tokens // 2  # then ring - 1 others, half of whose rows or keys a causal zigzag skips
-        with torch.no_grad():
-            for step in range(ring):
-                keys = slice(None) if step == 0 or not causal else slice(None, half)
-                out, lse = cp._block_forward(q, k[:, :, keys], v[:, :, keys], scale, causal and step == 0)
-                if step:
-                    cp._merge(out.clone(), lse.clone(), out, lse)
-                delta = (out * out).sum(-1)
-                cp._block_backward(q, k[:, :, keys], v[:, :, keys], out.to(dtype), lse, delta, scale,
-                                   causal and step == 0)
-
-    run = ring_blocks if ring > 1 else sdpa
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        run()
-        return statistics.median(timed_call(run, torch.device("cpu")) for _ in range(5))
-    finally:
-        torch.set_num_threads(before)
-
-
-def _fixed_costs(device: torch.device) -> tuple[float, float]:
-    """(seconds of a tiny transformer block's forward and backward, seconds per tensor of a fused AdamW step):
-    what a step costs beyond its arithmetic, the operators' dispatch."""
-    from meshtrain.nn.transformer import Block
-
-    torch.manual_seed(0)
-    block = Block(16, 2, 64, causal=True, dropout=0.0, bias=False).to(device)
-    x = torch.randn(1, 4, 16, device=device, requires_grad=True)
-    run = lambda: block(x).sum().backward()  # noqa: E731
-    run()
-    block_s = statistics.median(timed_call(run, device) for _ in range(30))
-    params = [torch.nn.Parameter(torch.randn(16, device=device)) for _ in range(64)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=device.type in ("cpu", "cuda"))
-    optimizer.step()
-    tensor_s = statistics.median(timed_call(optimizer.step, device) for _ in range(20)) / len(params)
-    return block_s, tensor_s
-
-
-def _recorded_collectives(hw, device: torch.device) -> dict[tuple[str, int], list[tuple[float, float]]]:
-    from meshtrain.machine import profile
-
-    found = {}
-    for key, entry in profile.read_cache().get("collectives", {}).items():
-        parts = key.split("|")
-        if parts[1:3] != [device.type, hw.name] or "nodes=1" not in parts or f"torch={torch.__version__}" not in parts:
-            continue
-        world = int(next(p for p in parts if p.startswith("world="))[6:])
-        for op, record in entry.get("ops", {}).items():
-            found[op, world] = list(zip(map(float, record["bytes"]), record["seconds"], strict=True))
-    return found

@@ -4,5 +4,6 @@
     plots.py     the figures (matplotlib, Agg): loss, learning rate, gradient norm, throughput and MFU, the
                  step-time breakdown, memory per rank, the ranks' spread of step time
     page.py      the page: header tables, the figures, the workload's own evaluation, a comparison of runs
-    command.py   the command line
+
+The command line is commands/report.py.
 """

@@ -1,21 +1,12 @@
-"""A run directory read back for a report: what `train` left there, as far as the run got.
-
-    config.yaml      the resolved config
-    metrics.jsonl    step rows (loss, timings, rates, the ranks' spread), evaluation rows, text samples, images
-    run.json         the environment (DistInfo), the layout and what each rank holds (written after the first step)
-    checkpoints/     step-NNNNNNN directories
-"""
+"""A run directory read back for a report: what `train` left there (runtime/rundir.py), as far as the run got."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.train.sinks import read_jsonl
-
-FACTS = "run.json"
+from meshtrain.runtime import rundir
 
 
 class ReportError(MeshtrainError, ValueError):
@@ -69,26 +60,17 @@ class Run:
 def read_run(path: str | Path) -> Run:
     """The run at `path` (a run directory: the one holding metrics.jsonl)."""
     path = Path(path)
-    metrics = path / "metrics.jsonl"
+    metrics = path / rundir.METRICS
     if not metrics.is_file():
         raise ReportError(f"{path} is not a run directory: it has no metrics.jsonl (a run directory is "
                           f"<out_dir>/<model>/<backend>/<date>/<time>, e.g. outputs/runs/gpt/ddp/latest)")
-    rows = read_jsonl(metrics)
-    config = path / "config.yaml"
-    facts = path / FACTS
-    checkpoints = sorted(p.name for p in (path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() \
-        else []
+    rows = rundir.read_jsonl(metrics)
+    config = path / rundir.CONFIG
+    checkpoints = sorted(p.name for p in (path / rundir.CHECKPOINTS).glob("step-*"))
     return Run(path=path, name=_name(path), config=config.read_text() if config.is_file() else "",
                steps=[r for r in rows if "loss" in r], evals=[r for r in rows if _is_eval(r)],
                texts=[r for r in rows if "text" in r], images=[r for r in rows if "image" in r],
-               checkpoints=checkpoints, facts=json.loads(facts.read_text()) if facts.is_file() else {})
-
-
-def write_facts(run_dir: Path, facts: dict) -> None:
-    """run.json, written once by rank 0 (atomically: a report of a running job never reads half of it)."""
-    tmp = run_dir / f".{FACTS}.tmp"
-    tmp.write_text(json.dumps(facts, indent=1, default=str))
-    tmp.replace(run_dir / FACTS)
+               checkpoints=checkpoints, facts=rundir.read_facts(path))
 
 
 def _is_eval(row: dict) -> bool:

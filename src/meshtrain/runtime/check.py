@@ -1,4 +1,4 @@
-"""`meshtrain test-dist`: did my distributed set-up work?
+"""Did the distributed set-up work? The check behind `meshtrain test-dist`.
 
 Same seed everywhere -> DDP broadcasts rank 0's initial state -> a few iterations on data that
 differs per rank -> every rank must end with bit-identical parameters. If gradients were not
@@ -7,8 +7,8 @@ averaged across ranks, each rank's own data would pull its copy its own way and 
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,22 +17,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.log import get_logger
-from meshtrain.runtime.setup import DistInfo, collective, distributed, reduce_scalar
+from meshtrain.runtime.setup import DistInfo, collective, reduce_scalar
 
 log = get_logger("test-dist")
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
+@dataclass(frozen=True)
+class Outcome:
+    """What `train_and_compare` found."""
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iters", type=_positive, default=10, help="training iterations (default 10)")
-    parser.add_argument("--batch-size", type=_positive, default=64, help="samples per rank per iteration (default 64)")
-    parser.add_argument("--width", type=_positive, default=256, help="hidden width of the MLP (default 256)")
-    parser.add_argument("--seed", type=int, default=0)
+    losses: list[float]  # the loss of each iteration, averaged over ranks
+    differing: list[int]  # ranks whose parameters ended unlike rank 0's: empty when the check passed
 
 
 def small_model(width: int, inputs: int = 64, outputs: int = 16) -> nn.Module:
@@ -56,28 +51,26 @@ def parameter_mismatch(model: nn.Module, timeout: float | None = None) -> list[i
     return differing_ranks([g.cpu() for g in gathered])
 
 
-def run(args: argparse.Namespace) -> int:
-    with distributed(device=args.device, backend=args.backend, timeout=args.timeout) as info:
-        # In a function of its own so DDP (which holds the process group) is freed before teardown:
-        # a group destroyed while DDP still references it dies at interpreter exit and can abort there.
-        return train_and_compare(args, info)
-
-
-def train_and_compare(args: argparse.Namespace, info: DistInfo) -> int:
+def train_and_compare(info: DistInfo, *, iters: int = 10, batch_size: int = 64, width: int = 256,
+                      seed: int = 0) -> Outcome:
+    """Train a small MLP with DDP for `iters` iterations of `batch_size` samples per rank, then compare every
+    rank's parameters with rank 0's. Call it inside `distributed()`; DDP, which holds the process group, lives
+    only in here, so it is freed before teardown (a group destroyed while DDP still references it dies at
+    interpreter exit and can abort there)."""
     device, world = info.torch_device, info.world_size
-    torch.manual_seed(args.seed)
-    model = small_model(args.width).to(device)
+    torch.manual_seed(seed)
+    model = small_model(width).to(device)
     teacher = small_model(32).to(device)  # the function to learn; same on every rank (same seed)
     with collective("DDP's broadcast of rank 0's initial parameters", info.timeout_s):
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    data = torch.Generator().manual_seed(args.seed + 1 + info.rank)  # different samples on every rank
+    data = torch.Generator().manual_seed(seed + 1 + info.rank)  # different samples on every rank
 
-    log.info("training %d iterations: %d ranks x %d samples, %s on %s", args.iters, world, args.batch_size,
+    log.info("training %d iterations: %d ranks x %d samples, %s on %s", iters, world, batch_size,
              info.backend, info.device)
     losses = []
-    for it in range(1, args.iters + 1):
-        x = torch.randn(args.batch_size, 64, generator=data).to(device)
+    for it in range(1, iters + 1):
+        x = torch.randn(batch_size, 64, generator=data).to(device)
         with torch.no_grad():
             y = teacher(x)
         t0 = time.perf_counter()
@@ -95,12 +88,4 @@ def train_and_compare(args: argparse.Namespace, info: DistInfo) -> int:
         losses.append(reduce_scalar(loss, "mean", "all_reduce of the loss for logging", info.timeout_s))
         log.info("iter=%d loss=%.6f dt=%.6f dtf=%.6f dtb=%.6f", it, losses[-1], t3 - t0, t1 - t0, t2 - t1)
 
-    bad = parameter_mismatch(model, info.timeout_s)
-    if bad:
-        log.error(
-            "test-dist FAILED: rank(s) %s hold parameters that differ from rank 0's after %d iterations: "
-            "gradients were not synchronised", ", ".join(map(str, bad)), args.iters)
-        return 1
-    log.info("test-dist passed: %d rank(s) on %d node(s) hold bit-identical parameters after %d DDP "
-             "iterations (loss %.4f -> %.4f)", world, info.num_nodes, args.iters, losses[0], losses[-1])
-    return 0
+    return Outcome(losses, parameter_mismatch(model, info.timeout_s))

@@ -1,4 +1,4 @@
-"""`meshtrain collectives`: each collective at work on small tensors (--demo), or its bandwidth (--bench).
+"""Each collective at work on small tensors (demo), or its bandwidth (bench): what `meshtrain collectives` runs.
 
 The demo draws the picture HPC courses draw: what every rank holds before and after all_reduce,
 broadcast, scatter, ... Each rank's input is a known function of its rank, so every rank can work out
@@ -15,16 +15,16 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.log import get_logger, print_rich
-from meshtrain.runtime.setup import CollectiveError, DistInfo, collective, distributed, reduce_scalar
+from meshtrain.runtime.setup import CollectiveError, DistInfo, collective, reduce_scalar
 
 log = get_logger("collectives")
 
@@ -48,6 +48,23 @@ OPTIONAL = ("avg", "reduce_scatter", "all_to_all")
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single; older torch has only the old.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# What the bench measured: op -> (bytes, seconds per call, busbw GB/s) per size (what --record keeps).
+Points = dict[str, list[tuple[int, float, float]]]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `bench` sweeps and how long it times each size (the command's bench options)."""
+
+    min_bytes: int = 8
+    max_bytes: int = DEFAULT_MAX_BYTES  # fitting_max_bytes(info): this, lowered to what fits in memory
+    ops: tuple[str, ...] | None = None  # None: every op of BENCH_OPS
+    warmup: int = 5  # iterations per size before timing
+    iters: int = 20  # timed iterations per size: fewer where they would exceed time_per_size, but at least 2
+    time_per_size: float = 0.5  # seconds of warm-up, and again of timing, to aim for per size
+    dtype: str = "float32"  # a key of DTYPES
+    force_fallbacks: bool = False  # native_support refused the optional ops on request: skips say so, not 'no native'
 
 
 # ---------------------------------------------------------------- pure helpers (unit-tested)
@@ -149,55 +166,9 @@ def check_result(case: str, rank: int, n: int, got: torch.Tensor | None) -> bool
     return torch.allclose(got.detach().cpu().to(want.dtype), want, rtol=1e-6, atol=1e-6)
 
 
-# ---------------------------------------------------------------- the command
+# ---------------------------------------------------------------- the demo and the bench (collective calls)
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--demo", action="store_true", help="run every collective on small tensors, show and check it")
-    mode.add_argument("--bench", action="store_true", help="sweep message sizes and report time, algbw and busbw")
-    parser.add_argument("--ops", type=lambda s: [op.strip() for op in s.split(",") if op.strip()], default=None,
-                        help=f"comma-separated collectives (default: all). bench: {', '.join(BENCH_OPS)}; demo: "
-                             "the same plus scatter, gather, send_recv (all_reduce runs SUM, MIN, MAX and AVG)")
-    parser.add_argument("--force-fallbacks", action="store_true",
-                        help="use the hand-built AVG, reduce_scatter and all_to_all even where the backend has "
-                             "them (demo: to check the fallbacks; bench: skips those ops)")
-    bench = parser.add_argument_group("bench options")
-    bench.add_argument("--min-bytes", type=parse_bytes, default=8, help="smallest message (default 8; 1K = 1024)")
-    bench.add_argument("--max-bytes", type=parse_bytes, default=None,
-                       help="largest message (default 256M, lowered so buffers fit comfortably: to the power of "
-                            "two at most 1/16 of MemAvailable divided by the ranks on the node, or 1/16 of the "
-                            "free GPU memory; the smallest over ranks)")
-    bench.add_argument("--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
-    bench.add_argument("--iters", type=int, default=20,
-                       help="timed iterations per size (default 20; fewer for sizes that would exceed "
-                            "--time-per-size, but at least 2)")
-    bench.add_argument("--time-per-size", type=float, default=0.5,
-                       help="seconds of warm-up, and again of timing, to aim for per size (default 0.5)")
-    bench.add_argument("--dtype", choices=list(DTYPES), default="float32", help="element type (default float32)")
-    bench.add_argument("--record", action="store_true",
-                       help="store the figures in the machine profile (what `meshtrain machine --ranks N` runs), "
-                            "where cost models read latency and bus bandwidth per message size")
-
-
-def run(args: argparse.Namespace) -> int:
-    known = set(BENCH_OPS) | ({"scatter", "gather", "send_recv"} if args.demo else set())
-    unknown = sorted(set(args.ops or ()) - known)
-    if unknown:
-        print(f"meshtrain collectives: unknown op(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}",
-              file=sys.stderr)
-        return 2
-    with distributed(device=args.device, backend=args.backend, timeout=args.timeout) as info:
-        native = _native_support(info, args.force_fallbacks)
-        missing = [name for name, ok in native.items() if not ok]
-        log.info("%s on torch %s: %s", info.backend, torch.__version__,
-                 f"hand-built fallback for {', '.join(missing)}" + (" (forced)" if args.force_fallbacks else "")
-                 if missing else f"native {', '.join(OPTIONAL)}")
-        if args.demo:
-            return _demo(info, args.ops, native)
-        return _bench(info, args, native)
-
-
-def _native_support(info: DistInfo, force_fallbacks: bool) -> dict[str, bool]:
+def native_support(info: DistInfo, force_fallbacks: bool) -> dict[str, bool]:
     """Which of OPTIONAL this backend runs, found by trying each on a tiny tensor and agreed by all ranks.
 
     A backend refuses an op it lacks before talking to any peer, so every rank fails alike and none hangs.
@@ -296,7 +267,9 @@ def _show(t: torch.Tensor | None) -> str:
     return "—" if t is None else "[" + " ".join(f"{v:g}" for v in t.detach().cpu().tolist()) + "]"
 
 
-def _demo(info: DistInfo, ops: list[str] | None, native: dict[str, bool]) -> int:
+def demo(info: DistInfo, ops: list[str] | None, native: dict[str, bool]) -> int:
+    """Run and check every demo case of `ops` (None: all) and draw them on rank 0; return how many (case, rank)
+    results were wrong, the same count on every rank."""
     rank, n = info.rank, info.world_size
     cases = [case for case in DEMO_CASES if ops is None or _family(case) in ops]
     x = demo_input(rank, n).to(info.torch_device)
@@ -328,7 +301,7 @@ def _demo(info: DistInfo, ops: list[str] | None, native: dict[str, bool]) -> int
                       "; ".join(f"{case} on rank(s) {', '.join(map(str, ranks))}" for case, ranks in bad.items()))
         else:
             log.info("%s", summary)
-    return 0 if failures.item() == 0 else 1
+    return int(failures.item())
 
 
 def _demo_table(cases: list[str], everyone: list, info: DistInfo):
@@ -392,10 +365,10 @@ def _bench_call(op: str, count: int, n: int, dtype: torch.dtype, device: torch.d
     raise ValueError(f"unknown bench op {op!r}")
 
 
-def _time_op(op: str, count: int, nbytes: int, info: DistInfo, args: argparse.Namespace) -> tuple[float, int]:
+def _time_op(op: str, count: int, nbytes: int, info: DistInfo, options: BenchOptions) -> tuple[float, int]:
     """(slowest rank's mean seconds per call, timed iterations) for `op` on `count` elements."""
     device = info.torch_device
-    call = _bench_call(op, count, info.world_size, DTYPES[args.dtype], device)
+    call = _bench_call(op, count, info.world_size, DTYPES[options.dtype], device)
 
     def timed(iterations: int) -> float:
         synchronize(device)
@@ -409,7 +382,7 @@ def _time_op(op: str, count: int, nbytes: int, info: DistInfo, args: argparse.Na
     with collective(f"{what} (warm-up)", info.timeout_s):
         # The first call also sizes the loop; every rank must agree on it, hence the slowest rank's time.
         first = reduce_scalar(timed(1), "max", f"{what} (warm-up)", info.timeout_s, device)
-        warmup, iters = adapt_iterations(first, args.warmup, args.iters, args.time_per_size)
+        warmup, iters = adapt_iterations(first, options.warmup, options.iters, options.time_per_size)
         timed(warmup - 1)
         dist.barrier()
     with collective(f"{what} ×{iters} (timed)", info.timeout_s):
@@ -417,29 +390,32 @@ def _time_op(op: str, count: int, nbytes: int, info: DistInfo, args: argparse.Na
     return elapsed / iters, iters
 
 
-def _bench(info: DistInfo, args: argparse.Namespace, native: dict[str, bool]) -> int:
+def fitting_max_bytes(info: DistInfo) -> int:
+    """The largest message when none is given: DEFAULT_MAX_BYTES, lowered so that every rank's buffers fit
+    (_memory_cap), the smallest over ranks so that all sweep the same sizes."""
+    max_bytes = int(reduce_scalar(_memory_cap(info), "min", "all_reduce of the memory cap", info.timeout_s,
+                                  info.torch_device))
+    if max_bytes < DEFAULT_MAX_BYTES:
+        log.info("--max-bytes lowered to %s so the buffers fit in memory", human_bytes(max_bytes))
+    return max_bytes
+
+
+def bench(info: DistInfo, options: BenchOptions, native: dict[str, bool]) -> Points:
+    """Time each op of `options` at each size of the sweep, print a table per op on rank 0 and log the peaks;
+    return the measured points, the same on every rank. Ops the backend lacks (`native`) are skipped."""
     from rich.table import Table
 
     n, started = info.world_size, time.perf_counter()
-    element_size = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
-    max_bytes = args.max_bytes
-    if max_bytes is None:
-        max_bytes = int(reduce_scalar(_memory_cap(info), "min", "all_reduce of the memory cap", info.timeout_s,
-                                      info.torch_device))
-        if max_bytes < DEFAULT_MAX_BYTES:
-            log.info("--max-bytes lowered to %s so the buffers fit in memory", human_bytes(max_bytes))
-    if not 1 <= args.min_bytes <= max_bytes:
-        log.error("--min-bytes %d must be at least 1 and at most --max-bytes %d", args.min_bytes, max_bytes)
-        return 2
-    sizes = sweep_sizes(args.min_bytes, max_bytes)
-    ops = [op for op in BENCH_OPS if args.ops is None or op in args.ops]
+    element_size = torch.empty(0, dtype=DTYPES[options.dtype]).element_size()
+    sizes = sweep_sizes(options.min_bytes, options.max_bytes)
+    ops = [op for op in BENCH_OPS if options.ops is None or op in options.ops]
     for op in [op for op in ops if not native.get(op, True)]:
-        why = "--force-fallbacks" if args.force_fallbacks else f"{info.backend} has no native {op}"
+        why = "--force-fallbacks" if options.force_fallbacks else f"{info.backend} has no native {op}"
         log.info("skipping %s: %s (a fallback would not measure the collective)", op, why)
         ops.remove(op)
-    log.info("%d rank(s), %s on %s, %s; %s", n, info.backend, info.device, args.dtype, SIZE_CONVENTION)
+    log.info("%d rank(s), %s on %s, %s; %s", n, info.backend, info.device, options.dtype, SIZE_CONVENTION)
     peaks = {}  # op -> (busbw, algbw, bytes) of its best size
-    points: dict[str, list[tuple[int, float, float]]] = {}  # op -> (bytes, seconds, busbw GB/s) per size
+    points: Points = {}
     for op in ops:
         factor = bus_bandwidth_factor(op, n)
         rule = {"all_reduce": "2(n-1)/n", "broadcast": "1", "reduce": "1"}.get(op, "(n-1)/n")
@@ -451,7 +427,7 @@ def _bench(info: DistInfo, args: argparse.Namespace, native: dict[str, bool]) ->
             if count == 0:
                 continue  # too small to give every rank a part
             nbytes = count * element_size
-            seconds, iters = _time_op(op, count, nbytes, info, args)
+            seconds, iters = _time_op(op, count, nbytes, info, options)
             algbw = nbytes / seconds / 1e9
             busbw = algbw * factor
             table.add_row(human_bytes(nbytes), str(count), str(iters), fmt_sig(seconds * 1e6),
@@ -465,9 +441,4 @@ def _bench(info: DistInfo, args: argparse.Namespace, native: dict[str, bool]) ->
                  fmt_sig(algbw))
     log.info("collectives bench: %d op(s) × %d size(s) on %d rank(s) (%s) in %.1f s", len(ops), len(sizes), n,
              info.backend, time.perf_counter() - started)
-    if args.record and info.is_main:
-        from meshtrain.machine import profile
-
-        key = profile.collectives_key(info.backend, info.torch_device, n, info.num_nodes)
-        log.info("recorded in the machine profile %s as %s", profile.record_collectives(key, args.dtype, points), key)
-    return 0
+    return points

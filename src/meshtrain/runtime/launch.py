@@ -1,4 +1,4 @@
-"""`meshtrain launch`: the launcher command this machine wants, built from the scheduler's environment.
+"""The launcher command this machine wants, built from the scheduler's environment (`meshtrain launch` runs it).
 
     PBS    mpiexec -n N --ppn P --hostfile $PBS_NODEFILE --depth D --cpu-bind depth --envall CMD   (PALS)
     SLURM  srun --nodes M --ntasks N --ntasks-per-node P --cpus-per-task D --cpu-bind=cores ... CMD
@@ -10,10 +10,7 @@ themselves from the launcher's variables (env.py), so no wrapper process sits be
 
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -21,10 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from meshtrain.runtime.env import LaunchEnvError, hostfile_slots, scheduler_info
-
-# The exit code of a run stopped by a preemption signal with a checkpoint (sysexits' EX_TEMPFAIL: a temporary failure,
-# try again later): a job script re-queues on it, the relaunch loop does not restart it.
-PREEMPTED = 75
+from meshtrain.runtime.rundir import PREEMPTED
 
 PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
 MPI_FLAVORS = ("pals", "openmpi", "mpich")
@@ -149,39 +143,6 @@ def build_command(
     else:
         raise LaunchEnvError(f"unknown MPI flavour {flavor!r}: choose auto, {', '.join(MPI_FLAVORS)}")
     return [*argv, *command]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=None,
-                        help="total ranks (default: nodes x ppn; locally the accelerators here, or 2 on a CPU-only box)")
-    parser.add_argument("--ppn", type=int, default=None,
-                        help="ranks per node (default: accelerators per node, else SLURM's tasks per node or the slots "
-                             "PBS_NODEFILE lists per host, else 1)")
-    parser.add_argument("--launcher", choices=("auto", "torchrun", "mpiexec", "srun"), default="auto",
-                        help="auto: mpiexec under PBS, srun under SLURM, torchrun --standalone elsewhere")
-    parser.add_argument("--mpi", dest="flavor", choices=("auto", *MPI_FLAVORS), default="auto",
-                        help="which mpiexec's flags to write (auto: ask `mpiexec --version`; PALS if it cannot tell)")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                        help="restart the whole job up to N times when a rank fails (torchrun's elastic restarts; "
-                             "under mpiexec or srun, launch runs it again); pair with train.init_from=auto")
-    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
-    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command each rank runs")
-
-
-def run(args: argparse.Namespace) -> int:
-    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if args.max_restarts < 0:
-        raise LaunchEnvError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
-    argv = build_command(command, nproc=args.nproc, ppn=args.ppn, launcher=args.launcher, flavor=args.flavor,
-                         max_restarts=args.max_restarts)
-    print(shlex.join(argv), flush=True)
-    if args.dry_run:
-        return 0
-    if shutil.which(argv[0]) is None:
-        raise LaunchEnvError(f"{argv[0]} is not on PATH here: load the module that provides it, or pick --launcher")
-    if args.max_restarts == 0 or os.path.basename(argv[0]) == "torchrun":  # torchrun restarts by itself
-        os.execvp(argv[0], argv)  # the launcher takes over this process: its exit code and signals are the job's
-    return relaunch(argv, args.max_restarts)
 
 
 def relaunch(argv: list[str], max_restarts: int) -> int:

@@ -1,12 +1,9 @@
-"""Run directories and atomic checkpoints.
+"""Atomic checkpoints of a run (the run directory around them: runtime/rundir.py).
 
-    outputs/runs/<workload>/<backend>/<YYYY-MM-DD>/<HH-MM-SS>/   config.yaml, metrics.jsonl, checkpoints/, model.pt
-        checkpoints/step-0000250/    a distributed checkpoint (DCP): every rank's shards, .metadata,
-                                     trainer_state.pt (iteration, config, RNG and sampler streams)
-        checkpoints/latest           the name of the last complete step directory
-        model.pt                     `meshtrain export`: the whole model in one file
-    outputs/runs/<workload>/<backend>/latest                    the last run's directory (a text file)
-    outputs/runs/checkpoints.log                                one line per run directory
+    <run_dir>/checkpoints/step-0000250/   a distributed checkpoint (DCP): every rank's shards, .metadata,
+                                          trainer_state.pt (iteration, config, RNG and sampler streams)
+    <run_dir>/checkpoints/latest          the name of the last complete step directory
+    <run_dir>/model.pt                    `meshtrain export`: the whole model in one file
 
 A checkpoint is published only once complete (see Checkpointer), so a kill at any moment leaves the
 previous one usable. Everything in it loads with `weights_only=True`.
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,48 +22,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtrain.errors import MeshtrainError
+from meshtrain.runtime import rundir
+from meshtrain.runtime.rundir import CHECKPOINTS, LATEST, CheckpointError
 
-CHECKPOINTS, LATEST, TRAINER_STATE, EXPORT = "checkpoints", "latest", "trainer_state.pt", "model.pt"
-
-
-class CheckpointError(MeshtrainError, RuntimeError):
-    """No checkpoint where one was asked for, or one that cannot be used."""
-
-
-def new_run_dir(out_dir: str | Path, workload: str, backend: str, now: float | None = None) -> Path:
-    stamp = time.localtime(now)
-    run_dir = Path(out_dir) / workload / backend / time.strftime("%Y-%m-%d", stamp) / time.strftime("%H-%M-%S", stamp)
-    suffix, candidate = 1, run_dir
-    while candidate.exists():  # two runs started in the same second
-        candidate = run_dir.with_name(f"{run_dir.name}-{suffix}")
-        suffix += 1
-    candidate.mkdir(parents=True)
-    return candidate
-
-
-def record_run(out_dir: str | Path, workload: str, backend: str, run_dir: Path) -> None:
-    """Point `latest` at run_dir and list it in checkpoints.log."""
-    latest = Path(out_dir) / workload / backend / "latest"
-    _atomic_write_text(latest, f"{run_dir.resolve()}\n")
-    with open(Path(out_dir) / "checkpoints.log", "a") as log:
-        log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {workload} {backend} {run_dir.resolve()}\n")
-
-
-def latest_run(out_dir: str | Path, workload: str, backend: str) -> Path:
-    latest = Path(out_dir) / workload / backend / "latest"
-    if not latest.is_file():
-        raise CheckpointError(f"train.init_from=resume found no earlier run: {latest} does not exist. Start one with "
-                              "train.init_from=scratch, or name the run with train.run_dir=DIR")
-    return Path(latest.read_text().strip())
+TRAINER_STATE, EXPORT = "trainer_state.pt", "model.pt"
 
 
 def resumable_run(out_dir: str | Path, workload: str, backend: str, run_dir: str | Path | None = None) -> Path | None:
     """The run train.init_from=auto continues: `run_dir`, else the latest run, if it has saved a checkpoint; None
     when there is no such run or it saved none yet. A checkpoint pointer that names a missing step is an error,
     not a fresh start: starting over would silently throw the run's progress away."""
-    latest = Path(out_dir) / workload / backend / LATEST
-    run = Path(run_dir) if run_dir else Path(latest.read_text().strip()) if latest.is_file() else None
+    run = Path(run_dir) if run_dir else rundir.last_run(out_dir, workload, backend)
     if run is None or not (run / CHECKPOINTS / LATEST).is_file():
         return None
     latest_checkpoint(run)  # complete, or a clear error
@@ -137,7 +102,7 @@ class Checkpointer:
         _atomic_torch_save(partial / TRAINER_STATE, trainer_state)
         shutil.rmtree(final, ignore_errors=True)  # an earlier run saved this step and was resumed from before it
         os.replace(partial, final)
-        _atomic_write_text(self.root / LATEST, f"{final.name}\n")
+        rundir.write_atomically(self.root / LATEST, f"{final.name}\n")
         steps = sorted(p for p in self.root.glob("step-*") if p.is_dir())
         for old in steps[:-self.keep] if self.keep > 0 else ():
             shutil.rmtree(old, ignore_errors=True)
@@ -239,6 +204,27 @@ def export_model(run_dir: Path, out: Path | None = None) -> Path:
     return out
 
 
+def load_language_model(run: Path, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """(the language model of a run's latest checkpoint, whatever layout wrote it, or of an exported file, in eval
+    mode on `device`; its tokenizer description), for `meshtrain sample`."""
+    if run.is_file():
+        try:
+            saved = torch.load(run, map_location="cpu", weights_only=True)
+            weights = saved["model"]
+        except Exception as e:
+            raise CheckpointError(f"{run} is not a model file written by `meshtrain export`: {e}") from e
+        model, facts = rebuild_model(saved)
+        model.load_state_dict(weights)
+    else:
+        checkpoint_dir = latest_checkpoint(run)
+        model, facts = rebuild_model(load_trainer_state(checkpoint_dir))
+        load_whole_model(model, checkpoint_dir)
+    if "meta" not in facts or not hasattr(model, "generate"):
+        raise CheckpointError(f"{run} holds a {type(model).__name__}, not a language model: `meshtrain "
+                              "sample` generates text only")
+    return model.to(device).eval(), facts["meta"]
+
+
 def rebuild_model(saved: dict[str, Any]):
     """(a one-process model of a saved run, the data facts it was built from), from a trainer state or an exported
     file: the model's registry spec builds it from the saved config, with dropout off."""
@@ -285,10 +271,3 @@ def _atomic_torch_save(path: Path, obj: Any) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.runtime import heartbeat
+from meshtrain.runtime.rundir import read_jsonl
 
 ENV = "MESHTRAIN_FAULT"
 
@@ -107,8 +108,6 @@ class Drill:
 def restart_cost(metrics: Path, resumed_at: int) -> tuple[int, float] | None:
     """(iterations the previous attempt did after the checkpoint at `resumed_at`, seconds since it last logged), or
     None when it logged nothing after that checkpoint (a resume after a clean stop)."""
-    from meshtrain.train.sinks import read_jsonl
-
     if not metrics.is_file():
         return None
     after = [row for row in read_jsonl(metrics) if row["step"] > resumed_at]

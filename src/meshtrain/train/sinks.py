@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from meshtrain.runtime import rundir
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.progress import OFF_VALUES
 from meshtrain.train.metrics import format_line
@@ -116,27 +117,6 @@ def _ends_with_newline(path: Path) -> bool:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a JSONL metrics file as the run's final history.
-
-    A line cut short by a kill is skipped. Where the steps go back (a run resumed from an earlier
-    checkpoint), the records from that step on that the first attempt wrote are dropped: they
-    belong to a history the checkpoint no longer has."""
-    records: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict) or "step" not in record:
-                continue
-            if records and record["step"] < records[-1]["step"]:
-                records = [r for r in records if r["step"] < record["step"]]
-            records.append(record)
-    return records
 
 
 class TensorBoardSink(MetricsSink):
@@ -269,7 +249,7 @@ def build_sinks(run_dir: str | os.PathLike, is_main: bool, tensorboard: bool = F
     if not is_main:
         return MultiSink()
     run_dir = Path(run_dir)
-    sinks: list[MetricsSink] = [ConsoleSink(), JsonlSink(run_dir / "metrics.jsonl")]
+    sinks: list[MetricsSink] = [ConsoleSink(), JsonlSink(run_dir / rundir.METRICS)]
     if tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard",
                                      purge_step=None if resume_step is None else resume_step + 1))

@@ -29,14 +29,11 @@ import torch
 
 from meshtrain import config as config_mod
 from meshtrain import machine, registry
-from meshtrain.errors import MeshtrainError
 from meshtrain.parallel import float8
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.report.runs import read_run, write_facts
-from meshtrain.runtime import heartbeat
+from meshtrain.runtime import heartbeat, rundir
 from meshtrain.runtime.device import synchronize
-from meshtrain.runtime.launch import PREEMPTED
 from meshtrain.runtime.log import get_logger, print_rich
 from meshtrain.runtime.progress import progress_bar
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
@@ -65,15 +62,30 @@ def train(cfg, info: DistInfo) -> TrainResult:
     return Trainer(cfg, info).run()
 
 
+def resolve_precision(cfg, info: DistInfo) -> tuple[object, machine.Precision | None]:
+    """cfg with train.dtype the one this run computes in (and, on rank 0, why), after the checks of what the
+    device can do. Rank 0 chooses for all: nodes of different kinds must still compute in one dtype."""
+    t, device = cfg.train, info.torch_device
+    if t.dtype == "fp16" and device.type != "cuda":
+        raise config_mod.ConfigError(f"train.dtype=fp16 needs a GPU (GradScaler); this rank runs on {device}: "
+                                     "use train.dtype=auto (or bf16, fp32)")
+    profiling.cuda_graphs_check(t.cuda_graphs, device)
+    float8.check(t.float8, device)
+    precision = machine.choose(t.dtype, device) if info.is_main else None
+    dtype = broadcast_object(precision and precision.dtype, "broadcast of the training dtype", info.timeout_s)
+    return replace(cfg, train=replace(t, dtype=dtype)), precision
+
+
 class Trainer:
     def __init__(self, cfg, info: DistInfo):
         self.info, self.device = info, info.torch_device
         self.spec = registry.spec_of(cfg)
-        if cfg.parallel.plan == "auto":  # rank 0 plans for every rank, in the dtype the run will compute in
-            cfg = self._planned(self._resolve_precision(cfg))
+        if cfg.parallel.plan == "auto":
+            raise config_mod.ConfigError("parallel.plan=auto is chosen before the Trainer is built: pass the config "
+                                         "through meshtrain.plan.measured.auto.resolve(cfg, info) (`meshtrain train` does)")
         # Every rule that needs the world size, before any collective: all ranks fail alike, at once.
         self.dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
-        self.cfg = self._resolve_precision(cfg)
+        self.cfg, self.precision = resolve_precision(cfg, info)
         self.resumed, self.checkpoint_dir = None, None
         self.run_dir = self._open_run_dir()
         try:
@@ -85,44 +97,9 @@ class Trainer:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
         if info.is_main and not self.resumed:  # only now is it the run `train.init_from=resume` should find
-            checkpoint.record_run(self.cfg.train.out_dir, self.spec.name, self.cfg.train.backend, self.run_dir)
+            rundir.record_run(self.cfg.train.out_dir, self.spec.name, self.cfg.train.backend, self.run_dir)
 
     # ---- set-up ------------------------------------------------------------------------------------------------
-    def _planned(self, cfg):
-        """parallel.plan=auto: the fastest layout that fits on this machine by `meshtrain plan`'s model, chosen by
-        rank 0 for every rank (the machine's figures are measured, and must not differ between ranks)."""
-        from meshtrain.plan import machines, search
-
-        info, layout = self.info, None
-        if info.is_main:
-            machine = machines.this_machine(info.local_world_size, str(self.device), self.spec.name)
-            try:
-                chosen = search.best(cfg, info.world_size // info.local_world_size, info.local_world_size, machine)
-            except MeshtrainError as e:  # every rank raises it, none waits for a layout that never comes
-                layout = {"error": str(e)}
-            else:
-                layout = search.layout_of(chosen)
-                log.info("parallel.plan=auto chose %s: predicted %.1f ms per step, %.3f GiB peak per rank (`meshtrain "
-                         "plan` lists the alternatives)", chosen.label, chosen.cost.step_s * 1e3,
-                         chosen.cost.peak_bytes / 2**30)
-        layout = broadcast_object(layout, "broadcast of the planned layout", info.timeout_s)
-        if "error" in layout:
-            raise config_mod.ConfigError(layout["error"])
-        return search.with_layout(cfg, layout)
-
-    def _resolve_precision(self, cfg):
-        t, device = cfg.train, self.device
-        if t.dtype == "fp16" and device.type != "cuda":
-            raise config_mod.ConfigError(f"train.dtype=fp16 needs a GPU (GradScaler); this rank runs on {device}: "
-                                         "use train.dtype=auto (or bf16, fp32)")
-        profiling.cuda_graphs_check(t.cuda_graphs, device)
-        float8.check(t.float8, device)
-        # Rank 0 chooses for all: nodes of different kinds must still compute in one dtype.
-        self.precision = machine.choose(t.dtype, device) if self.info.is_main else None
-        dtype = broadcast_object(self.precision and self.precision.dtype, "broadcast of the training dtype",
-                                 self.info.timeout_s)
-        return replace(cfg, train=replace(t, dtype=dtype))
-
     def _open_run_dir(self) -> Path:
         """The run to resume (its saved architecture replaces cfg.model), or a new run directory; init_from=auto
         becomes resume where the run (train.run_dir, else the latest) has a checkpoint, else scratch."""
@@ -135,12 +112,12 @@ class Trainer:
             if info.is_main:
                 log.info("train.init_from=auto: %s", f"resuming {found}" if found else "no checkpoint yet, from scratch")
         if t.init_from == "resume":
-            run_dir = Path(t.run_dir) if t.run_dir else checkpoint.latest_run(t.out_dir, name, t.backend)
+            run_dir = Path(t.run_dir) if t.run_dir else rundir.latest_run(t.out_dir, name, t.backend)
             self.checkpoint_dir = checkpoint.latest_checkpoint(run_dir)
             self.resumed = checkpoint.load_trainer_state(self.checkpoint_dir)
             self.cfg = replace(self.cfg, model=config_mod.from_dict(self.resumed["config"], name).model)
             return run_dir
-        run_dir = checkpoint.new_run_dir(t.out_dir, name, t.backend) if info.is_main else None
+        run_dir = rundir.new_run_dir(t.out_dir, name, t.backend) if info.is_main else None
         return Path(broadcast_object(str(run_dir) if run_dir else None, "broadcast of the run directory",
                                      info.timeout_s))
 
@@ -186,7 +163,7 @@ class Trainer:
             log.warning("checkpoint was written under %s, this run is %s: data and RNG streams restart from the "
                         "seed (the model and optimizer state carry over exactly; the run is not bit-exact)",
                         resumed.get("layout"), _describe(dims))
-        cost = faults.restart_cost(self.run_dir / "metrics.jsonl", resumed["iteration"]) if self.info.is_main else None
+        cost = faults.restart_cost(self.run_dir / rundir.METRICS, resumed["iteration"]) if self.info.is_main else None
         if cost:
             log.info("restart: the previous attempt had done %d iteration(s) past this checkpoint, to be done again, "
                      "and last logged %.1f s ago", *cost)
@@ -222,7 +199,7 @@ class Trainer:
         cfg, dims, workload = self.cfg, self.dims, self.workload
         t, o = cfg.train, cfg.optimizer
         peak = self.recorder.mfu_meter.peak
-        (self.run_dir / "config.yaml").write_text(config_mod.to_yaml(cfg))
+        (self.run_dir / rundir.CONFIG).write_text(config_mod.to_yaml(cfg))
         log.info("resolved config:\n%s", config_mod.to_yaml(cfg).rstrip())
         log.info("run directory: %s%s", self.run_dir,
                  f" (resuming at iteration {self.start_iter})" if self.resumed else "")
@@ -269,26 +246,12 @@ class Trainer:
         self.checkpointer.wait()
         self.batches.close()  # loader workers
         self.sinks.close()
-        if self.info.is_main:
-            self._summarise()
         if stopping.reason == "signal":
             result.preempted = True
             log.warning("stopped by a signal (%s) after iteration %d, with a checkpoint: exiting with %d so that a job "
                         "script can re-queue; train.init_from=auto continues from here",
-                        f"{stopping.received} on this rank" if stopping.received else "on another rank", it, PREEMPTED)
+                        f"{stopping.received} on this rank" if stopping.received else "on another rank", it, rundir.PREEMPTED)
         return result
-
-    def _summarise(self) -> None:
-        """The run's totals and text plots of its loss and throughput; its report page with train.report=true."""
-        from meshtrain.report.page import write_report
-        from meshtrain.report.summary import summary
-
-        run = read_run(self.run_dir)
-        if self.cfg.train.report:
-            report = str(write_report([run], self.run_dir / "report"))
-        else:
-            report = f"meshtrain report {self.run_dir} (or train.report=true) writes it"
-        log.info("%s", summary(run, report))
 
     def step(self, it: int) -> None:
         """Iteration `it`: its micro-steps, the optimizer step, and its log line if it is a logged one."""
@@ -386,7 +349,7 @@ class Trainer:
                     f"{_mib(h['optimizer'])}" for r, h in enumerate(held)]
             log.info("what each rank holds after its first step (%s):\n%s", self.cfg.train.backend, "\n".join(rows))
             layout = f"{self.cfg.train.backend} over {info.world_size} rank(s) ({_describe(self.dims)})"
-            write_facts(self.run_dir, {"model": self.spec.name, "layout": layout, "holds": held,
+            rundir.write_facts(self.run_dir, {"model": self.spec.name, "layout": layout, "holds": held,
                                        "environment": asdict(info)})  # for `meshtrain report`
 
 

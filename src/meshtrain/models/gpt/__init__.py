@@ -9,24 +9,18 @@ The workload (token windows, evaluation, samples) is every language model's: mod
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import MappingProxyType
 
+from meshtrain.models import model_spec
 from meshtrain.models.gpt.config import GPTRunConfig, validate
 from meshtrain.nn.transformer import block_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
-from meshtrain.registry import ModelShape, ModelSpec
+from meshtrain.registry import ModelShape
 
 # Split by pipeline stages, lm_head keeps its own copy of the tied embedding; a checkpoint from any layout has the
 # embedding's optimizer state, which the copy's equals (see parallel.state_dict).
 SPLIT = StageSplit(blocks="transformer.h", first=("transformer.wte", "transformer.wpe", "transformer.drop"),
                    last=("transformer.ln_f", "lm_head"), tied=("lm_head.weight", "transformer.wte.weight"))
-
-
-def _data_facts(cfg) -> dict:
-    from meshtrain.models.language.workload import text_data_facts
-
-    return text_data_facts(cfg)
 
 
 def _workload(cfg, info, dims):
@@ -63,17 +57,7 @@ def build_model(cfg: GPTRunConfig, data_facts: dict):
                          n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, activation=m.activation))
 
 
-SPEC = ModelSpec(
-    name="gpt",
-    summary="a GPT language model on text (Shakespeare char-level or GPT-2 BPE, or your own)",
-    run_config=GPTRunConfig,
-    presets=Path(__file__).parent / "presets",
-    data_key="data.name",
-    workload=_workload,
-    shape=_shape,
-    validate=validate,
-    build_model=build_model,
-    text=True,
-    stage_split=SPLIT,
-    data_facts=_data_facts,
-)
+SPEC = model_spec(__file__, language_model=True, name="gpt",
+                  summary="a GPT language model on text (Shakespeare char-level or GPT-2 BPE, or your own)",
+                  run_config=GPTRunConfig, workload=_workload, shape=_shape, validate=validate, build_model=build_model,
+                  stage_split=SPLIT)

@@ -11,14 +11,14 @@ from meshtrain.models.language import TextDataSection, TextTrainSection, validat
 
 @dataclass
 class ModelSection:  # models/gpt/model.py GPTConfig; the vocabulary comes from the data
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads (n_embd / n_head channels each)
+    n_embd: int = 128  # each token's channels
+    block_size: int = 64  # tokens per sequence: the context, and the position table's length
     batch_size: int = 12  # sequences per micro-step per data-parallel rank
-    dropout: float = 0.0
-    bias: bool = False
-    activation: str = "gelu"
+    dropout: float = 0.0  # on the embeddings, attention weights and both residual branches
+    bias: bool = False  # biases in the linears and layer norms (GPT-2 has them)
+    activation: str = "gelu"  # the MLP's: gelu | gelu_tanh (GPT-2's) | relu | silu (nn/transformer.py ACTIVATIONS)
 
 
 @dataclass

@@ -16,11 +16,11 @@ class TextDataSection:
 
 
 @dataclass
-class TextTrainSection(TrainSection):
-    prompt: str = "What is an LLM?"
-    sample_tokens: int = 200
-    temperature: float = 0.8
-    top_k: int | None = 200
+class TextTrainSection(TrainSection):  # the sample written after each evaluation (sampling.py)
+    prompt: str = "What is an LLM?"  # the text it continues
+    sample_tokens: int = 200  # tokens it generates
+    temperature: float = 0.8  # the logits are divided by it before sampling; 0: greedy
+    top_k: int | None = 200  # sample among the k likeliest tokens only; null: among all
 
 
 def validate_text_training(cfg) -> None:

@@ -10,12 +10,12 @@ Added to meshtrain by this folder and one line in registry.BUILT_IN: the proof t
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import MappingProxyType
 
+from meshtrain.models import model_spec
 from meshtrain.models.llama.config import LlamaRunConfig, ffn_hidden, validate
 from meshtrain.parallel.pipeline_schedules import StageSplit
-from meshtrain.registry import ModelShape, ModelSpec
+from meshtrain.registry import ModelShape
 
 # The output head is its own matrix: nothing tied across the first and last stages.
 SPLIT = StageSplit(blocks="transformer.h", first=("transformer.wte", "transformer.drop"),
@@ -48,12 +48,6 @@ def build_model(cfg: LlamaRunConfig, data_facts: dict):
                              rope_theta=m.rope_theta, dropout=m.dropout))
 
 
-def _data_facts(cfg) -> dict:
-    from meshtrain.models.language.workload import text_data_facts
-
-    return text_data_facts(cfg)
-
-
 def _workload(cfg, info, dims):
     from meshtrain.models.language.workload import LanguageModelWorkload
     from meshtrain.models.llama.parallelize import build_llama_layout
@@ -61,17 +55,7 @@ def _workload(cfg, info, dims):
     return LanguageModelWorkload(cfg, info, dims, build_model=build_model, build_layout=build_llama_layout)
 
 
-SPEC = ModelSpec(
-    name="llama",
-    summary="a Llama-style decoder on text (GPT-2 BPE Shakespeare by default)",
-    run_config=LlamaRunConfig,
-    presets=Path(__file__).parent / "presets",
-    data_key="data.name",
-    workload=_workload,
-    shape=_shape,
-    validate=validate,
-    build_model=build_model,
-    text=True,
-    stage_split=SPLIT,
-    data_facts=_data_facts,
-)
+SPEC = model_spec(__file__, language_model=True, name="llama",
+                  summary="a Llama-style decoder on text (GPT-2 BPE Shakespeare by default)",
+                  run_config=LlamaRunConfig, workload=_workload, shape=_shape, validate=validate,
+                  build_model=build_model, stage_split=SPLIT)

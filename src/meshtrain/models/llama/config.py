@@ -11,15 +11,15 @@ from meshtrain.models.language import TextDataSection, TextTrainSection, validat
 
 @dataclass
 class LlamaModelSection:  # model.py LlamaConfig; the vocabulary comes from the data
-    n_layer: int = 4
-    n_head: int = 4
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # query heads (n_embd / n_head channels each, an even number for the rotary embedding)
     n_kv_head: int = 2  # grouped-query attention: n_head / n_kv_head query heads per key/value head
-    n_embd: int = 128
-    ffn_hidden: int | None = None  # null: 8/3 × n_embd rounded up to a multiple of 64
-    block_size: int = 64
+    n_embd: int = 128  # each token's channels
+    ffn_hidden: int | None = None  # the SwiGLU's hidden width; null: 8/3 × n_embd rounded up to a multiple of 64
+    block_size: int = 64  # tokens per sequence (the context)
     batch_size: int = 12  # sequences per micro-step per data-parallel rank
-    rope_theta: float = 10000.0
-    dropout: float = 0.0
+    rope_theta: float = 10000.0  # the rotary embedding's base: its longest wavelength grows with it
+    dropout: float = 0.0  # on the embeddings, attention weights and both residual branches
 
 
 @dataclass

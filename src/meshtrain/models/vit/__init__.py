@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from types import MappingProxyType
 
+from meshtrain.models import model_spec
 from meshtrain.models.vit.config import ViTRunConfig, validate
 from meshtrain.nn.transformer import block_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
-from meshtrain.registry import ModelShape, ModelSpec
+from meshtrain.registry import ModelShape
 
 # No pipeline plan (parallelisms below): the split only says where the blocks and ends are, for the planner.
 SPLIT = StageSplit(blocks="blocks", first=("patch_embed",), last=("norm", "head"))
@@ -69,18 +70,10 @@ def build_model(cfg: ViTRunConfig, data_facts: dict):
                          mlp_ratio=m.mlp_ratio, dropout=m.dropout, drop_path=m.drop_path, loss=m.loss))
 
 
-SPEC = ModelSpec(
-    name="vit",
-    summary="NERSC's ViT weather forecaster on ERA5-format fields",
-    run_config=ViTRunConfig,
-    presets=Path(__file__).parent / "presets",
-    data_key="data.root",
-    workload=_workload,
-    shape=_shape,
-    validate=validate,
-    build_model=build_model,
-    stage_split=SPLIT,
-    data_facts=_data_facts,
+SPEC = model_spec(
+    __file__, name="vit", summary="NERSC's ViT weather forecaster on ERA5-format fields", run_config=ViTRunConfig,
+    data_key="data.root", workload=_workload, shape=_shape, validate=validate, build_model=build_model,
+    stage_split=SPLIT, data_facts=_data_facts,
     legend=MappingProxyType({
         "val_rmse_u10": "RMSE of the u10 forecast in m/s, per sample over the grid, mean over the validation set",
         "persistence_rmse_u10": "the same RMSE for the persistence forecast (forecast = input): the score to beat",

@@ -4,20 +4,31 @@ model shares (optimizer, train, parallel) are meshtrain.config's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated, Literal, get_args
 
-from meshtrain.config import ConfigError, OptimizerSection, ParallelSection, TrainSection, check_positive
+from meshtrain.config import (
+    ConfigError,
+    InitFrom,
+    OptimizerSection,
+    ParallelSection,
+    TrainSection,
+    check_positive,
+)
+
+Loss = Literal["mse", "relative_l2"]  # model.py's LOSSES
+Loader = Literal["pytorch", "dali"]  # data/era5_batches.py, data/era5_dali.py
 
 
 @dataclass
 class ViTModelSection:  # models/vit/model.py ViTConfig; img_size and channels come from the data
-    patch_size: int = 8
-    embed_dim: int = 384
-    depth: int = 12
-    num_heads: int = 8
-    mlp_ratio: float = 4.0
-    dropout: float = 0.0
-    drop_path: float = 0.0
-    loss: str = "mse"  # mse | relative_l2 (FourCastNet's; not with context parallel)
+    patch_size: int = 8  # pixels per side of a square patch (a token); data.crop's sides must be multiples
+    embed_dim: int = 384  # each token's channels
+    depth: int = 12  # transformer blocks
+    num_heads: int = 8  # attention heads (embed_dim / num_heads channels each)
+    mlp_ratio: float = 4.0  # the MLP's hidden width, as a multiple of embed_dim
+    dropout: float = 0.0  # after the position embedding, on attention weights and on both residual branches
+    drop_path: float = 0.0  # stochastic depth, rising linearly from 0 in the first block to this in the last
+    loss: Annotated[str, Loss] = "mse"  # mse | relative_l2 (FourCastNet's; not with context parallel)
 
 
 @dataclass
@@ -26,15 +37,15 @@ class ERA5DataSection:  # data/era5.py
     dt: int = 1  # forecast step, in time steps of the files
     crop: list[int] | None = field(default_factory=lambda: [360, 720])  # top-left rows x columns; null: whole grid
     channels: list[str] | None = None  # null: all; the first is the one RMSE is reported for (u10)
-    limit_train: int | None = None  # NERSC's short: 512
-    limit_valid: int | None = None  # NERSC's short: 128
+    limit_train: int | None = None  # the first N training samples only (NERSC's short: 512); null: all
+    limit_valid: int | None = None  # the first N validation samples only (NERSC's short: 128); null: all
     batch_size: int = 16  # samples per micro-step per data-parallel rank
     global_batch_size: int | None = None  # if set, batch_size = global / (data-parallel ranks x grad_accum)
-    loader: str = "pytorch"  # pytorch (DataLoader) | dali (NVIDIA DALI pipeline, the [dali] extra)
+    loader: Annotated[str, Loader] = "pytorch"  # pytorch (DataLoader) | dali (NVIDIA DALI pipeline, the [dali] extra)
     num_workers: int = 0  # loader worker processes per rank (NERSC's num_data_workers)
-    pin_memory: bool | None = None  # null: on a GPU
-    persistent_workers: bool = True
-    prefetch_factor: int = 2
+    pin_memory: bool | None = None  # page-locked batches for faster copies to the device; null: on a GPU
+    persistent_workers: bool = True  # pytorch: the DataLoader keeps its workers between epochs
+    prefetch_factor: int = 2  # batches each worker loads ahead (dali: the pipeline's queue depth)
 
 
 @dataclass
@@ -56,19 +67,15 @@ def validate(cfg: ViTRunConfig) -> None:
     if m.embed_dim % m.num_heads:
         raise ConfigError(f"model.embed_dim={m.embed_dim} is not divisible by model.num_heads={m.num_heads}: "
                           "each head gets embed_dim / num_heads channels")
-    if m.loss not in ("mse", "relative_l2"):
-        raise ConfigError(f"model.loss={m.loss!r}: choose mse or relative_l2")
     if not 0 <= m.drop_path < 1:
         raise ConfigError(f"model.drop_path={m.drop_path}: must be in [0, 1)")
     if d.crop is not None and (len(d.crop) != 2 or min(d.crop) < 1 or any(c % m.patch_size for c in d.crop)):
         raise ConfigError(f"data.crop={d.crop}: give [rows, columns], both multiples of model.patch_size="
                           f"{m.patch_size} (e.g. [360, 720] for ERA5 at 0.5 degrees, [80, 160] for the synthetic "
                           "90x180 grid)")
-    if d.loader not in ("pytorch", "dali"):
-        raise ConfigError(f"data.loader={d.loader!r}: choose pytorch or dali")
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers={d.num_workers}: 0 reads in the training process, N > 0 in N workers")
-    if t.init_from not in ("scratch", "resume", "auto"):
+    if t.init_from not in get_args(InitFrom):
         raise ConfigError(f"train.init_from={t.init_from!r}: the ViT starts from scratch, resumes its latest run, "
                           "or (auto) resumes it where it has a checkpoint")
     if p.cp > 1 and m.loss != "mse":

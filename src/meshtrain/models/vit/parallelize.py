@@ -68,15 +68,14 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from meshtrain.models.vit.model import ViT, mse_loss
-from meshtrain.parallel.checkpointing import apply_activation_checkpointing
+from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
 from meshtrain.parallel.context_parallel import (
     ContextParallelError,
     _as_group,
-    apply_context_parallel,
     unwrap,
 )
 from meshtrain.parallel.data_parallel import gradient_sync
-from meshtrain.parallel.layout import Layout, wrap_data_parallel
+from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import MeshError, ParallelDims, submesh
 from meshtrain.parallel.tensor_parallel import (
     block_plan,
@@ -123,17 +122,15 @@ class ViTLayout(Layout):
 def build_vit_layout(model: ViT, cfg, dims: ParallelDims, mesh, device: torch.device, rank: int) -> ViTLayout:
     """Apply cfg.parallel and cfg.train's layout options to `model` (built identically on every rank) on `mesh`
     (the trainer's DeviceMesh, None on one process). The layout was checked by ParallelDims.from_config."""
-    p, t = cfg.parallel, cfg.train
+    p, recipe = cfg.parallel, Recipe.of(cfg)
     layout = ViTLayout(model=model, dims=dims, mesh=mesh, rank=rank, vit=model)
-    if dims.tp > 1:
-        apply_vit_tensor_parallel(model, submesh(mesh, "tp"), sequence_parallel=p.sequence_parallel)
+    apply_model_parallelism([model], "blocks", recipe, dims, mesh, num_heads=model.config.num_heads,
+                            tensor_parallel=lambda vit, tp_mesh: apply_vit_tensor_parallel(
+                                vit, tp_mesh, sequence_parallel=p.sequence_parallel))
     if dims.cp > 1:
-        cp_mesh = submesh(mesh, "cp")
-        apply_context_parallel(model.blocks.values(), cp_mesh, p.cp_impl, model.config.num_heads)
         layout.token_band = shard_tokens(model.config.num_patches, dims.coords(rank)["cp"], dims.cp, device)
-        layout.cp_group = cp_mesh.get_group()
-    apply_activation_checkpointing(model.blocks, t.activation_checkpointing, t.ac_every)
-    layout.parts = wrap_data_parallel([model], lambda part: part.blocks.values(), cfg, dims, mesh, device)
+        layout.cp_group = submesh(mesh, "cp").get_group()
+    layout.parts = wrap_data_parallel([model], "blocks", recipe, dims, mesh, device)
     layout.runnable = layout.parts[0]
     return layout
 

@@ -21,23 +21,22 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from meshtrain.plan import measure
+from meshtrain import config as config_mod
+from meshtrain.data.text import prepare
+from meshtrain.machine import profile
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan.cost import predict
+from meshtrain.plan.measured import measure
+from meshtrain.plan.measured.fixed_costs import TINY, cached, cached_slowdown, calibrated_as, key
+from meshtrain.plan.measured.this_machine import this_machine
+from meshtrain.plan.workload import ModelFacts
+from meshtrain.runtime.device import pick_device
 from meshtrain.runtime.results import run_ranks
 
 DEPTHS = (4, 8)
-MODEL_VERSION = 5  # what the fixed costs are measured beyond: a new cost model invalidates the cached ones
-# The tiny model of each workload (the GPT's serves models without their own): next to no arithmetic, its blocks at
-# two depths. The ViT's differs from the GPT's beyond its blocks (a field-sized head and loss, all tokens gathered
-# before the head under context parallelism), so it is calibrated on its own.
-TINY = {
-    "gpt": ["model.n_embd=32", "model.n_head=2", "model.block_size=16", "model.batch_size=4", "model.dropout=0.0",
-            "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null"],
-    "vit": ["model.embed_dim=32", "model.num_heads=2", "model.patch_size=16", "data.crop=[80,160]",
-            "data.global_batch_size=8", "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1",
-            "parallel.microbatches=null"],
-}
 DEPTH_KEY = {"gpt": "model.n_layer", "vit": "model.depth"}
 # Mostly arithmetic, for the slowdown of ranks sharing cores; neither the tiny models' size nor a scored one.
 COMPUTE = ["model.n_embd=192", "model.n_head=4", "model.block_size=48", "model.batch_size=8", "model.n_layer=4",
@@ -61,49 +60,11 @@ KINDS = {  # kind -> (layout overrides on the tiny model, the kind it is measure
 }
 
 
-def calibrated_as(model: str) -> str:
-    """The tiny model whose fixed costs `model` uses."""
-    return model if model in TINY else "gpt"
-
-
-def kinds_of(cfg, dims) -> list[str]:
-    """The kinds whose fixed costs a layout pays."""
-    p, t = cfg.parallel, cfg.train
-    kinds = [f"backend:{t.backend}"]
-    if dims.tp > 1:
-        kinds.append("tp")
-    if dims.cp > 1:
-        kinds.append(f"cp:{p.cp_impl}")
-    if dims.pp > 1:
-        kinds.append(f"pp:{p.pp_schedule}")
-    return kinds
-
-
-def _key(ranks: int, model: str) -> str:
-    import torch
-
-    from meshtrain.machine import profile
-    from meshtrain.machine.hardware import describe
-    from meshtrain.runtime.device import pick_device, threads_per_rank
-
-    device = pick_device(0)
-    threads = threads_per_rank(ranks) if device.type == "cpu" else 0
-    return f"{profile.profile_key(describe(device), threads)}|ranks={ranks}|torch={torch.__version__}|model={MODEL_VERSION}|{calibrated_as(model)}"
-
-
-def cached(ranks: int, model: str) -> dict[str, list[float]]:
-    from meshtrain.machine import profile
-
-    return profile.read_cache().get("plan_fixed", {}).get(_key(ranks, model), {})
-
-
 def calibrate(ranks: int, kinds: list[str], model: str = "gpt", data_root: str | None = None,
               progress=print) -> dict[str, list[float]]:
     """[seconds per block and micro-step, seconds per step] of each kind on `ranks` ranks for `model`, measuring
     those not cached (and the kinds they are measured against), and the slowdown of ranks sharing cores. The GPT
     prepares its own data; the ViT reads `data_root` (its prepared ERA5)."""
-    from meshtrain.runtime.device import pick_device
-
     # first: the fixed costs are what is left beyond the slowed arithmetic (only a CPU's ranks share cores)
     if pick_device(0).type == "cpu" and cached_slowdown(ranks) is None:
         _measure_slowdown(ranks, progress)
@@ -116,22 +77,12 @@ def calibrate(ranks: int, kinds: list[str], model: str = "gpt", data_root: str |
     return known
 
 
-def cached_slowdown(ranks: int) -> float | None:
-    from meshtrain.machine import profile
-
-    return profile.read_cache().get("plan_slowdown", {}).get(_key(ranks, "gpt"))
-
-
 def _measure_kinds(ranks: int, tiny: str, missing: list[str], data_root: str | None, known: dict,
                    progress) -> dict[str, list[float]]:
-    from meshtrain.machine import profile
-
     if tiny != "gpt" and data_root is None:
         raise ValueError(f"calibrating the {tiny} needs its data: pass data_root")
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
         if tiny == "gpt":
-            from meshtrain.data.text import prepare
-
             prepare("shakespeare_char", Path(root))
         times = {}
         for kind in missing:
@@ -150,7 +101,7 @@ def _measure_kinds(ranks: int, tiny: str, missing: list[str], data_root: str | N
             base_block, base_step = known.get(base) or _absolute(times[base])
             per_block, per_step = per_block - base_block, per_step - base_step
         known[kind] = [per_block, per_step]
-    profile.remember("plan_fixed", _key(ranks, tiny), known)
+    profile.remember("plan_fixed", key(ranks, tiny), known)
     return known
 
 
@@ -158,16 +109,6 @@ def _measure_slowdown(ranks: int, progress) -> float:
     """How many times slower than alone a rank computes while the others do, in training: the mid-size GPT
     (COMPUTE, mostly arithmetic) under ddp, its measured step against the model's, whose step time is linear in
     the slowdown (a × slowdown + b, b: its bytes and ddp's fixed costs)."""
-    from dataclasses import replace
-
-    from meshtrain import config as config_mod
-    from meshtrain.data.text import prepare
-    from meshtrain.machine import profile
-    from meshtrain.parallel.mesh import ParallelDims
-    from meshtrain.plan.cost import predict
-    from meshtrain.plan.machines import this_machine
-    from meshtrain.plan.workload import ModelFacts
-
     ddp = cached(ranks, "gpt").get("backend:ddp") or _measure_kinds(
         ranks, "gpt", ["backend:ddp"], None, cached(ranks, "gpt"), progress)["backend:ddp"]
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
@@ -182,7 +123,7 @@ def _measure_slowdown(ranks: int, progress) -> float:
     slowdown = max(1.0, (measured - (2 * one - two)) / (two - one))
     progress(f"ranks sharing cores: {ranks} ranks compute {slowdown:.2f}× slower than one alone (a GPT of "
              f"{facts.num_params / 1e6:.1f}M parameters under ddp: {measured * 1e3:.1f} ms a step)")
-    profile.remember("plan_slowdown", _key(ranks, "gpt"), slowdown)
+    profile.remember("plan_slowdown", key(ranks, "gpt"), slowdown)
     return slowdown
 
 
@@ -193,14 +134,6 @@ def _absolute(times: list[float]) -> list[float]:
 
 def _modelled_s(ranks: int, model: str, overrides: list[str]) -> float:
     """The step time the cost model gives this run without fixed costs: its arithmetic, its bytes, its bubble."""
-    from dataclasses import replace
-
-    from meshtrain import config as config_mod
-    from meshtrain.parallel.mesh import ParallelDims
-    from meshtrain.plan.cost import predict
-    from meshtrain.plan.machines import this_machine
-    from meshtrain.plan.workload import ModelFacts
-
     cfg = config_mod.load_config(overrides, model)
     dims = ParallelDims.from_config(cfg, ranks)
     machine = replace(this_machine(ranks, model=model), fixed=dict.fromkeys(KINDS, [0.0, 0.0]))

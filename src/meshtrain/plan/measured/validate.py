@@ -1,4 +1,4 @@
-"""Predictions against measurements: each layout run for a few steps on this machine (plan/measure.py under
+"""Predictions against measurements: each layout run for a few steps on this machine (plan/measured/measure.py under
 torchrun, one job per layout), its figures set beside what plan/cost.py predicted for it, with the errors
 `plan --validate` reports:
 
@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.plan import measure
+from meshtrain.plan.measured import measure
 from meshtrain.plan.search import Candidate
 from meshtrain.runtime.results import run_ranks
 

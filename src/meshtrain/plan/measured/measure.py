@@ -8,7 +8,7 @@ exactly as `train` does (the Trainer, in a scratch directory), steps it, and rec
     step_s                     the median wall time of a step, timed without the counting, from its batches in
                                hand (data loading is not part of what the planner predicts)
 
-    python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measure gpt preset=cpu train.backend=fsdp
+    python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measured.measure gpt preset=cpu train.backend=fsdp
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.runtime import distributed
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.results import record
+from meshtrain.train.trainer import Trainer
 
 
 class TensorBytes(TorchDispatchMode):
@@ -120,8 +121,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def measure(cfg, info, warmup: int, steps: int) -> dict:
     """Build the run as `train` would, step it `warmup` times, then measure one step's peak and `steps` steps' time."""
-    from meshtrain.train.trainer import Trainer
-
     device = info.torch_device
     tracker = TensorBytes() if device.type == "cpu" else None
     with tracker or contextlib.nullcontext():

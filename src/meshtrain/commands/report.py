@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshtrain.report.page import write_report
-from meshtrain.report.runs import ReportError, read_run
 from meshtrain.runtime.log import get_logger
 
 log = get_logger("report")
@@ -19,6 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: matplotlib, which `meshtrain report --help` does without.
+    from meshtrain.report.page import write_report
+    from meshtrain.report.runs import ReportError, read_run
+
     try:
         runs = [read_run(path) for path in args.runs]
     except ReportError as e:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshtrain.train import checkpoint
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, type=Path, help="a run directory")
@@ -15,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshtrain.train import checkpoint  # torch: not for `meshtrain export --help`
+
     out = checkpoint.export_model(args.run, args.out)
     print(f"wrote {out}: sample from it with `meshtrain sample --run {out}`")
     return 0

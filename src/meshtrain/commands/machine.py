@@ -13,16 +13,10 @@ sequence length (`meshtrain plan --system this` reads them).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
 
-import torch
-
-from meshtrain.machine import datasheet, profile
-from meshtrain.machine.hardware import Hardware, describe
-from meshtrain.machine.precision import auto_dtype
 from meshtrain.runtime.log import configure_logging, get_logger, print_rich
 
 log = get_logger("machine")
@@ -41,43 +35,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of tables")
 
 
-def dtypes_for(hw: Hardware) -> list[str]:
-    """The matmul dtypes worth a figure on this device: tf32 only where fp32 can run on tensor cores."""
-    labels = ["fp32", "tf32", "bf16", "fp16"] if hw.kind == "cuda" and hw.bf16 else ["fp32", "bf16", "fp16"]
-    return labels if hw.kind != "mps" or hw.bf16 else ["fp32", "fp16"]
-
-
-def collect(device: torch.device, refresh: bool = False) -> dict:
-    """The profile of `device` at this process's thread count, measuring what the cache lacks."""
-    hw = describe(device)
-    entry = datasheet.match_device(hw.name) if hw.kind != "cpu" else None
-    matmul = {}
-    for label in dtypes_for(hw):
-        peak = profile.datasheet_peak(device, label)
-        matmul[label] = {"measured": profile.measured(device, label, refresh=refresh),
-                         "datasheet": peak.flops if peak else None}
-    auto = auto_dtype(hw)
-    data = profile.read_cache()
-    collectives = {key: value for key, value in data.get("collectives", {}).items()
-                   if key.split("|")[1:3] == [hw.kind, hw.name]}
-    p = {"key": profile.profile_key(hw, profile.threads_of(device)),
-         "hardware": dataclasses.asdict(hw),
-         "datasheet": entry.name if entry else None, "auto_dtype": {"dtype": auto.dtype, "reason": auto.reason},
-         "matmul": matmul, "memory": profile.measured(device, "memory", refresh=refresh),
-         "collectives": collectives, "cache": str(profile.cache_path())}
-    if hw.kind == "cuda":
-        p["curves"] = profile.curves(device, refresh=refresh)
-    return p
-
-
 def _gib(n: int | None) -> str:
     return "—" if not n else f"{n / 2**30:.1f} GiB"
 
 
 def tables(p: dict) -> list:
-    from rich.table import Table
+    """The profile `survey.collect` returns, as rich tables: the device, matmul peaks, the planner's rates by shape
+    (CUDA), and one table per recorded set-up of collectives."""
+    out = [_device_table(p), _peaks_table(p)]
+    if "curves" in p:
+        out.append(_rates_table(p))
+    return out + _collectives_tables(p)
 
-    from meshtrain.runtime.collectives import human_bytes
+
+def _device_table(p: dict):
+    import torch
+    from rich.table import Table
 
     hw, mem = p["hardware"], p["memory"]
     head = Table(title=f"machine profile: {hw['name']} ({hw['kind']})", title_justify="left", show_header=False)
@@ -97,6 +70,13 @@ def tables(p: dict) -> list:
     if p["datasheet"]:
         head.add_row("datasheet", p["datasheet"])
     head.add_row("cache", p["cache"])
+    return head
+
+
+def _peaks_table(p: dict):
+    from rich.table import Table
+
+    from meshtrain.machine.profile import format_flops
 
     peaks = Table(title="matmul peak per dtype (best of several timings; MFU uses the datasheet figure where "
                         "there is one; others' cores: what other processes used meanwhile)", title_justify="left")
@@ -105,22 +85,35 @@ def tables(p: dict) -> list:
     fp32 = p["matmul"]["fp32"]["measured"]["flops"]
     for label, figures in p["matmul"].items():
         m = figures["measured"]
-        peaks.add_row(label, profile.format_flops(m["flops"]), f"{m['flops'] / fp32:.3g}",
-                      profile.format_flops(figures["datasheet"]) if figures["datasheet"] else "—", f"{m['n']}²",
+        peaks.add_row(label, format_flops(m["flops"]), f"{m['flops'] / fp32:.3g}",
+                      format_flops(figures["datasheet"]) if figures["datasheet"] else "—", f"{m['n']}²",
                       f"{m['spread']:.0%}", m["measured"],
                       f"{m.get('others_cores', '?')}{' (busy)' if m.get('busy') else ''}")
-    out = [head, peaks]
-    if "curves" in p:
-        rates = Table(title=f"rates by shape for the planner (measured {p['curves']['measured']})",
-                      title_justify="left")
-        for column in ("kernel", "dtype", "shapes", "lowest", "highest", "at"):
-            rates.add_column(column, justify="left" if column in ("kernel", "dtype", "at") else "right")
-        for kernel, what in (("gemm", "m × k × n"), ("sdpa", "T, head_dim, causal")):
-            for label, rows in p["curves"][kernel].items():
-                best = max(rows, key=lambda row: row[-1])
-                rates.add_row(kernel, label, str(len(rows)), profile.format_flops(min(row[-1] for row in rows)),
-                              profile.format_flops(best[-1]), f"{what} = {', '.join(map(str, best[:-1]))}")
-        out.append(rates)
+    return peaks
+
+
+def _rates_table(p: dict):
+    from rich.table import Table
+
+    from meshtrain.machine.profile import format_flops
+
+    rates = Table(title=f"rates by shape for the planner (measured {p['curves']['measured']})", title_justify="left")
+    for column in ("kernel", "dtype", "shapes", "lowest", "highest", "at"):
+        rates.add_column(column, justify="left" if column in ("kernel", "dtype", "at") else "right")
+    for kernel, what in (("gemm", "m × k × n"), ("sdpa", "T, head_dim, causal")):
+        for label, rows in p["curves"][kernel].items():
+            best = max(rows, key=lambda row: row[-1])
+            rates.add_row(kernel, label, str(len(rows)), format_flops(min(row[-1] for row in rows)),
+                          format_flops(best[-1]), f"{what} = {', '.join(map(str, best[:-1]))}")
+    return rates
+
+
+def _collectives_tables(p: dict) -> list:
+    from rich.table import Table
+
+    from meshtrain.runtime.collectives import human_bytes
+
+    out = []
     for key, entry in p["collectives"].items():
         table = Table(title=f"collectives {key} (measured {entry['measured']})", title_justify="left")
         for column in ("op", "latency (us)", "peak busbw (GB/s)", "at size"):
@@ -133,6 +126,10 @@ def tables(p: dict) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: the measuring modules, which `meshtrain machine --help` does without.
+    import torch
+
+    from meshtrain.machine.survey import collect
     from meshtrain.runtime.device import pick_device
 
     device = pick_device(0, args.device)
@@ -141,15 +138,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.ranks:
-        from meshtrain.runtime.launch import build_command
-
-        argv = build_command(["python", "-m", "meshtrain", "collectives", "--bench", "--record",
-                              "--max-bytes", args.max_bytes], nproc=args.ranks)
-        log.info("collective bandwidth on %d ranks: %s", args.ranks, " ".join(argv))
-        done = subprocess.run(argv, stdout=sys.stderr if args.json else None)
-        if done.returncode:
-            log.error("the collectives bench failed (exit %d); the profile below has no new collective figures",
-                      done.returncode)
+        _bench_collectives(args.ranks, args.max_bytes, quiet=args.json)
     p = collect(device, refresh=args.refresh)
     if args.json:
         print(json.dumps(p, indent=1, sort_keys=True))
@@ -157,3 +146,17 @@ def run(args: argparse.Namespace) -> int:
         for table in tables(p):
             print_rich(table)
     return 0
+
+
+def _bench_collectives(ranks: int, max_bytes: str, quiet: bool) -> None:
+    """`collectives --bench --record` on `ranks` ranks under this machine's launcher: the profile gains their
+    figures (its output on stderr when `quiet`, so that stdout stays the JSON alone)."""
+    from meshtrain.runtime.launch import build_command
+
+    argv = build_command(["python", "-m", "meshtrain", "collectives", "--bench", "--record",
+                          "--max-bytes", max_bytes], nproc=ranks)
+    log.info("collective bandwidth on %d ranks: %s", ranks, " ".join(argv))
+    done = subprocess.run(argv, stdout=sys.stderr if quiet else None)
+    if done.returncode:
+        log.error("the collectives bench failed (exit %d); the profile below has no new collective figures",
+                  done.returncode)

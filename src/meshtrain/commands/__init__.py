@@ -1,6 +1,7 @@
 """The `meshtrain` command: one entry point, a subcommand per job.
 
-Each subcommand lives in its own module, which offers `add_arguments(parser)` and `run(args) -> int`.
+Each subcommand lives in its own module of this package, which offers `add_arguments(parser)` and `run(args) -> int`:
+the arguments and what is printed live there; the libraries below take typed arguments and return values.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from meshtrain import __version__
 # name -> (module, one-line help, description shown by `meshtrain NAME --help`, takes the dist options)
 SUBCOMMANDS = {
     "launch": (
-        "meshtrain.runtime.launch",
+        "meshtrain.commands.launch",
         "start a command on every rank with the launcher this machine uses (torchrun, mpiexec, srun)",
         "Build the launcher command for this machine and run it: mpiexec with the job's hostfile under PBS, "
         "srun under SLURM, torchrun --standalone elsewhere. Put the command to run after `--`; a leading "
@@ -23,7 +24,7 @@ SUBCOMMANDS = {
         False,
     ),
     "test-dist": (
-        "meshtrain.runtime.check",
+        "meshtrain.commands.test_dist",
         "check the distributed set-up: DistInfo, a short DDP run, bit-identical parameters on every rank",
         "Print the set-up table, train a small MLP with DDP for a few iterations on different data per rank, "
         "then verify that every rank holds bit-identical parameters. Exits non-zero, naming the differing "
@@ -31,7 +32,7 @@ SUBCOMMANDS = {
         True,
     ),
     "prepare": (
-        "meshtrain.data.prepare_cmd",
+        "meshtrain.commands.prepare",
         "prepare a dataset: shakespeare_char, shakespeare, your own text, or synthetic ERA5 weather data",
         "Write data/<name>/train.bin, val.bin (uint16 tokens, 90/10 split) and meta.json. shakespeare_char and "
         "shakespeare (GPT-2 BPE) use the corpus shipped with meshtrain and need no network; `text PATH` "
@@ -40,7 +41,7 @@ SUBCOMMANDS = {
         False,
     ),
     "train": (
-        "meshtrain.train.command",
+        "meshtrain.commands.train",
         "train a model: meshtrain train gpt [preset=NAME] [data=NAME] [group.key=value ...]",
         "Train under any launcher (run it with `meshtrain launch -- python -m meshtrain train gpt ...`). "
         "Configuration: typed defaults, then a YAML preset, then dotted overrides; an unknown key or bad "
@@ -48,21 +49,21 @@ SUBCOMMANDS = {
         True,
     ),
     "sample": (
-        "meshtrain.train.sample_command",
+        "meshtrain.commands.sample",
         "generate text from a run's checkpoint",
         "Load a run's latest checkpoint (any layout) or an exported model.pt, with its config and tokenizer, "
         "and print samples from a prompt.",
         False,
     ),
     "export": (
-        "meshtrain.train.export_command",
+        "meshtrain.commands.export",
         "consolidate a run's latest distributed checkpoint into one model.pt",
         "Read every shard of the run's latest checkpoint, whatever layout wrote it, and write the whole model "
         "with its config and tokenizer description to one file (torch.load(weights_only=True) reads it).",
         False,
     ),
     "plan": (
-        "meshtrain.plan.command",
+        "meshtrain.commands.plan",
         "which layout? every valid layout's predicted memory and speed on a machine, ranked (--validate: measured)",
         "Enumerate every layout of a run config (dp × tp × cp × pp, backend, activation checkpointing, pipeline "
         "schedule) that `train` would accept on N nodes of a system (this machine, measured, or a shipped one: "
@@ -72,7 +73,7 @@ SUBCOMMANDS = {
         False,
     ),
     "report": (
-        "meshtrain.report.command",
+        "meshtrain.commands.report",
         "one or more runs as an HTML page of plots and tables (and the plots as PNGs)",
         "Read each run directory (metrics.jsonl, config.yaml, run.json, checkpoints) as far as the run got and write "
         "report.html, a single file that opens offline: loss, learning rate, gradient norm, throughput and MFU, "
@@ -81,7 +82,7 @@ SUBCOMMANDS = {
         False,
     ),
     "machine": (
-        "meshtrain.machine.command",
+        "meshtrain.commands.machine",
         "measure and print what this machine can do: matmul peak per dtype, memory, bandwidth, collectives",
         "Measure this device once and cache it (~/.cache/meshtrain/machine.json): instruction set or compute "
         "capability, whether bf16 is native and the dtype train.dtype=auto picks, matmul peak per dtype (best of "
@@ -90,7 +91,7 @@ SUBCOMMANDS = {
         False,
     ),
     "collectives": (
-        "meshtrain.runtime.collectives",
+        "meshtrain.commands.collectives",
         "show each collective at work (--demo) or measure their bandwidth (--bench)",
         "--demo runs every collective on small tensors, prints each rank's before/after and checks it "
         "against the analytic answer. --bench sweeps message sizes and prints time, algorithm bandwidth "

@@ -13,8 +13,10 @@ import json
 from dataclasses import replace
 
 from meshtrain import config as config_mod
-from meshtrain.plan import calibrate, machines, search, systems, validate
-from meshtrain.plan.cost import predict
+from meshtrain.plan import machines, search, systems
+from meshtrain.plan.cost import kinds_of, predict
+from meshtrain.plan.measured import calibrate, validate
+from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.log import configure_logging, get_logger, print_rich
@@ -41,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def machine_of(args) -> machines.Machine:
     if args.system == "this":
-        machine = machines.this_machine(args.gpus_per_node or 1, model=args.model)
+        machine = this_machine(args.gpus_per_node or 1, model=args.model)
     else:
         system = systems.get(args.system)
         if any(v is not None for v in (args.device_memory, args.intra_node_bw, args.inter_node_bw)):
@@ -178,7 +180,7 @@ def _validate(args, cfg, ranked: list[Candidate], ranks: int) -> int:
     if args.system != "this":
         raise systems.PlanError("--validate runs layouts on this machine: use --system this")
     chosen = spread(ranked, args.validate)
-    kinds = sorted({k for c in chosen for k in calibrate.kinds_of(c.cfg, c.dims)})
+    kinds = sorted({k for c in chosen for k in kinds_of(c.cfg, c.dims)})
     calibrate.calibrate(ranks, kinds, args.model, cfg.data.root, progress=log.info)
     machine, facts = machine_of(args), ModelFacts.of(cfg)  # now with the fixed costs: predict again
     chosen = [replace(c, cost=predict(facts, c.cfg, c.dims, machine)) for c in chosen]

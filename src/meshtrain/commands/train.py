@@ -1,4 +1,5 @@
-"""`meshtrain train MODEL [KEY=VALUE ...]`: resolve the config, join the process group, train."""
+"""`meshtrain train MODEL [KEY=VALUE ...]`: resolve the config, join the process group, choose the layout when
+parallel.plan=auto, train, and summarise the run (its report page with train.report=true)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import argparse
 
 from meshtrain import registry
 from meshtrain.config import ALIASES, load_config
-from meshtrain.runtime.launch import PREEMPTED
 from meshtrain.runtime.log import get_logger
+from meshtrain.runtime.rundir import PREEMPTED
 from meshtrain.runtime.setup import distributed
 
 log = get_logger("train")
@@ -24,15 +25,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshtrain.plan.measured import auto
     from meshtrain.train.trainer import train
 
     cfg = load_config(args.overrides, args.workload)  # before joining: a bad key fails on every rank alike, at once
     with distributed(device=args.device, backend=args.backend, timeout=args.timeout) as info:
-        result = train(cfg, info)
+        result = train(auto.resolve(cfg, info), info)
         if info.is_main:
+            summarise(result.run_dir, page=cfg.train.report)
             log.info("done: %d iterations, train loss %.4f, val loss %.4f", result.iterations, result.train_loss,
                      result.val_loss)
             sample = (f"; sample from it with `meshtrain sample --run {result.run_dir}`"
                       if registry.get(args.workload).text else "")
             log.info("run directory %s: config.yaml, checkpoints/, metrics.jsonl%s", result.run_dir, sample)
     return PREEMPTED if result.preempted else 0
+
+
+def summarise(run_dir, page: bool) -> None:
+    """The run's totals and text plots of its loss and throughput; its report page when asked for."""
+    from meshtrain.report.page import write_report
+    from meshtrain.report.runs import read_run
+    from meshtrain.report.summary import summary
+
+    run = read_run(run_dir)
+    report = str(write_report([run], run_dir / "report")) if page else \
+        f"meshtrain report {run_dir} (or train.report=true) writes it"
+    log.info("%s", summary(run, report))

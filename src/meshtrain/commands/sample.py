@@ -6,12 +6,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from meshtrain.data.text import tokenizer_from_meta
-from meshtrain.runtime.device import pick_device
-from meshtrain.train import checkpoint
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, type=Path,
@@ -25,29 +19,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="auto, cpu, cuda ... (default: $MESHTRAIN_DEVICE or auto)")
 
 
-def load_model(run: Path, device: torch.device) -> tuple[torch.nn.Module, dict]:
-    """The language model of a run's latest checkpoint (or of an exported file) and its tokenizer description."""
-    if run.is_file():
-        try:
-            saved = torch.load(run, map_location="cpu", weights_only=True)
-            weights = saved["model"]
-        except Exception as e:
-            raise checkpoint.CheckpointError(f"{run} is not a model file written by `meshtrain export`: {e}") from e
-        model, facts = checkpoint.rebuild_model(saved)
-        model.load_state_dict(weights)
-    else:
-        checkpoint_dir = checkpoint.latest_checkpoint(run)
-        model, facts = checkpoint.rebuild_model(checkpoint.load_trainer_state(checkpoint_dir))
-        checkpoint.load_whole_model(model, checkpoint_dir)
-    if "meta" not in facts or not hasattr(model, "generate"):
-        raise checkpoint.CheckpointError(f"{run} holds a {type(model).__name__}, not a language model: `meshtrain "
-                                         "sample` generates text only")
-    return model.to(device).eval(), facts["meta"]
-
-
 def run(args: argparse.Namespace) -> int:
+    # Imported here: torch, which `meshtrain sample --help` does without.
+    import torch
+
+    from meshtrain.data.text import tokenizer_from_meta
+    from meshtrain.runtime.device import pick_device
+    from meshtrain.train.checkpoint import load_language_model
+
     device = pick_device(0, args.device)
-    model, meta = load_model(args.run, device)
+    model, meta = load_language_model(args.run, device)
     tokenizer = tokenizer_from_meta(meta)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)

@@ -1,0 +1,45 @@
+"""`meshtrain launch [options] -- CMD`: print the launcher command this machine wants (runtime/launch.py builds it)
+and hand the process over to it, or run it again while it fails (--max-restarts under mpiexec or srun)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+
+from meshtrain.runtime.env import LaunchEnvError
+from meshtrain.runtime.launch import MPI_FLAVORS, build_command, relaunch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--nproc", type=int, default=None,
+                        help="total ranks (default: nodes x ppn; locally the accelerators here, or 2 on a CPU-only box)")
+    parser.add_argument("--ppn", type=int, default=None,
+                        help="ranks per node (default: accelerators per node, else SLURM's tasks per node or the slots "
+                             "PBS_NODEFILE lists per host, else 1)")
+    parser.add_argument("--launcher", choices=("auto", "torchrun", "mpiexec", "srun"), default="auto",
+                        help="auto: mpiexec under PBS, srun under SLURM, torchrun --standalone elsewhere")
+    parser.add_argument("--mpi", dest="flavor", choices=("auto", *MPI_FLAVORS), default="auto",
+                        help="which mpiexec's flags to write (auto: ask `mpiexec --version`; PALS if it cannot tell)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="restart the whole job up to N times when a rank fails (torchrun's elastic restarts; "
+                             "under mpiexec or srun, launch runs it again); pair with train.init_from=auto")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command each rank runs")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.max_restarts < 0:
+        raise LaunchEnvError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
+    argv = build_command(command, nproc=args.nproc, ppn=args.ppn, launcher=args.launcher, flavor=args.flavor,
+                         max_restarts=args.max_restarts)
+    print(shlex.join(argv), flush=True)
+    if args.dry_run:
+        return 0
+    if shutil.which(argv[0]) is None:
+        raise LaunchEnvError(f"{argv[0]} is not on PATH here: load the module that provides it, or pick --launcher")
+    if args.max_restarts == 0 or os.path.basename(argv[0]) == "torchrun":  # torchrun restarts by itself
+        os.execvp(argv[0], argv)  # the launcher takes over this process: its exit code and signals are the job's
+    return relaunch(argv, args.max_restarts)

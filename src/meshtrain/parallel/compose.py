@@ -1,0 +1,127 @@
+"""The one order in which every layout is applied (the GPT's and the Llama's through lm_layout.py, the ViT's, and the
+public `parallelize`): each step must see what the one before left.
+
+    tensor (+ sequence) parallel on the plain model   the model's own plan (a ModelSpec supplies it)
+    -> context-parallel attention                     every block's attention kernel over the cp ranks
+    -> activation checkpointing                       wraps the blocks tp and cp already changed
+    -> float8 linears                                 torchao's, in the blocks (train.float8)
+    -> compile and data parallelism, last of all      DDP over dp×cp, or FSDP2 per block then the part over
+                                                      dp_shard×cp: FSDP shards whatever the others left (tp's
+                                                      DTensors included); compile wraps DDP's module, or FSDP's
+
+A model supplies only its tensor-parallel plan (`tensor_parallel(part, tp_mesh)`) and, for a pipeline, the parts its
+stage split made; the model's layout adds what its forward needs (sequence shards, token bands, a tied embedding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshtrain.parallel import float8
+from meshtrain.parallel.checkpointing import apply_activation_checkpointing
+from meshtrain.parallel.context_parallel import apply_context_parallel
+from meshtrain.parallel.data_parallel import SHARDED, apply_data_parallel, wraps
+from meshtrain.parallel.mesh import ParallelDims, submesh
+from meshtrain.runtime.log import get_logger
+
+log = get_logger("parallel")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the composition takes from a run's train and parallel sections (the same names), so that the trainer's
+    layouts and the public `parallelize` apply it alike."""
+
+    backend: str = "fsdp"
+    activation_checkpointing: str = "none"
+    ac_every: int = 2
+    cp_impl: str = "ring"
+    float8: str = "off"
+    compile: bool = False
+    cuda_graphs: bool | None = None
+    param_dtype: torch.dtype | None = None  # FSDP2's compute dtype (gradients reduce in fp32)
+    cpu_offload: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> Recipe:
+        t, p = cfg.train, cfg.parallel
+        return cls(backend=t.backend, activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
+                   cp_impl=p.cp_impl, float8=t.float8, compile=t.compile, cuda_graphs=t.cuda_graphs,
+                   param_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.dtype),
+                   cpu_offload=p.cpu_offload)
+
+
+def apply_model_parallelism(parts: list[nn.Module], blocks: str, recipe: Recipe, dims: ParallelDims, mesh, *,
+                            tensor_parallel: Callable[[nn.Module, object], None],
+                            num_heads: int | None = None) -> None:
+    """Tensor parallel, context-parallel attention and activation checkpointing on each part (the whole model, or
+    this rank's pipeline stages), in place. `blocks`: the path of the repeated blocks (a ModuleList or ModuleDict)
+    from each part's root; `num_heads` lets Ulysses check the heads once instead of per call."""
+    if dims.tp > 1:
+        for part in parts:
+            tensor_parallel(part, submesh(mesh, "tp"))
+    if dims.cp > 1:
+        for part in parts:
+            apply_context_parallel(part.get_submodule(blocks).children(), submesh(mesh, "cp"), recipe.cp_impl,
+                                   num_heads)
+    for part in parts:
+        apply_activation_checkpointing(part.get_submodule(blocks), recipe.activation_checkpointing, recipe.ac_every)
+
+
+def wrap_data_parallel(parts: list[nn.Module], blocks: str, recipe: Recipe, dims: ParallelDims, mesh,
+                       device: torch.device) -> list[nn.Module]:
+    """float8 linears in each part's blocks, then data parallelism (and torch.compile) over each part, last of all.
+    Context-parallel ranks hold the same weights and see the same batch, each a slice of its tokens, so to data
+    parallelism they are replicas whose gradients are averaged: a slice's loss is the mean over its tokens and the
+    slices are equal-sized, so their mean is the whole's."""
+    sharded = recipe.backend in SHARDED
+    dp_mesh = data_parallel_mesh(mesh, dims, recipe.backend)
+    graphs = use_cuda_graphs(recipe, dims, device, sum(q.numel() for part in parts for q in part.parameters()))
+    compile_options = {"mode": "reduce-overhead"} if graphs else {}  # CUDA graphs through compile
+    gathered = sharded and wraps(recipe.backend, dims.size("dp_cp"))  # FSDP2 shards the blocks: float8 gathers pay
+    wrapped = []
+    for part in parts:
+        part_blocks = list(part.get_submodule(blocks).children())
+        if swapped := float8.convert_blocks(part_blocks, recipe.float8, fsdp=gathered):
+            log.info("float8 (%s): %d linears of the blocks%s", recipe.float8, swapped,
+                     ", their weights gathered in float8 by FSDP2" if gathered and recipe.float8 == "tensorwise"
+                     else "")
+        wrapped.append(apply_data_parallel(
+            part if sharded or not recipe.compile else torch.compile(part, **compile_options), recipe.backend,
+            device, dims.size("dp_cp"), blocks=part_blocks, mesh=dp_mesh,
+            param_dtype=recipe.param_dtype if sharded else None, cpu_offload=recipe.cpu_offload))
+    if sharded and recipe.compile:  # FSDP first, then compile the sharded model
+        wrapped = [torch.compile(w, **compile_options) for w in wrapped]
+    return wrapped
+
+
+# train.cuda_graphs=null (auto) captures models under this many parameters: their kernels are short, so a step waits on
+# the CPU's launches. Measured on one H100 (bf16 + compile, docs/gpu.md): the 10.7M baby GPT ran 1.23× faster with CUDA
+# graphs; GPT-2 124M's kernels already keep the GPU busy.
+CUDA_GRAPHS_AUTO_MAX_PARAMS = 50_000_000
+
+
+def use_cuda_graphs(t, dims: ParallelDims, device: torch.device, params: int) -> bool:
+    """train.cuda_graphs, with null (auto) resolved: on for a compiled model of under CUDA_GRAPHS_AUTO_MAX_PARAMS
+    parameters trained by one CUDA rank in float32/bf16/fp16 linears (several ranks' collectives, and torchao's float8
+    casts, are left out of capture)."""
+    if t.cuda_graphs is not None or device.type != "cuda" or not t.compile:
+        return bool(t.cuda_graphs)
+    chosen = dims.world_size == 1 and t.float8 == "off" and params < CUDA_GRAPHS_AUTO_MAX_PARAMS
+    log.info("CUDA graphs: %s (train.cuda_graphs=null: %.1fM parameters on %d rank(s), float8 %s; on for one rank, "
+             "no float8, under %dM)", "on" if chosen else "off", params / 1e6, dims.world_size, t.float8,
+             CUDA_GRAPHS_AUTO_MAX_PARAMS // 10**6)
+    return chosen
+
+
+def data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
+    """What data parallelism spans: dp and cp together (cp ranks are replicas that see other tokens)."""
+    if mesh is None:
+        return None
+    if backend == "hsdp":  # replicate x shard, a 2-D mesh (cp > 1 is refused by the model's layout)
+        return mesh[("dp_replicate", "dp_shard")]
+    return submesh(mesh, "dp_shard_cp" if backend in SHARDED else "dp_cp")

@@ -1,0 +1,107 @@
+"""A run directory: the one place that knows its layout. train writes it, report reads it, faults and launch
+read its exit code and history.
+
+    <out_dir>/<model>/<backend>/<YYYY-MM-DD>/<HH-MM-SS>/   one run
+        config.yaml      the resolved config
+        metrics.jsonl    step rows (loss, timings, rates, the ranks' spread), evaluation rows, text samples, images
+        run.json         the environment, the layout and what each rank holds (written after the first step)
+        checkpoints/     step-NNNNNNN directories and `latest` (train/checkpoint.py owns what is inside)
+        model.pt         `meshtrain export`: the whole model in one file
+    <out_dir>/<model>/<backend>/latest                    the last run's directory (a text file)
+    <out_dir>/checkpoints.log                             one line per run directory
+
+A run stopped by a preemption signal with a checkpoint exits with PREEMPTED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from meshtrain.errors import MeshtrainError
+
+CONFIG, METRICS, FACTS, CHECKPOINTS, LATEST, RUNS_LOG = (
+    "config.yaml", "metrics.jsonl", "run.json", "checkpoints", "latest", "checkpoints.log")
+
+# The exit code of a run stopped by a preemption signal with a checkpoint (sysexits' EX_TEMPFAIL: a temporary failure,
+# try again later): a job script re-queues on it, the relaunch loop does not restart it.
+PREEMPTED = 75
+
+
+class CheckpointError(MeshtrainError, RuntimeError):
+    """No checkpoint where one was asked for (no run, or none saved), or one that cannot be used."""
+
+
+def new_run_dir(out_dir: str | Path, model: str, backend: str, now: float | None = None) -> Path:
+    stamp = time.localtime(now)
+    run_dir = Path(out_dir) / model / backend / time.strftime("%Y-%m-%d", stamp) / time.strftime("%H-%M-%S", stamp)
+    suffix, candidate = 1, run_dir
+    while candidate.exists():  # two runs started in the same second
+        candidate = run_dir.with_name(f"{run_dir.name}-{suffix}")
+        suffix += 1
+    candidate.mkdir(parents=True)
+    return candidate
+
+
+def record_run(out_dir: str | Path, model: str, backend: str, run_dir: Path) -> None:
+    """Point `latest` at run_dir and list it in checkpoints.log."""
+    write_atomically(Path(out_dir) / model / backend / LATEST, f"{run_dir.resolve()}\n")
+    with open(Path(out_dir) / RUNS_LOG, "a") as log:
+        log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {model} {backend} {run_dir.resolve()}\n")
+
+
+def last_run(out_dir: str | Path, model: str, backend: str) -> Path | None:
+    """The run `latest` names, or None before the first."""
+    latest = Path(out_dir) / model / backend / LATEST
+    return Path(latest.read_text().strip()) if latest.is_file() else None
+
+
+def latest_run(out_dir: str | Path, model: str, backend: str) -> Path:
+    """The run train.init_from=resume continues: the last one, which must exist."""
+    run = last_run(out_dir, model, backend)
+    if run is None:
+        raise CheckpointError(f"train.init_from=resume found no earlier run: {Path(out_dir) / model / backend / LATEST} "
+                          "does not exist. Start one with train.init_from=scratch, or name the run with "
+                          "train.run_dir=DIR")
+    return run
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSONL metrics file as the run's final history.
+
+    A line cut short by a kill is skipped. Where the steps go back (a run resumed from an earlier
+    checkpoint), the records from that step on that the first attempt wrote are dropped: they
+    belong to a history the checkpoint no longer has."""
+    records: list[dict] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict) or "step" not in record:
+                continue
+            if records and record["step"] < records[-1]["step"]:
+                records = [r for r in records if r["step"] < record["step"]]
+            records.append(record)
+    return records
+
+
+def write_facts(run_dir: Path, facts: dict) -> None:
+    """run.json, written once by rank 0 (atomically: a report of a running job never reads half of it)."""
+    write_atomically(run_dir / FACTS, json.dumps(facts, indent=1, default=str))
+
+
+def read_facts(run_dir: Path) -> dict:
+    path = run_dir / FACTS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see the old text or the new, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
