@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain import registry
 from meshtrain.errors import MeshtrainError
+from meshtrain.parallel import backends
 
 # A choice is a field `key: Annotated[str, SomeLiteral] = default`: a plain str to OmegaConf (2.3 refuses Literal
 # annotations), its values declared once, by the Literal below. check_choices checks every choice of every section of a
@@ -42,7 +43,6 @@ Wandb = Literal["off", "offline", "online"]  # train/sinks.py
 PlanMode = Literal["manual", "auto"]  # auto: plan/search.py picks the layout
 InitFrom = Literal["scratch", "resume", "auto"]  # the starts every model has; a model's own rules may add others
 DTYPES, PROFILERS, CP_IMPLS, FLOAT8 = get_args(Dtype), get_args(Profiler), get_args(CpImpl), get_args(Float8)
-BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp", "deepspeed")  # parallel/data_parallel.py, deepspeed_backend.py
 
 
 class ConfigError(MeshtrainError, ValueError):
@@ -67,7 +67,8 @@ class OptimizerSection:  # AdamW with linear warm-up, then cosine decay (train/o
 
 @dataclass
 class TrainSection:
-    backend: str = "ddp"  # data parallelism: one of BACKENDS (ddp, zero1, zero2, fsdp, zero3, hsdp, deepspeed)
+    # data parallelism: a row of parallel/backends/ (ddp, zero1, zero2, fsdp, zero3, hsdp, deepspeed)
+    backend: str = "ddp"
     # auto (what the device computes natively) | fp32 | bf16 (autocast) | fp16 (autocast + GradScaler, GPU)
     dtype: Annotated[str, Dtype] = "auto"
     compile: bool = False  # torch.compile the model (NERSC's enable_jit)
@@ -283,9 +284,10 @@ def validate(cfg) -> None:
 
 def _validate_layout(cfg) -> None:
     t, o, p = cfg.train, cfg.optimizer, cfg.parallel
-    if t.backend not in BACKENDS:
-        raise ConfigError(f"train.backend={t.backend!r}: choose one of {', '.join(BACKENDS)}")
-    if t.float8 != "off" and (p.tp > 1 or t.backend == "deepspeed"):
+    if t.backend not in backends.REGISTRY:
+        raise ConfigError(f"train.backend={t.backend!r}: choose one of {', '.join(backends.names())}")
+    chosen = backends.get(t.backend)
+    if t.float8 != "off" and (p.tp > 1 or "float8" not in chosen.composes_with):
         raise ConfigError(f"train.float8={t.float8} with {'parallel.tp=' + str(p.tp) if p.tp > 1 else 'deepspeed'}: "
                           "float8 linears are not composed with tensor parallelism or DeepSpeed in this version; "
                           "use data parallelism (ddp, fsdp, zero2, hsdp) or set train.float8=off")
@@ -294,10 +296,8 @@ def _validate_layout(cfg) -> None:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: must be at least 1")
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"parallel.microbatches={p.microbatches}: must be at least 1 (or null for the default)")
-    if t.backend == "zero1" and max(p.tp, p.cp, p.pp) > 1:
-        raise ConfigError(f"train.backend=zero1 with tp={p.tp} cp={p.cp} pp={p.pp}: ZeroRedundancyOptimizer "
-                          "shards plain tensors over one group; use train.backend=zero2 or fsdp to combine "
-                          "sharded data parallelism with model parallelism")
+    if any(getattr(p, dim) > 1 and dim not in chosen.composes_with for dim in ("tp", "cp", "pp")):
+        raise ConfigError(f"train.backend={t.backend} with tp={p.tp} cp={p.cp} pp={p.pp}: {chosen.alone_because}")
     if p.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO stages are 1, 2 and 3")
     if p.pp > 1 and t.compile:
@@ -305,7 +305,7 @@ def _validate_layout(cfg) -> None:
                           "this version; set train.compile=false")
     if t.keep_checkpoints < 0:
         raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints}: 0 keeps all, N keeps the last N")
-    if (p.dp_replicate > 1) != (t.backend == "hsdp"):
+    if (p.dp_replicate > 1) != chosen.replicas:
         raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} with train.backend={t.backend}: replicas of "
                           "shards are hsdp's; use train.backend=hsdp with parallel.dp_replicate > 1, or dp_replicate=1")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:

@@ -46,6 +46,15 @@ def test_preset_from_a_yaml_path(tmp_path):
     (["max_iters"], "overrides are key=value"),
     (["optimizer.min_lr=1"], "need 0 <= min_lr <= lr"),
     (["model.dropout=1.5"], "model.dropout=1.5: must be in [0, 1)"),
+    # what a backend does not compose with (parallel/backends/), refused from the config alone
+    (["train.backend=zero1", "parallel.tp=2"], "train.backend=zero1 with tp=2 cp=1 pp=1: ZeroRedundancyOptimizer"),
+    (["train.backend=hsdp", "parallel.dp_replicate=2", "parallel.cp=2"],
+     "train.backend=hsdp with tp=1 cp=2 pp=1: context parallelism under hsdp"),
+    (["train.backend=deepspeed", "parallel.pp=2"], "train.backend=deepspeed with tp=1 cp=1 pp=2: meshtrain runs "
+                                                   "DeepSpeed's ZeRO as data parallelism only"),
+    (["train.backend=deepspeed", "train.float8=rowwise"], "train.float8=rowwise with deepspeed"),
+    (["train.backend=hsdp"], "parallel.dp_replicate=1 with train.backend=hsdp: replicas of shards are hsdp's"),
+    (["train.backend=zero4"], "train.backend='zero4': choose one of ddp, zero1, zero2, fsdp, zero3, hsdp, deepspeed"),
 ])
 def test_mistakes_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:

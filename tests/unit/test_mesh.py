@@ -60,7 +60,6 @@ GPT = ["preset=cpu", "model.n_head=6", "model.n_embd=48", "model.block_size=100"
     ("gpt", ["parallel.tp=2"], 4, 4, ["train.backend=ddp", "parallel.tp=2", "2 data- or context-parallel"]),
     ("vit", ["preset=tiny", "parallel.tp=2", "parallel.cp=2"], 4, 4, ["train.backend=ddp", "parallel.tp=2",
                                                                         "2 data- or context-parallel"]),
-    ("gpt", ["train.backend=hsdp", "parallel.dp_replicate=1", "parallel.cp=2"], 2, 2, ["backend=hsdp", "cp > 1"]),
     ("gpt", ["train.backend=fsdp", "parallel.tp=2", "parallel.order=dp-cp-tp-pp"], 4, 2,
      ["train.backend=fsdp", "parallel.tp=2", "order=dp-cp-tp-pp", "inner to dp", "parallel.order=tp-cp-dp-pp"]),
     ("gpt", ["train.backend=zero3", "parallel.tp=2", "parallel.order=cp-dp-tp-pp"], 4, 2,
@@ -72,9 +71,6 @@ GPT = ["preset=cpu", "model.n_head=6", "model.n_embd=48", "model.block_size=100"
 ])
 def test_layout_rules_name_the_keys_and_numbers(workload, overrides, world, node, numbers):
     """Every rule that needs the world size or the model's shape, in one place, before any process group."""
-    if "parallel.dp_replicate=1" in overrides:  # hsdp needs replicas: the config's own rule comes first
-        overrides = [o.replace("parallel.dp_replicate=1", "parallel.dp_replicate=2") for o in overrides]
-        world *= 2
     cfg = load_config([*(GPT if workload == "gpt" else []), *overrides], workload)
     with pytest.raises(MeshError) as e:
         ParallelDims.from_config(cfg, world, node)

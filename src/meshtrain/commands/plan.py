@@ -13,6 +13,7 @@ import json
 from dataclasses import replace
 
 from meshtrain import config as config_mod
+from meshtrain.parallel import backends
 from meshtrain.plan import machines, search, systems
 from meshtrain.plan.cost import kinds_of, predict
 from meshtrain.plan.measured import calibrate, validate
@@ -151,10 +152,10 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
     tensor parallel inside a node, pipelines across nodes, context parallel for long sequences."""
     p, t, dims = c.cfg.parallel, c.cfg.train, c.dims
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    plain = next((r for r in ranked if r.cfg.train.backend == "ddp" and dims.world_size == r.dims.dp_size
-                  and r.cfg.train.activation_checkpointing == "none"), None)
+    plain = next((r for r in ranked if backends.get(r.cfg.train.backend).shards == "nothing"
+                  and dims.world_size == r.dims.dp_size and r.cfg.train.activation_checkpointing == "none"), None)
     said = []
-    if t.backend in ("ddp", "zero1") and dims.dp_size == dims.world_size:
+    if backends.get(t.backend).all_reduces and dims.dp_size == dims.world_size:
         said.append("the model fits on one device, so data parallelism alone: one gradient all-reduce per step")
     elif plain is not None and not plain.fits:
         said.append(f"plain DDP would need {gib(plain.cost.peak_bytes)} per device (more than "

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtrain.config import DTYPES
 from meshtrain.machine import profile
 from meshtrain.machine.hardware import Hardware, describe
+
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")  # what a run computes in; train.dtype is one of them, or auto
 
 
 @dataclass(frozen=True)
 class Precision:
-    dtype: str  # fp32 | bf16 | fp16
+    dtype: str  # one of COMPUTE_DTYPES
     reason: str
     warning: str | None = None
 
@@ -46,8 +47,8 @@ def bf16_cost(device: torch.device) -> str:
 
 def choose(requested: str, device: torch.device | str, hw: Hardware | None = None) -> Precision:
     """The dtype to train in for `requested` (train.dtype) on `device`, with the reason to log."""
-    if requested not in DTYPES:
-        raise ValueError(f"train.dtype={requested!r}: choose one of {', '.join(DTYPES)}")
+    if requested not in ("auto", *COMPUTE_DTYPES):
+        raise ValueError(f"train.dtype={requested!r}: choose one of auto, {', '.join(COMPUTE_DTYPES)}")
     device = torch.device(device)
     hw = hw or describe(device)
     if requested == "auto":

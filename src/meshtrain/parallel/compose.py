@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.parallel import float8
+from meshtrain.parallel import backends, float8
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.context_parallel import apply_context_parallel
-from meshtrain.parallel.data_parallel import SHARDED, apply_data_parallel, wraps
+from meshtrain.parallel.data_parallel import apply_data_parallel, wraps
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.runtime.log import get_logger
 
@@ -78,7 +78,7 @@ def wrap_data_parallel(parts: list[nn.Module], blocks: str, recipe: Recipe, dims
     Context-parallel ranks hold the same weights and see the same batch, each a slice of its tokens, so to data
     parallelism they are replicas whose gradients are averaged: a slice's loss is the mean over its tokens and the
     slices are equal-sized, so their mean is the whole's."""
-    sharded = recipe.backend in SHARDED
+    sharded = backends.get(recipe.backend).sharded
     dp_mesh = data_parallel_mesh(mesh, dims, recipe.backend)
     graphs = use_cuda_graphs(recipe, dims, device, sum(q.numel() for part in parts for q in part.parameters()))
     compile_options = {"mode": "reduce-overhead"} if graphs else {}  # CUDA graphs through compile
@@ -122,6 +122,7 @@ def data_parallel_mesh(mesh, dims: ParallelDims, backend: str):
     """What data parallelism spans: dp and cp together (cp ranks are replicas that see other tokens)."""
     if mesh is None:
         return None
-    if backend == "hsdp":  # replicate x shard, a 2-D mesh (cp > 1 is refused by the model's layout)
+    chosen = backends.get(backend)
+    if chosen.replicas:  # replicate x shard, a 2-D mesh (such a backend does not compose with cp)
         return mesh[("dp_replicate", "dp_shard")]
-    return submesh(mesh, "dp_shard_cp" if backend in SHARDED else "dp_cp")
+    return submesh(mesh, "dp_shard_cp" if chosen.sharded else "dp_cp")

@@ -1,14 +1,6 @@
-"""The data-parallel family, from replicated to fully sharded:
-
-    ddp     DistributedDataParallel: every rank holds everything; gradients all-reduced
-    zero1   DDP + ZeroRedundancyOptimizer: optimizer state sharded across ranks
-    zero2   FSDP2, parameters kept gathered between forward and backward (no reshard after forward)
-    fsdp    FSDP2, parameters re-sharded after forward (= zero3): the least memory, the most traffic
-    hsdp    FSDP2 on a 2-D mesh: shard within dp_shard, replicate across dp_replicate
-
-The loop asks two things of this module: wrap the model, and say whether a micro-step synchronises
-gradients (only the last of an accumulation does). zero1's optimizer is built in train/optim.py.
-"""
+"""What the loop asks of data parallelism whatever the backend (parallel/backends/ says what each one is and wraps
+with it): wrap the model, whether a micro-step synchronises gradients (only the last of an accumulation does), and
+the bytes a rank holds."""
 
 from __future__ import annotations
 
@@ -20,11 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshtrain.runtime.log import get_logger
-
-BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp")
-SHARDED = ("zero2", "fsdp", "zero3", "hsdp")
-log = get_logger("parallel")
+from meshtrain.parallel import backends
 
 
 def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, world_size: int, *,
@@ -36,42 +24,21 @@ def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, wo
     one, so only one block's parameters are gathered at a time; `mesh` is the data-parallel DeviceMesh
     (2-D, replicate × shard, for hsdp; default: all ranks).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown data-parallel backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    chosen = backends.get(backend)
+    if chosen.engine:
+        raise ValueError(f"train.backend={backend} runs the model in an engine of its own, which the layout builds "
+                         "with the optimizer (Layout.attach_optimizer): there is nothing to wrap here")
     if not wraps(backend, world_size):
         return model
-    if backend in ("ddp", "zero1"):
-        kwargs = {"device_mesh": mesh} if mesh is not None else {}  # default: every rank
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    if mesh is None:
-        if backend == "hsdp":
-            raise ValueError("hsdp needs a 2-D mesh (dp_replicate × dp_shard)")
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
-    options = dict(
-        mesh=mesh,
-        reshard_after_forward=backend != "zero2",
-        # Compute in param_dtype, but reduce gradients in fp32: summing many ranks' bf16 gradients loses bits.
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None),
-        # Pinned host memory needs an accelerator; on a CPU-only box pinning fails.
-        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
-    )
-    for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(model, **options)
-    log.info("FSDP2 (%s) over %d data-parallel rank(s)%s", backend, mesh.size(),
-             ", parameters and optimizer state in host memory" if cpu_offload else "")
-    return model
+    return chosen.module().wrap(model, chosen, device, world_size, blocks=blocks, mesh=mesh, param_dtype=param_dtype,
+                                cpu_offload=cpu_offload)
 
 
 def wraps(backend: str, world_size: int) -> bool:
     """Whether apply_data_parallel wraps the model: over several data-parallel ranks, or a sharded backend in a job
     of one rank under a launcher (FSDP2 still offloads to the host and gathers in float8 there). One data-parallel
     rank inside a larger job (tensor or pipeline parallel only) has nothing to reduce: left as it is."""
-    return world_size > 1 or (backend in SHARDED and dist.is_initialized() and dist.get_world_size() == 1)
+    return world_size > 1 or (backends.get(backend).sharded and dist.is_initialized() and dist.get_world_size() == 1)
 
 
 def gradient_sync(model: nn.Module, sync: bool):

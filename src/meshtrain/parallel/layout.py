@@ -41,9 +41,9 @@ class Layout:
         """The optimizer the loop sets learning rates on and steps (DeepSpeed wraps it in its engine)."""
         if self.deepspeed is None:
             return optimizer
-        from meshtrain.parallel import deepspeed_backend
+        from meshtrain.parallel.backends import deepspeed
 
-        self.engine, optimizer = deepspeed_backend.initialize(self.model, optimizer, **self.deepspeed)
+        self.engine, optimizer = deepspeed.initialize(self.model, optimizer, **self.deepspeed)
         self.runnable = self.engine
         return optimizer
 
@@ -70,9 +70,9 @@ class Layout:
     def save_checkpoint(self, checkpointer, iteration: int, optimizer, trainer_state: dict):
         """A checkpoint of this rank's share of model and optimizer (every rank calls it)."""
         if self.engine is not None:
-            from meshtrain.parallel import deepspeed_backend
+            from meshtrain.parallel.backends import deepspeed
 
-            return checkpointer.save_with(iteration, lambda path: deepspeed_backend.save(self.engine, path),
+            return checkpointer.save_with(iteration, lambda path: deepspeed.save(self.engine, path),
                                           trainer_state)
         from meshtrain.parallel.state_dict import model_and_optimizer_state
 
@@ -82,9 +82,9 @@ class Layout:
         """Load a checkpoint saved under any layout (DeepSpeed's: under deepspeed only); `load(state)` fills a
         template state dict from it (the checkpointer's: train/checkpoint.dcp_loader(checkpoint_dir))."""
         if self.engine is not None:
-            from meshtrain.parallel import deepspeed_backend
+            from meshtrain.parallel.backends import deepspeed
 
-            return deepspeed_backend.load(self.engine, checkpoint_dir)
+            return deepspeed.load(self.engine, checkpoint_dir)
         from meshtrain.parallel.state_dict import load_model_and_optimizer_state
 
         load_model_and_optimizer_state(self.model, optimizer, load, self.aliases)

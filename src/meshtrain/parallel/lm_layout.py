@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtrain.parallel import backends
 from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
 from meshtrain.parallel.data_parallel import gradient_sync
 from meshtrain.parallel.layout import Layout
@@ -172,7 +173,7 @@ def build_language_model_layout(model: nn.Module, cfg, dims: ParallelDims, mesh,
     if dims.cp > 1:
         layout.sequence_shard = (dims.coords(rank)["cp"], dims.cp, p.cp_impl)
 
-    if t.backend == "deepspeed":
+    if backends.get(t.backend).engine:  # it wraps the model itself, with the optimizer
         layout.deepspeed = dict(device=device, stage=p.zero_stage, micro_batch_size=cfg.model.batch_size,
                                 grad_accum=t.grad_accum, grad_clip=cfg.optimizer.grad_clip, dtype=t.dtype)
         layout.runnable = model

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.parallel import backends
 
 DEFAULT_ORDER = "tp-cp-dp-pp"
 ORDER_DIMS = ("tp", "cp", "dp", "pp")
@@ -217,8 +218,9 @@ def _config_key(shape, what: str) -> str:
 def _check_model_has_plans(dims: ParallelDims, spec, shape, backend: str) -> None:
     """The model must have a parallelize plan for every dim (and DeepSpeed) the job asks for."""
     missing = [d for d in ("tp", "cp", "pp") if getattr(dims, d) > 1 and d not in shape.parallelisms]
-    if missing or (backend == "deepspeed" and "deepspeed" not in shape.parallelisms):
-        what = ", ".join(f"parallel.{d}={getattr(dims, d)}" for d in missing) or "train.backend=deepspeed"
+    engine = backends.get(backend).engine
+    if missing or (engine and backend not in shape.parallelisms):
+        what = ", ".join(f"parallel.{d}={getattr(dims, d)}" for d in missing) or f"train.backend={backend}"
         raise MeshError(f"{what}: the {spec.name} model has no plan for it in this version; it supports "
                         f"{', '.join(sorted(shape.parallelisms)) or 'data parallelism only'} (ZeRO-2/3 through "
                         "train.backend=zero2 / fsdp)")
@@ -282,25 +284,19 @@ def _check_pipeline_parallel(dims: ParallelDims, p, shape, dtype: str) -> None:
 
 def _check_backend_combinations(dims: ParallelDims, backend: str) -> None:
     """The data-parallel backend must be able to wrap the tp/cp/pp layout it is combined with."""
-    if dims.tp > 1 and backend in ("ddp", "zero1") and dims.size("dp_cp") > 1:
+    chosen = backends.get(backend)
+    if dims.tp > 1 and chosen.all_reduces and dims.size("dp_cp") > 1:
         # DDP spans the context-parallel ranks too (they are replicas to it), so cp alone counts as well.
         raise MeshError(f"train.backend={backend} with parallel.tp={dims.tp} and {dims.size('dp_cp')} data- or "
                         "context-parallel ranks: DDP does not replicate tensor-parallel (DTensor) parameters; use "
                         "train.backend=fsdp (fsdp x tp) or zero2")
-    from meshtrain.parallel.data_parallel import SHARDED
-
     sharded_with = [d for d in ("dp", "cp") if dims.size(d) > 1]
     order = parse_order(dims.order)
-    if dims.tp > 1 and backend in SHARDED and any(order.index(d) < order.index("tp") for d in sharded_with):
+    if dims.tp > 1 and chosen.sharded and any(order.index(d) < order.index("tp") for d in sharded_with):
         raise MeshError(f"train.backend={backend} with parallel.tp={dims.tp} and parallel.order={dims.order}: FSDP2 "
                         f"shards tensor-parallel weights only when tp is inner to {' and '.join(sharded_with)} in the "
                         "mesh; name tp before them (e.g. parallel.order=tp-cp-dp-pp, which also keeps tp inside a "
                         "node)")
-    if backend == "hsdp" and dims.cp > 1:
-        raise MeshError("train.backend=hsdp with parallel.cp > 1 is not supported in this version; use fsdp")
-    if backend == "deepspeed" and max(dims.tp, dims.cp, dims.pp) > 1:
-        raise MeshError(f"train.backend=deepspeed with tp={dims.tp} cp={dims.cp} pp={dims.pp}: meshtrain runs "
-                        "DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine with tp/cp/pp")
 
 
 def submesh(mesh, name: str):

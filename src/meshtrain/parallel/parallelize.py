@@ -29,8 +29,8 @@ from fnmatch import fnmatch
 import torch
 from torch import nn
 
+from meshtrain.parallel import backends
 from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
-from meshtrain.parallel.data_parallel import BACKENDS
 from meshtrain.parallel.mesh import MeshError, ParallelDims
 
 
@@ -50,8 +50,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, blocks: str, tp_p
         sequence: `meshtrain.shard_sequence(x, y, cp_rank, dims.cp, cp_impl)`.
     param_dtype: FSDP2's compute dtype (gradients are reduced in fp32); cpu_offload: FSDP2's parameters on the CPU.
     """
-    if backend not in BACKENDS:
-        raise MeshError(f"parallelize backend={backend!r}: choose one of {', '.join(BACKENDS)}")
+    wrappers = [name for name in backends.names() if not backends.get(name).engine]
+    if backend not in wrappers:
+        raise MeshError(f"parallelize backend={backend!r}: choose one of {', '.join(wrappers)}")
     container = _blocks(model, blocks)
     if tp_plan is not None:
         _check_plan(model, tp_plan)

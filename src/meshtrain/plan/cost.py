@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshtrain.parallel.data_parallel import SHARDED
+from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.shares import Share, stage_shares, tp_local_shape
@@ -188,11 +188,12 @@ def _memory(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Mi
     working = working if share.blocks else 0.0
     params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
     buffers = 0.0
-    if t.backend in ("ddp", "zero1") and dims.size("dp_cp") > 1:
+    chosen = backends.get(t.backend)
+    if chosen.all_reduces and dims.size("dp_cp") > 1:
         buffers = grads  # DDP's buckets: a flat copy of the gradients, kept for the run
-    elif t.backend in SHARDED and dims.size("dp_shard_cp") > 1:
+    elif chosen.sharded and dims.size("dp_shard_cp") > 1:
         gathered = share.stage_params - share.blocks * share.block_params  # the root's (embeddings, head, norms)
-        blocks_gathered = share.blocks if t.backend == "zero2" else 2  # in use + prefetched
+        blocks_gathered = 2 if chosen.reshard_after_forward else share.blocks  # in use + prefetched, or all
         buffers = (gathered + blocks_gathered * share.block_params) * FP32 + share.block_params * FP32  # + reduce
     if dims.pp > 1:  # a receive buffer per micro-batch for each stage's input and its output's gradient
         stages = [share.stage + k * dims.pp for k in range(virtual)]
@@ -257,7 +258,7 @@ def _time(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micr
 def kinds_of(cfg, dims: ParallelDims) -> list[str]:
     """The kinds of layout whose fixed costs a layout pays (plan/measured/calibrate.py measures each)."""
     p, t = cfg.parallel, cfg.train
-    kinds = [f"backend:{t.backend}"]
+    kinds = [backends.get(t.backend).kind]
     if dims.tp > 1:
         kinds.append("tp")
     if dims.cp > 1:
@@ -299,16 +300,17 @@ def _communication(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, mic
         seconds[kind] = seconds.get(kind, 0.0) + times * machine.collective_s(op, nbytes, dims, dim)
 
     grads = share.stage_params * FP32
-    if t.backend in ("ddp", "zero1"):
+    chosen = backends.get(t.backend)
+    if chosen.all_reduces:
         add("dp", "all_reduce", "dp_cp", grads, 1)
-        if t.backend == "zero1":
+        if chosen.shards == "optimizer":
             add("dp", "broadcast", "dp_cp", grads, 1)  # each owner sends its updated parameters
-    elif t.backend in SHARDED:
-        shard_dim = "dp_shard" if t.backend == "hsdp" else "dp_shard_cp"
-        gathers = micro.count * (1 if t.backend == "zero2" else 2)  # forward, and again for backward
+    elif chosen.sharded:
+        shard_dim = "dp_shard" if chosen.replicas else "dp_shard_cp"
+        gathers = micro.count * (2 if chosen.reshard_after_forward else 1)  # forward, and again for backward
         add("dp", "all_gather", shard_dim, share.stage_params * act_bytes if t.dtype != "fp32" else grads, gathers)
         add("dp", "reduce_scatter", shard_dim, grads, 1)
-        if t.backend == "hsdp":
+        if chosen.replicas:
             add("dp", "all_reduce", "dp_replicate", grads / dims.dp_shard, 1)
     stream = micro.tokens * facts.shape.width * act_bytes  # one block's input on this rank (whole sequence over tp)
     if dims.tp > 1:  # two all-reduces (or all-gather + reduce-scatter pairs) forward, two backward, per block

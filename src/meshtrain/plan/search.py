@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 
 from meshtrain import config as config_mod
 from meshtrain.errors import MeshtrainError
+from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import Cost, predict
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.workload import ModelFacts
 
-BACKENDS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 CHECKPOINTING = ("none", "selective", "full")
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))  # (schedule, virtual stages per rank)
 HEADROOM = 0.9  # a layout "fits" when its predicted peak is under this share of device memory (allocator slack)
@@ -58,7 +58,7 @@ class Candidate:
 def label(cfg, dims: ParallelDims) -> str:
     """A layout in one short line: backend, mesh, schedule, checkpointing."""
     p, t = cfg.parallel, cfg.train
-    mesh = [f"dp{dims.dp_replicate}×{dims.dp_shard}" if t.backend == "hsdp" else f"dp{dims.dp_size}"]
+    mesh = [f"dp{dims.dp_replicate}×{dims.dp_shard}" if backends.get(t.backend).replicas else f"dp{dims.dp_size}"]
     mesh += [f"tp{dims.tp}"] * (dims.tp > 1) + [f"cp{dims.cp}:{p.cp_impl}"] * (dims.cp > 1)
     if dims.pp > 1:
         mesh.append(f"pp{dims.pp}:{p.pp_schedule}" + (f"×{p.virtual_stages}" if p.virtual_stages > 1 else "")
@@ -77,8 +77,8 @@ def layouts(base, world: int) -> list:
         for cp in _divisors(world // tp):
             for pp in _divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                for backend in BACKENDS:
-                    replicas = [r for r in _divisors(dp) if 1 < r < dp] if backend == "hsdp" else [1]
+                for backend in backends.names(planned=True):
+                    replicas = [r for r in _divisors(dp) if 1 < r < dp] if backends.get(backend).replicas else [1]
                     for dp_replicate in replicas:
                         for impl in ("ring", "ulysses") if cp > 1 else (base.parallel.cp_impl,):
                             for schedule, virtual in SCHEDULES if pp > 1 else ((base.parallel.pp_schedule, 1),):

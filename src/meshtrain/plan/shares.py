@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshtrain.parallel.data_parallel import SHARDED
+from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline_schedules import StageSplit, split_layers, stage_ids
 from meshtrain.parallel.tensor_parallel import SHARDED_BIASES, SHARDED_DIMS
@@ -98,7 +98,8 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
                  schedule: str = "1f1b", virtual_stages: int = 1) -> list[Share]:
     """What rank 0 of each pipeline stage holds of `model` (the whole model, built anywhere: the meta device is
     free) laid out as `dims` with data-parallel `backend`."""
-    shard_ranks = (dims.dp_shard if backend == "hsdp" else dims.size("dp_shard_cp")) if backend in SHARDED else 1
+    chosen = backends.get(backend)
+    shard_ranks = (dims.dp_shard if chosen.replicas else dims.size("dp_shard_cp")) if chosen.sharded else 1
     n_stages = dims.pp * virtual_stages
     blocks = split_layers(len(model.get_submodule(split.blocks)), n_stages) if dims.pp > 1 and split else None
     shares = []
@@ -108,7 +109,7 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
         kept = {n: chunk(s[0], shard_ranks) * math.prod(s[1:]) if s else 1 for n, s in local.items()} \
             if shard_ranks > 1 else numel
         params = sum(kept.values())
-        if backend == "zero1" and dims.dp_size > 1:  # the optimizer's groups: matrices (decayed), then the rest
+        if chosen.shards == "optimizer" and dims.dp_size > 1:  # its groups: matrices (decayed), then the rest
             groups = [[v for n, v in numel.items() if len(local[n]) >= 2], [v for n, v in numel.items() if len(local[n]) < 2]]
             optimizer = 2 * _zero1_partition(groups, dims.dp_size)
         else:

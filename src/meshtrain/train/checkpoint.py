@@ -246,10 +246,10 @@ def rebuild_model(saved: dict[str, Any]):
 
 def load_whole_model(model, checkpoint_dir: Path) -> None:
     """Fill a one-process model from a checkpoint of any layout: this process reads every shard."""
-    from meshtrain.parallel import deepspeed_backend
+    from meshtrain.parallel.backends import deepspeed
 
-    if (Path(checkpoint_dir) / deepspeed_backend.TAG).is_dir():
-        state = deepspeed_backend.consolidated_state(checkpoint_dir)
+    if (Path(checkpoint_dir) / deepspeed.TAG).is_dir():
+        state = deepspeed.consolidated_state(checkpoint_dir)
         # DeepSpeed lists a tied weight once: give every other name of the same parameter its tensor.
         first_name: dict[int, str] = {}
         for name, tensor in model.state_dict(keep_vars=True).items():

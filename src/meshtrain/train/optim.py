@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from meshtrain.parallel import backends
+
 
 def build_optimizer(param_groups: list[dict], device: torch.device, backend: str = "ddp", world_size: int = 1,
                     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **hyper) -> torch.optim.Optimizer:
@@ -14,15 +16,9 @@ def build_optimizer(param_groups: list[dict], device: torch.device, backend: str
     rank keeps and updates only its share of the optimizer state (ZeroRedundancyOptimizer)."""
     if optimizer_class is torch.optim.AdamW:
         hyper.setdefault("fused", device.type in ("cuda", "cpu"))
-    if backend == "zero1" and world_size > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        first, *rest = param_groups
-        optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=optimizer_class,
-                                            **{**hyper, **{k: v for k, v in first.items() if k != "params"}})
-        for group in rest:  # it takes further groups one at a time
-            optimizer.add_param_group(dict(group))
-        return optimizer
+    chosen = backends.get(backend)
+    if chosen.shards == "optimizer" and world_size > 1:
+        return chosen.module().sharded_optimizer(param_groups, optimizer_class, **hyper)
     return optimizer_class(param_groups, **hyper)
 
 

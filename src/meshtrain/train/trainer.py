@@ -29,7 +29,7 @@ import torch
 
 from meshtrain import config as config_mod
 from meshtrain import machine, registry
-from meshtrain.parallel import float8
+from meshtrain.parallel import backends, float8
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime import heartbeat, rundir
@@ -82,7 +82,8 @@ class Trainer:
         self.spec = registry.spec_of(cfg)
         if cfg.parallel.plan == "auto":
             raise config_mod.ConfigError("parallel.plan=auto is chosen before the Trainer is built: pass the config "
-                                         "through meshtrain.plan.measured.auto.resolve(cfg, info) (`meshtrain train` does)")
+                                         "through meshtrain.plan.measured.auto.resolve(cfg, info) first (`meshtrain "
+                                         "train` does)")
         # Every rule that needs the world size, before any collective: all ranks fail alike, at once.
         self.dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
         self.cfg, self.precision = resolve_precision(cfg, info)
@@ -189,7 +190,7 @@ class Trainer:
             self.run_dir, info, batch_size=self.workload.batch_size, grad_accum=t.grad_accum, dp_size=dims.dp_size,
             tokens_per_sample=self.workload.tokens_per_sample, flops_per_token=self.flops_per_token,
             dtype=AUTOCAST[t.dtype] or torch.float32, peak_flops=t.peak_flops, loss_ranks=self.layout.loss_ranks,
-            local_forward=t.backend in ("ddp", "zero1") and dims.tp == dims.cp == dims.pp == 1, sinks=self.sinks,
+            local_forward=backends.get(t.backend).all_reduces and dims.tp == dims.cp == dims.pp == 1, sinks=self.sinks,
             straggler_ratio=t.straggler_ratio, straggler_intervals=t.straggler_intervals)
         self.layout.time_gradient_reduction(every=t.log_interval)
         if info.is_main:

@@ -27,6 +27,7 @@ from pathlib import Path
 from meshtrain import config as config_mod
 from meshtrain.data.text import prepare
 from meshtrain.machine import profile
+from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import predict
 from meshtrain.plan.measured import measure
@@ -43,11 +44,8 @@ COMPUTE = ["model.n_embd=192", "model.n_head=4", "model.block_size=48", "model.b
            "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null",
            "train.backend=ddp"]
 KINDS = {  # kind -> (layout overrides on the tiny model, the kind it is measured against)
-    "backend:ddp": (["train.backend=ddp"], None),
-    "backend:zero1": (["train.backend=zero1"], None),
-    "backend:zero2": (["train.backend=zero2"], None),
-    "backend:fsdp": (["train.backend=fsdp"], None),
-    "backend:hsdp": (["train.backend=hsdp", "parallel.dp_replicate=2"], None),
+    **{backends.get(name).kind: ([f"train.backend={name}", *backends.get(name).calibrate_with], None)
+       for name in backends.names(planned=True)},
     # cp against ddp, whose own cost is the smallest (the difference of two noisy FSDP runs is noisier); tp against
     # fsdp, as DDP does not replicate tensor-parallel parameters
     "tp": (["train.backend=fsdp", "parallel.tp=2"], "backend:fsdp"),
