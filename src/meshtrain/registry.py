@@ -75,6 +75,10 @@ class ModelSpec:
     # there, and the planner counts what a stage holds from it.
     stage_split: object | None = None
     data_facts: Callable | None = None  # (cfg) -> what build_model takes from the data, without opening a stream
+    # Overrides that make the model tiny (next to no arithmetic) for the planner's calibration of fixed costs
+    # (plan/measured/calibrate.py sets the depth through ModelShape.keys["layers"]); none: not calibrated, its plan
+    # counts one block's dispatch instead
+    tiny: tuple[str, ...] = ()
     source: str = ""  # where it was found (set by get)
 
 

@@ -10,13 +10,20 @@ from pathlib import Path
 
 from meshtrain.registry import ModelSpec
 
+# A language model made tiny for the planner's calibration (width 32, 2 heads, 16 tokens, batch 4): next to no
+# arithmetic, so what a step costs is the layout's fixed costs.
+LANGUAGE_MODEL_TINY = ("model.n_embd=32", "model.n_head=2", "model.block_size=16", "model.batch_size=4",
+                       "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null")
+
 
 def model_spec(init_file: str, *, language_model: bool = False, **fields) -> ModelSpec:
     """The ModelSpec of the model in the folder of `init_file` (its __init__.py), whose presets are that folder's
     presets/; `fields` are the rest of ModelSpec's. A language model (language_model=True) is trained on a text that
-    data=NAME names (data.name), takes the facts build_model needs from the text's meta.json, and can be sampled."""
+    data=NAME names (data.name), takes the facts build_model needs from the text's meta.json, can be sampled, and is
+    calibrated tiny as LANGUAGE_MODEL_TINY says."""
     if language_model:
-        fields = {"data_key": "data.name", "text": True, "data_facts": _text_data_facts, **fields}
+        fields = {"data_key": "data.name", "text": True, "data_facts": _text_data_facts, "tiny": LANGUAGE_MODEL_TINY,
+                  **fields}
     return ModelSpec(presets=Path(init_file).parent / "presets", **fields)
 
 

@@ -74,6 +74,11 @@ SPEC = model_spec(
     __file__, name="vit", summary="NERSC's ViT weather forecaster on ERA5-format fields", run_config=ViTRunConfig,
     data_key="data.root", workload=_workload, shape=_shape, validate=validate, build_model=build_model,
     stage_split=SPLIT, data_facts=_data_facts,
+    # tiny for the planner's calibration: width 32, 50 patches, global batch 8. It differs from a language model's
+    # beyond its blocks (a field-sized head and loss, all tokens gathered before the head under cp).
+    tiny=("model.embed_dim=32", "model.num_heads=2", "model.patch_size=16", "data.crop=[80,160]",
+          "data.global_batch_size=8", "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1",
+          "parallel.microbatches=null"),
     legend=MappingProxyType({
         "val_rmse_u10": "RMSE of the u10 forecast in m/s, per sample over the grid, mean over the validation set",
         "persistence_rmse_u10": "the same RMSE for the persistence forecast (forecast = input): the score to beat",

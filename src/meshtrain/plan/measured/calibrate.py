@@ -1,7 +1,7 @@
 """The fixed costs of each kind of layout on this machine: what a step costs beyond the arithmetic and the bytes the
 cost model counts (operator and DTensor dispatch, FSDP's and DDP's hooks and copies, the pipeline's scheduling),
-measured by training a tiny model of the workload (the GPT: width 32, 16 tokens, batch 4; the ViT: width 32, 50
-patches, global batch 8: next to no arithmetic) at two depths under each kind, on as many ranks as the plan is
+measured by training the model made tiny (its ModelSpec's `tiny` overrides, e.g. a language model of width 32, 16
+tokens, batch 4: next to no arithmetic) at two depths under each kind, on as many ranks as the plan is
 for, less what the model predicts for that run without fixed costs (its matmuls, its attention kernel, its
 collectives' measured times, latency included).
 
@@ -25,21 +25,22 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshtrain import config as config_mod
+from meshtrain import registry
 from meshtrain.data.text import prepare
 from meshtrain.machine import profile
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import predict
 from meshtrain.plan.measured import measure
-from meshtrain.plan.measured.fixed_costs import TINY, cached, cached_slowdown, calibrated_as, key
+from meshtrain.plan.measured.fixed_costs import SLOWDOWN_REFERENCE, cached, cached_slowdown, calibrated, key
 from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.device import pick_device
 from meshtrain.runtime.results import run_ranks
 
 DEPTHS = (4, 8)
-DEPTH_KEY = {"gpt": "model.n_layer", "vit": "model.depth"}
-# Mostly arithmetic, for the slowdown of ranks sharing cores; neither the tiny models' size nor a scored one.
+# Mostly arithmetic (SLOWDOWN_REFERENCE's), for the slowdown of ranks sharing cores; neither a tiny size nor a
+# scored one.
 COMPUTE = ["model.n_embd=192", "model.n_head=4", "model.block_size=48", "model.batch_size=8", "model.n_layer=4",
            "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null",
            "train.backend=ddp"]
@@ -58,37 +59,42 @@ KINDS = {  # kind -> (layout overrides on the tiny model, the kind it is measure
 }
 
 
-def calibrate(ranks: int, kinds: list[str], model: str = "gpt", data_root: str | None = None,
+def calibrate(ranks: int, kinds: list[str], model: str, data_root: str | None = None,
               progress=print) -> dict[str, list[float]]:
     """[seconds per block and micro-step, seconds per step] of each kind on `ranks` ranks for `model`, measuring
-    those not cached (and the kinds they are measured against), and the slowdown of ranks sharing cores. The GPT
-    prepares its own data; the ViT reads `data_root` (its prepared ERA5)."""
+    those not cached (and the kinds they are measured against), and the slowdown of ranks sharing cores. A language
+    model is calibrated on the shipped corpus; any other reads `data_root` (e.g. the ViT's prepared ERA5). A model
+    whose spec gives no tiny configuration is not calibrated (empty)."""
     # first: the fixed costs are what is left beyond the slowed arithmetic (only a CPU's ranks share cores)
     if pick_device(0).type == "cpu" and cached_slowdown(ranks) is None:
         _measure_slowdown(ranks, progress)
-    tiny = calibrated_as(model)
-    known = cached(ranks, tiny)
+    if not calibrated(model):
+        progress(f"no calibration for the {model} model: its ModelSpec gives no tiny configuration (`tiny`)")
+        return {}
+    known = cached(ranks, model)
     wanted = list(dict.fromkeys(k for kind in kinds for k in (KINDS[kind][1], kind) if k))
     missing = [k for k in wanted if k not in known]
     if missing:
-        known = _measure_kinds(ranks, tiny, missing, data_root, known, progress)
+        known = _measure_kinds(ranks, model, missing, data_root, known, progress)
     return known
 
 
-def _measure_kinds(ranks: int, tiny: str, missing: list[str], data_root: str | None, known: dict,
+def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | None, known: dict,
                    progress) -> dict[str, list[float]]:
-    if tiny != "gpt" and data_root is None:
-        raise ValueError(f"calibrating the {tiny} needs its data: pass data_root")
+    spec = registry.get(model)
+    if not spec.text and data_root is None:
+        raise ValueError(f"calibrating the {model} needs its data: pass data_root")
+    depth_key = spec.shape(config_mod.load_config(list(spec.tiny), model)).keys["layers"]
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
-        if tiny == "gpt":
+        if spec.text:  # the shipped corpus, which needs no network
             prepare("shakespeare_char", Path(root))
         times = {}
         for kind in missing:
             overrides, _ = KINDS[kind]
-            runs = [[*TINY[tiny], f"data.root={data_root or root}", f"{DEPTH_KEY[tiny]}={depth}", *overrides]
+            runs = [[*spec.tiny, f"data.root={data_root or root}", f"{depth_key}={depth}", *overrides]
                     for depth in DEPTHS]
-            times[kind] = [_step_s(ranks, tiny, run) - _modelled_s(ranks, tiny, run) for run in runs]
-            progress(f"fixed costs of {kind} on {ranks} ranks ({tiny}): "
+            times[kind] = [_step_s(ranks, model, run) - _modelled_s(ranks, model, run) for run in runs]
+            progress(f"fixed costs of {kind} on {ranks} ranks ({model}): "
                      f"{[f'{s * 1e3:.1f} ms' for s in times[kind]]} beyond the modelled arithmetic and bytes at "
                      f"{DEPTHS} blocks")
     for kind in missing:  # absolute first, then the differences from what each is measured against
@@ -99,29 +105,30 @@ def _measure_kinds(ranks: int, tiny: str, missing: list[str], data_root: str | N
             base_block, base_step = known.get(base) or _absolute(times[base])
             per_block, per_step = per_block - base_block, per_step - base_step
         known[kind] = [per_block, per_step]
-    profile.remember("plan_fixed", key(ranks, tiny), known)
+    profile.remember("plan_fixed", key(ranks, model), known)
     return known
 
 
 def _measure_slowdown(ranks: int, progress) -> float:
-    """How many times slower than alone a rank computes while the others do, in training: the mid-size GPT
-    (COMPUTE, mostly arithmetic) under ddp, its measured step against the model's, whose step time is linear in
-    the slowdown (a × slowdown + b, b: its bytes and ddp's fixed costs)."""
-    ddp = cached(ranks, "gpt").get("backend:ddp") or _measure_kinds(
-        ranks, "gpt", ["backend:ddp"], None, cached(ranks, "gpt"), progress)["backend:ddp"]
+    """How many times slower than alone a rank computes while the others do, in training: a mid-size
+    SLOWDOWN_REFERENCE (COMPUTE, mostly arithmetic) under ddp, its measured step against the model's, whose step
+    time is linear in the slowdown (a × slowdown + b, b: its bytes and ddp's fixed costs)."""
+    reference = SLOWDOWN_REFERENCE
+    ddp = cached(ranks, reference).get("backend:ddp") or _measure_kinds(
+        ranks, reference, ["backend:ddp"], None, cached(ranks, reference), progress)["backend:ddp"]
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
         prepare("shakespeare_char", Path(root))
         overrides = [*COMPUTE, f"data.root={root}"]
         # a step of ranks sharing cores moves by a quarter between runs here: the median of three
-        measured = statistics.median(_step_s(ranks, "gpt", overrides) for _ in range(3))
-        cfg = config_mod.load_config(overrides, "gpt")
+        measured = statistics.median(_step_s(ranks, reference, overrides) for _ in range(3))
+        cfg = config_mod.load_config(overrides, reference)
         dims, facts = ParallelDims.from_config(cfg, ranks), ModelFacts.of(cfg)
     machine = replace(this_machine(ranks), fixed={"backend:ddp": ddp})
     one, two = (predict(facts, cfg, dims, replace(machine, slowdown=s)).step_s for s in (1.0, 2.0))
     slowdown = max(1.0, (measured - (2 * one - two)) / (two - one))
-    progress(f"ranks sharing cores: {ranks} ranks compute {slowdown:.2f}× slower than one alone (a GPT of "
+    progress(f"ranks sharing cores: {ranks} ranks compute {slowdown:.2f}× slower than one alone (a {reference} of "
              f"{facts.num_params / 1e6:.1f}M parameters under ddp: {measured * 1e3:.1f} ms a step)")
-    profile.remember("plan_slowdown", key(ranks, "gpt"), slowdown)
+    profile.remember("plan_slowdown", key(ranks, reference), slowdown)
     return slowdown
 
 

@@ -6,32 +6,25 @@ from __future__ import annotations
 
 import torch
 
+from meshtrain import registry
 from meshtrain.machine import hardware, profile
 from meshtrain.runtime.device import pick_device, threads_per_rank
 
 MODEL_VERSION = 5  # what the fixed costs are measured beyond: a new cost model invalidates the cached ones
-# The tiny model of each workload (the GPT's serves models without their own): next to no arithmetic, its blocks at
-# two depths. The ViT's differs from the GPT's beyond its blocks (a field-sized head and loss, all tokens gathered
-# before the head under context parallelism), so it is calibrated on its own.
-TINY = {
-    "gpt": ["model.n_embd=32", "model.n_head=2", "model.block_size=16", "model.batch_size=4", "model.dropout=0.0",
-            "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null"],
-    "vit": ["model.embed_dim=32", "model.num_heads=2", "model.patch_size=16", "data.crop=[80,160]",
-            "data.global_batch_size=8", "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1",
-            "parallel.microbatches=null"],
-}
+# The slowdown of ranks sharing cores is the machine's, measured once on this workload (calibrate.COMPUTE).
+SLOWDOWN_REFERENCE = "gpt"
 
 
-def calibrated_as(model: str) -> str:
-    """The tiny model whose fixed costs `model` uses."""
-    return model if model in TINY else "gpt"
+def calibrated(model: str) -> bool:
+    """Whether `model` can be calibrated: its ModelSpec says how to make it tiny."""
+    return bool(registry.get(model).tiny)
 
 
 def key(ranks: int, model: str) -> str:
     device = pick_device(0)
     threads = threads_per_rank(ranks) if device.type == "cpu" else 0
     return (f"{profile.profile_key(hardware.describe(device), threads)}|ranks={ranks}|torch={torch.__version__}"
-            f"|model={MODEL_VERSION}|{calibrated_as(model)}")
+            f"|model={MODEL_VERSION}|{model}")
 
 
 def cached(ranks: int, model: str) -> dict[str, list[float]]:
@@ -40,4 +33,4 @@ def cached(ranks: int, model: str) -> dict[str, list[float]]:
 
 
 def cached_slowdown(ranks: int) -> float | None:
-    return profile.read_cache().get("plan_slowdown", {}).get(key(ranks, "gpt"))
+    return profile.read_cache().get("plan_slowdown", {}).get(key(ranks, SLOWDOWN_REFERENCE))

@@ -17,7 +17,7 @@ from meshtrain.plan.measured import fixed_costs
 from meshtrain.runtime.device import pick_device, threads_per_rank
 
 
-def this_machine(ranks_per_node: int, device: str | None = None, model: str = "gpt") -> Machine:
+def this_machine(ranks_per_node: int, device: str | None = None, model: str | None = None) -> Machine:
     """This machine as `ranks_per_node` ranks of a job see it (each with the threads the launcher gives it), with
     the fixed costs calibrate.py measured for that many ranks on `model`'s tiny model, if any."""
     dev = torch.device(device) if device else pick_device(0)
@@ -51,7 +51,7 @@ def this_machine(ranks_per_node: int, device: str | None = None, model: str = "g
                    intra_bps=intra, inter_bps=intra, intra_latency_s=50e-6, inter_latency_s=50e-6,
                    overlap=dev.type != "cpu", slowdown=slowdown, block_overhead_s=block_s,
                    optimizer_tensor_s=tensor_s, curve=curve, gemm=gemm, sdpa=sdpa, collectives=collectives,
-                   fixed=fixed_costs.cached(ranks_per_node, model),
+                   fixed=fixed_costs.cached(ranks_per_node, model) if model else {},
                    attention_timer=functools.partial(attention_seconds, threads) if threads else None,
                    sources={"matmul": "measured here: GEMM rate by shape (m, k, n), attention (SDPA) by sequence "
                                       "length (machine profile)" if gemm else
@@ -62,9 +62,15 @@ def this_machine(ranks_per_node: int, device: str | None = None, model: str = "g
                             "slowdown": f"{ranks_per_node} rank(s) × {threads} thread(s) on {cores} core(s): "
                                         f"{slowdown:.2f}× a rank alone, " + ("calibrated (plan/measured/calibrate.py)"
                                                                             if calibrated else "ranks × threads / cores"),
-                            "fixed costs": f"calibrated here on a tiny {fixed_costs.calibrated_as(model)} "
-                            "(plan/measured/calibrate.py)" if fixed_costs.cached(ranks_per_node, model) else
-                            "dispatch of one block, measured (no calibration)"})
+                            "fixed costs": _fixed_costs_source(ranks_per_node, model)})
+
+
+def _fixed_costs_source(ranks_per_node: int, model: str | None) -> str:
+    if model and fixed_costs.cached(ranks_per_node, model):
+        return f"calibrated here on a tiny {model} (plan/measured/calibrate.py)"
+    why = ("no model named" if not model else "not calibrated yet" if fixed_costs.calibrated(model) else
+           f"the {model} model's spec gives no tiny configuration")
+    return f"dispatch of one block, measured ({why})"
 
 
 _CURVES: dict[tuple[str, str, int], list[tuple[float, float]]] = {}

@@ -1,0 +1,51 @@
+"""Calibration takes what it needs from the model's spec (its `tiny` overrides, its depth key) and names no model:
+each model is calibrated on itself, and one without a tiny configuration is not calibrated at all."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshtrain import registry
+from meshtrain.machine import profile
+from meshtrain.plan.measured import calibrate, fixed_costs
+
+
+@pytest.fixture
+def fake_runs(tmp_path, monkeypatch):
+    """Calibration runs that cost 1 ms per block and 5 ms per step beyond the model (no process started)."""
+    monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    profile.clear()
+    monkeypatch.setattr(calibrate, "cached_slowdown", lambda ranks: 1.0)  # no slowdown run
+    runs = []
+
+    def step_s(ranks, model, overrides):
+        runs.append((model, overrides))
+        depth = next(int(o.split("=")[1]) for o in overrides if o.startswith(("model.n_layer=", "model.depth=")))
+        return 1e-3 * depth + 5e-3
+
+    monkeypatch.setattr(calibrate, "_step_s", step_s)
+    monkeypatch.setattr(calibrate, "_modelled_s", lambda ranks, model, overrides: 0.0)
+    yield runs
+    profile.clear()
+
+
+@pytest.mark.parametrize("model, depth_key", [("gpt", "model.n_layer"), ("llama", "model.n_layer"),
+                                               ("vit", "model.depth")])
+def test_each_model_is_calibrated_tiny_on_itself(fake_runs, tmp_path, model, depth_key):
+    known = calibrate.calibrate(2, ["backend:ddp"], model, data_root=str(tmp_path), progress=lambda _: None)
+    assert known["backend:ddp"] == pytest.approx([1e-3, 5e-3])  # per block, per step
+    tiny = registry.get(model).tiny
+    assert [m for m, _ in fake_runs] == [model, model]
+    assert [o[:len(tiny)] for _, o in fake_runs] == [list(tiny)] * 2
+    assert [o[len(tiny) + 1] for _, o in fake_runs] == [f"{depth_key}=4", f"{depth_key}=8"]
+    assert fixed_costs.cached(2, model) == known  # kept under the model's own name
+
+
+def test_a_model_without_a_tiny_configuration_is_not_calibrated(fake_runs, monkeypatch):
+    plain = dataclasses.replace(registry.get("gpt"), name="plain", tiny=())
+    monkeypatch.setitem(registry._loaded, "plain", plain)
+    said = []
+    assert calibrate.calibrate(2, ["backend:ddp"], "plain", progress=said.append) == {}
+    assert fake_runs == [] and "no tiny configuration" in said[0]
