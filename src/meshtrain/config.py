@@ -22,7 +22,7 @@ import difflib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Protocol, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -129,6 +129,17 @@ class ParallelSection:
     # manual: the sizes above | auto: the fastest layout that fits, by `meshtrain plan`'s model
     plan: Annotated[str, PlanMode] = "manual"
     zero_stage: int = 2  # train.backend=deepspeed: ZeRO stage 1 (optimizer), 2 (+ gradients) or 3 (+ parameters)
+
+
+class RunConfig(Protocol):
+    """A run config, as everything but the model's own code reads it: each model's run config dataclass (the GPT's
+    GPTRunConfig, ...) has these five sections; the model and data sections are the model's own."""
+
+    model: Any
+    data: Any
+    optimizer: OptimizerSection
+    train: TrainSection
+    parallel: ParallelSection
 
 
 # NERSC dl-at-scale-training's flag names -> (meshtrain key, value translation)
@@ -243,7 +254,7 @@ def choices(section: type) -> dict[str, tuple]:
             if get_origin(hint) is Annotated for meta in hint.__metadata__ if get_origin(meta) is Literal}
 
 
-def check_choices(cfg) -> None:
+def check_choices(cfg: RunConfig) -> None:
     """Each choice field of each section of the run config `cfg` holds one of its values."""
     for group in dataclasses.fields(cfg):
         section = getattr(cfg, group.name)
@@ -257,7 +268,7 @@ def check_choices(cfg) -> None:
                 raise ConfigError(f"{group.name}.{key}={value!r}: choose {listed}")
 
 
-def validate(cfg) -> None:
+def validate(cfg: RunConfig) -> None:
     """Every section's choices, the shared rules, then the model's own."""
     m, t, o = cfg.model, cfg.train, cfg.optimizer
     check_choices(cfg)
@@ -282,7 +293,7 @@ def validate(cfg) -> None:
     _validate_layout(cfg)
 
 
-def _validate_layout(cfg) -> None:
+def _validate_layout(cfg: RunConfig) -> None:
     t, o, p = cfg.train, cfg.optimizer, cfg.parallel
     if t.backend not in backends.REGISTRY:
         raise ConfigError(f"train.backend={t.backend!r}: choose one of {', '.join(backends.names())}")
@@ -314,11 +325,11 @@ def _validate_layout(cfg) -> None:
         raise ConfigError("optimizer.warmup_iters and optimizer.grad_clip must not be negative")
 
 
-def to_yaml(cfg) -> str:
+def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def to_dict(cfg) -> dict[str, Any]:
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 

@@ -25,8 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from meshtrain.errors import MeshtrainError
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 ENTRY_POINTS = "meshtrain.models"
 BUILT_IN = {"gpt": "meshtrain.models.gpt:SPEC", "vit": "meshtrain.models.vit:SPEC", "llama": "meshtrain.models.llama:SPEC"}
@@ -110,7 +114,7 @@ def get(name: str) -> ModelSpec:
     return spec
 
 
-def spec_of(cfg) -> ModelSpec:
+def spec_of(cfg: RunConfig) -> ModelSpec:
     """The spec whose run config `cfg` is: one loaded already, else a built-in or installed one (loaded now)."""
     for spec in itertools.chain(list(_loaded.values()), (get(name) for name in names())):
         if type(cfg) is spec.run_config:

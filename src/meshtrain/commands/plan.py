@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from meshtrain import config as config_mod
 from meshtrain.parallel import backends
@@ -21,6 +22,9 @@ from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.log import configure_logging, get_logger, print_rich
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 log = get_logger("plan")
 
@@ -176,7 +180,7 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
     return "; ".join(said)
 
 
-def _validate(args, cfg, ranked: list[Candidate], ranks: int) -> int:
+def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int) -> int:
     """Run a spread of the ranked layouts here and print predicted against measured."""
     if args.system != "this":
         raise systems.PlanError("--validate runs layouts on this machine: use --system this")

@@ -7,8 +7,12 @@ part of the interface.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshtrain.registry import ModelSpec
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 # A language model made tiny for the planner's calibration (width 32, 2 heads, 16 tokens, batch 4): next to no
 # arithmetic, so what a step costs is the layout's fixed costs.
@@ -27,7 +31,7 @@ def model_spec(init_file: str, *, language_model: bool = False, **fields) -> Mod
     return ModelSpec(presets=Path(init_file).parent / "presets", **fields)
 
 
-def _text_data_facts(cfg) -> dict:
+def _text_data_facts(cfg: RunConfig) -> dict:
     from meshtrain.models.language.workload import text_data_facts
 
     return text_data_facts(cfg)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from meshtrain.parallel.context_parallel import apply_context_parallel
 from meshtrain.parallel.data_parallel import apply_data_parallel, wraps
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.runtime.log import get_logger
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 log = get_logger("parallel")
 
@@ -47,7 +51,7 @@ class Recipe:
     cpu_offload: bool = False
 
     @classmethod
-    def of(cls, cfg) -> Recipe:
+    def of(cls, cfg: RunConfig) -> Recipe:
         t, p = cfg.train, cfg.parallel
         return cls(backend=t.backend, activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
                    cp_impl=p.cp_impl, float8=t.float8, compile=t.compile, cuda_graphs=t.cuda_graphs,

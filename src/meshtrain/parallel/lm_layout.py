@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from meshtrain.parallel.data_parallel import gradient_sync
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.pipeline_schedules import StageSplit
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 
 @dataclass
@@ -143,7 +147,7 @@ class LanguageModelLayout(Layout):
         return whole
 
 
-def build_language_model_layout(model: nn.Module, cfg, dims: ParallelDims, mesh, device: torch.device, rank: int, *,
+def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, device: torch.device, rank: int, *,
                                 split: StageSplit, tensor_parallel: Callable) -> LanguageModelLayout:
     """Apply cfg.parallel and cfg.train's layout options to `model` (built identically on every rank) on `mesh`
     (the trainer's DeviceMesh, None on one process), with the model's own `split` (its structure, for the pipeline)
@@ -187,5 +191,5 @@ def build_language_model_layout(model: nn.Module, cfg, dims: ParallelDims, mesh,
     return layout
 
 
-def _microbatches(cfg, dims: ParallelDims) -> int:
+def _microbatches(cfg: RunConfig, dims: ParallelDims) -> int:
     return cfg.parallel.microbatches or dims.pp * cfg.parallel.virtual_stages  # one per stage: the fewest that fill it

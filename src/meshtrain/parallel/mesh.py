@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.parallel import backends
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 DEFAULT_ORDER = "tp-cp-dp-pp"
 ORDER_DIMS = ("tp", "cp", "dp", "pp")
@@ -150,7 +154,7 @@ class ParallelDims:
         return self.coords(rank)["pp"] == self.pp - 1
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, local_world_size: int | None = None) -> ParallelDims:
+    def from_config(cls, cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> ParallelDims:
         """The layout of a run config on `world_size` ranks, every rule that needs the world size, the node size
         or the model's shape checked (check_layout): what `train` and a planner accept is one set."""
         from meshtrain import registry
@@ -195,7 +199,7 @@ def _parts(dim: str) -> tuple[str, ...]:
     return parts
 
 
-def check_layout(dims: ParallelDims, cfg, spec, local_world_size: int) -> None:
+def check_layout(dims: ParallelDims, cfg: RunConfig, spec, local_world_size: int) -> None:
     """Raise MeshError unless `cfg`'s model (its ModelSpec's shape) can be laid out as `dims` on nodes of
     `local_world_size` ranks with cfg.train's backend and dtype. After this, the parallelize functions assume a
     valid layout."""

@@ -45,12 +45,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.shares import Share, stage_shares, tp_local_shape
 from meshtrain.plan.workload import ModelFacts
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 FP32 = 4
 
@@ -77,7 +81,7 @@ class Cost:
         return self.time["step"]
 
 
-def predict(facts: ModelFacts, cfg, dims: ParallelDims, machine: Machine) -> Cost:
+def predict(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> Cost:
     """Memory and step time of `cfg`'s layout `dims` (already checked by ParallelDims.from_config) on `machine`."""
     p, t = cfg.parallel, cfg.train
     facts = facts.for_dp(dims.dp_size)
@@ -108,7 +112,7 @@ class _Micro:
     tokens: int  # tokens a micro-batch puts on this rank (after cp)
 
     @classmethod
-    def of(cls, facts: ModelFacts, cfg, dims: ParallelDims) -> _Micro:
+    def of(cls, facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> _Micro:
         p, t = cfg.parallel, cfg.train
         microbatches = (p.microbatches or dims.pp * p.virtual_stages) if dims.pp > 1 else 1
         samples = facts.batch_size // microbatches
@@ -137,7 +141,7 @@ def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) ->
     return first / virtual, later / virtual
 
 
-def _block_activation_bytes(facts: ModelFacts, cfg, dims: ParallelDims, tokens: int) -> tuple[float, float]:
+def _block_activation_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int) -> tuple[float, float]:
     """(bytes one block saves for one micro-batch on this rank, bytes of its input alone)."""
     width, sp = facts.shape.width, cfg.parallel.sequence_parallel and dims.pp == 1
     whole = facts.shape.activations_per_token
@@ -150,7 +154,7 @@ def _block_activation_bytes(facts: ModelFacts, cfg, dims: ParallelDims, tokens: 
     return per_token * tokens * FP32 * scale, block_input * tokens * FP32
 
 
-def _head_bytes(facts: ModelFacts, cfg, dims: ParallelDims, micro: _Micro) -> float:
+def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro) -> float:
     """The output layer's output, what the loss saves of it and its gradient, for one micro-batch: a decoder's logits
     on this rank's tokens (vocabulary-sharded under loss parallel), or the ViT's whole field on every rank, which
     is also copied once when its patches are put back together into the field."""
@@ -160,7 +164,7 @@ def _head_bytes(facts: ModelFacts, cfg, dims: ParallelDims, micro: _Micro) -> fl
     return 3 * micro.tokens * facts.head_features / sharded * FP32
 
 
-def _memory(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro) -> dict[str, float]:
+def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro) -> dict[str, float]:
     t, p = cfg.train, cfg.parallel
     block, block_input = _block_activation_bytes(facts, cfg, dims, micro.tokens)
     checkpointed = {"none": 0, "full": share.blocks,
@@ -211,7 +215,7 @@ def _memory(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Mi
             "buffers": buffers, "backward working set": working, "peak": max(backward, optimizer_step)}
 
 
-def _time(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro,
+def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
           machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
     t, p = cfg.train, cfg.parallel
     label = "bf16" if t.dtype in ("bf16", "fp16") else "fp32"
@@ -255,7 +259,7 @@ def _time(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micr
              "bubble": bubble, "step": step}, sent)
 
 
-def kinds_of(cfg, dims: ParallelDims) -> list[str]:
+def kinds_of(cfg: RunConfig, dims: ParallelDims) -> list[str]:
     """The kinds of layout whose fixed costs a layout pays (plan/measured/calibrate.py measures each)."""
     p, t = cfg.parallel, cfg.train
     kinds = [backends.get(t.backend).kind]
@@ -268,7 +272,7 @@ def kinds_of(cfg, dims: ParallelDims) -> list[str]:
     return kinds
 
 
-def _fixed_costs(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro, machine: Machine) -> float:
+def _fixed_costs(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro, machine: Machine) -> float:
     """What a step costs beyond arithmetic and bytes: calibrated per kind of layout where calibrate.py measured
     this machine (with ranks sharing cores already in it), else the dispatch of one block per micro-step."""
     kinds = kinds_of(cfg, dims)
@@ -286,7 +290,7 @@ def _on_stage(name: str, facts: ModelFacts, share: Share, dims: ParallelDims, p)
     return name in facts.stage_linears(dims.pp, share.stage, p.pp_schedule, p.virtual_stages)
 
 
-def _communication(facts: ModelFacts, cfg, dims: ParallelDims, share: Share, micro: _Micro,
+def _communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
                    machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
     """Bytes this rank sends per iteration, and their seconds, by kind (dp, tp, cp, pp)."""
     t, p = cfg.train, cfg.parallel

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from meshtrain import config as config_mod
 from meshtrain.errors import MeshtrainError
@@ -18,6 +19,9 @@ from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import Cost, predict
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.workload import ModelFacts
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 CHECKPOINTING = ("none", "selective", "full")
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))  # (schedule, virtual stages per rank)
@@ -55,7 +59,7 @@ class Candidate:
         return self.cost.samples_per_iteration / self.cost.step_s
 
 
-def label(cfg, dims: ParallelDims) -> str:
+def label(cfg: RunConfig, dims: ParallelDims) -> str:
     """A layout in one short line: backend, mesh, schedule, checkpointing."""
     p, t = cfg.parallel, cfg.train
     mesh = [f"dp{dims.dp_replicate}×{dims.dp_shard}" if backends.get(t.backend).replicas else f"dp{dims.dp_size}"]
@@ -92,7 +96,7 @@ def layouts(base, world: int) -> list:
     return found
 
 
-def check(cfg, world: int, ranks_per_node: int) -> ParallelDims:
+def check(cfg: RunConfig, world: int, ranks_per_node: int) -> ParallelDims:
     """The layout's dims, or the error `train` would raise for it."""
     config_mod.validate(cfg)
     return ParallelDims.from_config(cfg, world, ranks_per_node)
@@ -142,7 +146,7 @@ def layout_of(chosen: Candidate) -> dict:
             "train": {"backend": t.backend, "activation_checkpointing": t.activation_checkpointing}}
 
 
-def with_layout(cfg, layout: dict):
+def with_layout(cfg: RunConfig, layout: dict):
     """`cfg` with `layout`'s keys (layout_of); everything else as the user set it."""
     return replace(cfg, parallel=replace(cfg.parallel, plan="manual", **layout["parallel"]),
                    train=replace(cfg.train, **layout["train"]))

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from meshtrain import registry
 from meshtrain.parallel.pipeline_schedules import StageSplit, split_layers, stage_ids
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 
 @dataclass
@@ -31,7 +35,7 @@ class ModelFacts:
     batch_size: int = 0  # per data-parallel rank, once a layout sets dp (for_dp)
 
     @classmethod
-    def of(cls, cfg, data_facts: dict | None = None) -> ModelFacts:
+    def of(cls, cfg: RunConfig, data_facts: dict | None = None) -> ModelFacts:
         """The facts of `cfg`'s model; `data_facts` (e.g. {"meta": {"vocab_size": 50304}}) stands in for the data's
         own when planning for data that is not on this machine."""
         spec = registry.spec_of(cfg)

@@ -4,10 +4,14 @@ the schedule: linear warm-up, then cosine decay."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshtrain.parallel import backends
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 
 def build_optimizer(param_groups: list[dict], device: torch.device, backend: str = "ddp", world_size: int = 1,
@@ -22,7 +26,7 @@ def build_optimizer(param_groups: list[dict], device: torch.device, backend: str
     return optimizer_class(param_groups, **hyper)
 
 
-def scaled_learning_rates(cfg, global_batch: int) -> tuple[float, float, float]:
+def scaled_learning_rates(cfg: RunConfig, global_batch: int) -> tuple[float, float, float]:
     """(lr, min_lr, factor) after the square-root rule lr · sqrt(global_batch / optimizer.base_batch_size)."""
     o = cfg.optimizer
     factor = math.sqrt(global_batch / o.base_batch_size) if o.base_batch_size else 1.0

@@ -24,6 +24,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from meshtrain.train.recorder import MetricsRecorder, check_finite
 from meshtrain.train.sinks import build_sinks
 from meshtrain.train.stopping import Stopping
 
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
+
 log = get_logger("train")
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 RANGES = {"dtf": "forward", "dtb": "backward", "dtfb": "forward_backward"}  # timer section -> profiler range
@@ -58,11 +62,11 @@ class TrainResult:
     preempted: bool = False  # stopped by a signal (SIGTERM, SIGUSR1), with a checkpoint
 
 
-def train(cfg, info: DistInfo) -> TrainResult:
+def train(cfg: RunConfig, info: DistInfo) -> TrainResult:
     return Trainer(cfg, info).run()
 
 
-def resolve_precision(cfg, info: DistInfo) -> tuple[object, machine.Precision | None]:
+def resolve_precision(cfg: RunConfig, info: DistInfo) -> tuple[object, machine.Precision | None]:
     """cfg with train.dtype the one this run computes in (and, on rank 0, why), after the checks of what the
     device can do. Rank 0 chooses for all: nodes of different kinds must still compute in one dtype."""
     t, device = cfg.train, info.torch_device
@@ -77,7 +81,7 @@ def resolve_precision(cfg, info: DistInfo) -> tuple[object, machine.Precision | 
 
 
 class Trainer:
-    def __init__(self, cfg, info: DistInfo):
+    def __init__(self, cfg: RunConfig, info: DistInfo):
         self.info, self.device = info, info.torch_device
         self.spec = registry.spec_of(cfg)
         if cfg.parallel.plan == "auto":

@@ -10,6 +10,7 @@ The workload (token windows, evaluation, samples) is every language model's: mod
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
 from meshtrain.models.gpt.config import GPTRunConfig, validate
@@ -17,13 +18,16 @@ from meshtrain.nn.transformer import block_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
 
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
+
 # Split by pipeline stages, lm_head keeps its own copy of the tied embedding; a checkpoint from any layout has the
 # embedding's optimizer state, which the copy's equals (see parallel.state_dict).
 SPLIT = StageSplit(blocks="transformer.h", first=("transformer.wte", "transformer.wpe", "transformer.drop"),
                    last=("transformer.ln_f", "lm_head"), tied=("lm_head.weight", "transformer.wte.weight"))
 
 
-def _workload(cfg, info, dims):
+def _workload(cfg: RunConfig, info, dims):
     from meshtrain.models.gpt.parallelize import build_gpt_layout
     from meshtrain.models.language.workload import LanguageModelWorkload
 

@@ -5,8 +5,12 @@ its run config (below), its workload (workload.py: token windows in, text sample
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshtrain.config import ConfigError, TrainSection
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 
 @dataclass
@@ -23,7 +27,7 @@ class TextTrainSection(TrainSection):  # the sample written after each evaluatio
     top_k: int | None = 200  # sample among the k likeliest tokens only; null: among all
 
 
-def validate_text_training(cfg) -> None:
+def validate_text_training(cfg: RunConfig) -> None:
     """The rules of training on random token windows."""
     if cfg.train.max_epochs is not None:
         raise ConfigError("train.max_epochs is for the vit workload: a language model samples random windows, which "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,12 +20,15 @@ from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, reduce_scalar
 
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
+
 
 class _Batches:
     """The three samplers of one rank: training windows, and separate ones for evaluation so that
     evaluating never shifts what training sees next."""
 
-    def __init__(self, data_dir: Path, cfg, dp_rank: int, dp_size: int, device: torch.device):
+    def __init__(self, data_dir: Path, cfg: RunConfig, dp_rank: int, dp_size: int, device: torch.device):
         common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=dp_rank,
                       dp_size=dp_size, device=device)
         seed = cfg.train.seed
@@ -47,13 +51,13 @@ class _Batches:
             batches.load_state_dict(state[f"eval_{split}"])
 
 
-def text_data_facts(cfg) -> dict:
+def text_data_facts(cfg: RunConfig) -> dict:
     """What a language model's build takes from its data (the vocabulary in meta.json), without opening the tokens."""
     return {"meta": load_meta(Path(cfg.data.root) / cfg.data.name)}
 
 
 class LanguageModelWorkload:
-    def __init__(self, cfg, info: DistInfo, dims: ParallelDims, *, build_model: Callable, build_layout: Callable):
+    def __init__(self, cfg: RunConfig, info: DistInfo, dims: ParallelDims, *, build_model: Callable, build_layout: Callable):
         """build_model(cfg, data_facts) -> the model; build_layout(model, cfg, dims, mesh, device, rank) -> its
         parallel.lm_layout.LanguageModelLayout."""
         self.cfg, self.info, self.dims, self.device = cfg, info, dims, info.torch_device

@@ -11,11 +11,15 @@ Added to meshtrain by this folder and one line in registry.BUILT_IN: the proof t
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
 from meshtrain.models.llama.config import LlamaRunConfig, ffn_hidden, validate
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 # The output head is its own matrix: nothing tied across the first and last stages.
 SPLIT = StageSplit(blocks="transformer.h", first=("transformer.wte", "transformer.drop"),
@@ -48,7 +52,7 @@ def build_model(cfg: LlamaRunConfig, data_facts: dict):
                              rope_theta=m.rope_theta, dropout=m.dropout))
 
 
-def _workload(cfg, info, dims):
+def _workload(cfg: RunConfig, info, dims):
     from meshtrain.models.language.workload import LanguageModelWorkload
     from meshtrain.models.llama.parallelize import build_llama_layout
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
 from meshtrain.models.vit.config import ViTRunConfig, validate
@@ -18,12 +19,15 @@ from meshtrain.nn.transformer import block_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
 
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
+
 # No pipeline plan (parallelisms below): the split only says where the blocks and ends are, for the planner.
 SPLIT = StageSplit(blocks="blocks", first=("patch_embed",), last=("norm", "head"))
 ERA5_GRID, ERA5_CHANNELS = (721, 1440), 20  # NERSC's ERA5 at 0.25 degrees, what a plan assumes without the data
 
 
-def _data_facts(cfg) -> dict:
+def _data_facts(cfg: RunConfig) -> dict:
     """The grid (after cropping) and channels of the configured data; NERSC's ERA5 when it is not on this machine,
     so that a plan for a machine one does not have needs no copy of the data."""
     d = cfg.data
@@ -39,7 +43,7 @@ def _data_facts(cfg) -> dict:
     return {"img_size": [rows, columns], "channels": len(d.channels) if d.channels else ERA5_CHANNELS}
 
 
-def _workload(cfg, info, dims):
+def _workload(cfg: RunConfig, info, dims):
     from meshtrain.models.vit.workload import ViTWorkload
 
     return ViTWorkload(cfg, info, dims)

@@ -59,6 +59,7 @@ L2 needs each sample's global norms and is refused here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,9 @@ from meshtrain.parallel.tensor_parallel import (
     replicate_module,
     stream_layout,
 )
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 
 @dataclass
@@ -119,7 +123,7 @@ class ViTLayout(Layout):
         return self.vit.unpatchify(gather_tokens(patches.float(), self.cp_group))
 
 
-def build_vit_layout(model: ViT, cfg, dims: ParallelDims, mesh, device: torch.device, rank: int) -> ViTLayout:
+def build_vit_layout(model: ViT, cfg: RunConfig, dims: ParallelDims, mesh, device: torch.device, rank: int) -> ViTLayout:
     """Apply cfg.parallel and cfg.train's layout options to `model` (built identically on every rank) on `mesh`
     (the trainer's DeviceMesh, None on one process). The layout was checked by ParallelDims.from_config."""
     p, recipe = cfg.parallel, Recipe.of(cfg)

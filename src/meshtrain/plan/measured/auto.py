@@ -3,6 +3,8 @@ the planner): the fastest layout that fits on this machine by `meshtrain plan`'s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from meshtrain import config as config_mod
 from meshtrain import registry
 from meshtrain.errors import MeshtrainError
@@ -12,10 +14,13 @@ from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.setup import DistInfo, broadcast_object
 from meshtrain.train.trainer import resolve_precision
 
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
+
 log = get_logger("plan")
 
 
-def resolve(cfg, info: DistInfo):
+def resolve(cfg: RunConfig, info: DistInfo):
     """cfg with its layout keys set by the planner when parallel.plan=auto; any other cfg as it is. Rank 0 plans for
     every rank, in the dtype the run will compute in (the machine's figures are measured, and must not differ
     between ranks)."""

@@ -19,6 +19,7 @@ import statistics
 import tempfile
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,6 +33,9 @@ from meshtrain.runtime import distributed
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.results import record
 from meshtrain.train.trainer import Trainer
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
 
 
 class TensorBytes(TorchDispatchMode):
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             record(args.case, **measure(cfg, info, args.warmup, args.steps), rank=info.rank)
 
 
-def measure(cfg, info, warmup: int, steps: int) -> dict:
+def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
     """Build the run as `train` would, step it `warmup` times, then measure one step's peak and `steps` steps' time."""
     device = info.torch_device
     tracker = TensorBytes() if device.type == "cpu" else None
