@@ -96,10 +96,15 @@ def build(cfg, info):
     return dims, layout, optimizer
 
 
+def engine_of(layout):
+    """The DeepSpeed engine of an engine's layout (parallel/backends/deepspeed.EngineLayout), else None."""
+    return getattr(layout, "engine", None)
+
+
 def whole_parameters(layout) -> dict:
     """Name -> parameter; under DeepSpeed ZeRO-3 gathered from the partitions (outside: empty tensors)."""
     params = dict(layout.model.named_parameters())
-    if layout.engine is None or layout.deepspeed["stage"] < 3:
+    if engine_of(layout) is None or layout.settings["stage"] < 3:
         return {n: p.detach().clone() for n, p in params.items()}
     import deepspeed
 
@@ -148,14 +153,14 @@ def run_case(case: str, info) -> tuple:
         dist.all_reduce(loss)
         diffs["loss"] = max(diffs["loss"], abs(loss.item() / layout.loss_ranks - ref_loss.item()))
         diffs["norm"] = max(diffs["norm"], abs(full(norm).item() - ref_norm.item()) / ref_norm.item())
-        if layout.engine is None:
+        if engine_of(layout) is None:
             diffs["grad"] = max(diffs["grad"], worst(grads, ref_grads))
         ref_opt.step()
         optimizer.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         diffs["param"] = max(diffs["param"], worst(whole_parameters(layout), ref_params))
-    ok = max(diffs.values()) <= TOL and (len(grads) > 0 or layout.engine is not None)
+    ok = max(diffs.values()) <= TOL and (len(grads) > 0 or engine_of(layout) is not None)
     owned = sum(1 for _ in layout.model.named_parameters())
     record(case, equal=ok, worst=diffs, owns=owned)  # grad, param, norm: relative
     return layout, optimizer

@@ -33,24 +33,14 @@ class Layout:
     runnable: nn.Module | None = None  # what a forward calls (wrapped by DDP / compile)
     parts: list[nn.Module] = field(default_factory=list)  # the modules data parallelism wrapped
     aliases: dict[str, str] = field(default_factory=dict)  # see parallel.state_dict
-    deepspeed: dict | None = None  # train.backend=deepspeed: the engine's settings until attach_optimizer
-    engine: object | None = None  # the DeepSpeed engine, which then owns forward, backward and step
 
     # ---- the optimizer and checkpoints ---------------------------------------------------------------------
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer the loop sets learning rates on and steps (DeepSpeed wraps it in its engine)."""
-        if self.deepspeed is None:
-            return optimizer
-        from meshtrain.parallel.backends import deepspeed
-
-        self.engine, optimizer = deepspeed.initialize(self.model, optimizer, **self.deepspeed)
-        self.runnable = self.engine
+        """The optimizer the loop sets learning rates on and steps (an engine's layout wraps it in its engine)."""
         return optimizer
 
     def optimizer_step(self, optimizer, scaler, max_norm: float) -> torch.Tensor | None:
         """Unscale, clip (if max_norm > 0; returns the norm before clipping) and step."""
-        if self.engine is not None:  # it stepped (and clipped, from its config) at the accumulation boundary
-            return torch.tensor(float(self.engine.get_global_grad_norm() or 0.0)) if max_norm > 0 else None
         norm = None
         if max_norm > 0:
             scaler.unscale_(optimizer)
@@ -69,22 +59,13 @@ class Layout:
 
     def save_checkpoint(self, checkpointer, iteration: int, optimizer, trainer_state: dict):
         """A checkpoint of this rank's share of model and optimizer (every rank calls it)."""
-        if self.engine is not None:
-            from meshtrain.parallel.backends import deepspeed
-
-            return checkpointer.save_with(iteration, lambda path: deepspeed.save(self.engine, path),
-                                          trainer_state)
         from meshtrain.parallel.state_dict import model_and_optimizer_state
 
         return checkpointer.save(iteration, model_and_optimizer_state(self.model, optimizer), trainer_state)
 
     def load_checkpoint(self, checkpoint_dir, optimizer, load) -> None:
-        """Load a checkpoint saved under any layout (DeepSpeed's: under deepspeed only); `load(state)` fills a
-        template state dict from it (the checkpointer's: train/checkpoint.dcp_loader(checkpoint_dir))."""
-        if self.engine is not None:
-            from meshtrain.parallel.backends import deepspeed
-
-            return deepspeed.load(self.engine, checkpoint_dir)
+        """Load a checkpoint saved under any layout; `load(state)` fills a template state dict from it (the
+        checkpointer's: train/checkpoint.dcp_loader(checkpoint_dir))."""
         from meshtrain.parallel.state_dict import load_model_and_optimizer_state
 
         load_model_and_optimizer_state(self.model, optimizer, load, self.aliases)

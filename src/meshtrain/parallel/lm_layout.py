@@ -66,13 +66,6 @@ class LanguageModelLayout(Layout):
         (metrics.StepTimer) times forward and backward, or both as one under a pipeline schedule.
         Returns this micro-step's loss / accum (a 0-dim tensor; 0 on ranks without the last pipeline stage)."""
         x, y, positions = self._shard(x, y)
-        if self.engine is not None:
-            with timer("dtf"), autocast:
-                _, loss = self.engine(x, y)
-            with timer("dtb"):
-                self.engine.backward(loss)  # scales by 1 / accumulation itself
-                self.engine.step()  # a real step only at the accumulation boundary
-            return loss.detach().float() / accum
         if self.pipeline is not None:
             for part in self.parts:
                 gradient_sync(part, sync)
@@ -123,15 +116,6 @@ class LanguageModelLayout(Layout):
         if self.dims.world_size == 1:  # FSDP2 on one rank (cpu_offload, float8) still holds DTensors
             return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                     for k, v in self.model.state_dict().items()}
-        if self.engine is not None and self.deepspeed["stage"] == 3:  # partitioned: DeepSpeed gathers to rank 0
-            state = self.engine._zero3_consolidated_16bit_state_dict()
-            if self.rank != 0:
-                return None
-            state = {k: v.detach().cpu() for k, v in state.items()}
-            if self.split.tied:  # a tied weight is listed once
-                copy, source = self.split.tied
-                state.setdefault(copy, state[source])
-            return state
         # Every rank gathers its stage's whole tensors (the shards live on its dp/tp peers)...
         local = full_model_state(self.model)
         first_of_stage = all(c == 0 for d, c in self.dims.coords(self.rank).items() if d != "pp")
@@ -155,7 +139,9 @@ def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: Parallel
     ParallelDims.from_config."""
     p, t = cfg.parallel, cfg.train
     aliases = dict([split.tied]) if split.tied else {}
-    layout = LanguageModelLayout(model=model, dims=dims, mesh=mesh, rank=rank, split=split, aliases=aliases)
+    chosen = backends.get(t.backend)  # an engine (DeepSpeed) runs the steps in a layout of its own
+    layout_class = chosen.module().EngineLayout if chosen.engine else LanguageModelLayout
+    layout = layout_class(model=model, dims=dims, mesh=mesh, rank=rank, split=split, aliases=aliases)
 
     if dims.pp > 1:
         from meshtrain.parallel.pipeline import build_pipeline
@@ -177,9 +163,9 @@ def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: Parallel
     if dims.cp > 1:
         layout.sequence_shard = (dims.coords(rank)["cp"], dims.cp, p.cp_impl)
 
-    if backends.get(t.backend).engine:  # it wraps the model itself, with the optimizer
-        layout.deepspeed = dict(device=device, stage=p.zero_stage, micro_batch_size=cfg.model.batch_size,
-                                grad_accum=t.grad_accum, grad_clip=cfg.optimizer.grad_clip, dtype=t.dtype)
+    if chosen.engine:  # it wraps the model itself, with the optimizer (attach_optimizer)
+        layout.settings = dict(device=device, stage=p.zero_stage, micro_batch_size=cfg.model.batch_size,
+                               grad_accum=t.grad_accum, grad_clip=cfg.optimizer.grad_clip, dtype=t.dtype)
         layout.runnable = model
         return layout
     wrapped = wrap_data_parallel(parts, split.blocks, recipe, dims, mesh, device)

@@ -117,15 +117,22 @@ def build_command(
     command = _as_interpreter(command)
 
     if launcher == "srun":
-        argv = ["srun", f"--nodes={nodes}", f"--ntasks={nproc}", f"--ntasks-per-node={ppn}",
-                f"--cpus-per-task={depth}", "--cpu-bind=cores", "--kill-on-bad-exit=1"]
-        if machine.accelerators:
-            argv.append(f"--gpus-per-node={min(ppn, machine.accelerators)}")
-        return [*argv, *command]
-
+        return [*_srun(nodes, nproc, ppn, depth, machine), *command]
     if launcher != "mpiexec":
         raise LaunchEnvError(f"unknown launcher {launcher!r}: choose auto, torchrun, mpiexec or srun")
-    flavor = mpi_flavor() if flavor == "auto" else flavor
+    return [*_mpiexec(mpi_flavor() if flavor == "auto" else flavor, nproc, ppn, depth, env), *command]
+
+
+def _srun(nodes: int, nproc: int, ppn: int, depth: int, machine: Machine) -> list[str]:
+    argv = ["srun", f"--nodes={nodes}", f"--ntasks={nproc}", f"--ntasks-per-node={ppn}",
+            f"--cpus-per-task={depth}", "--cpu-bind=cores", "--kill-on-bad-exit=1"]
+    if machine.accelerators:
+        argv.append(f"--gpus-per-node={min(ppn, machine.accelerators)}")
+    return argv
+
+
+def _mpiexec(flavor: str, nproc: int, ppn: int, depth: int, env: Mapping[str, str]) -> list[str]:
+    """mpiexec's options in the words of its flavour: ranks, ranks per node, the job's hostfile, cores per rank."""
     hostfile = env.get("PBS_NODEFILE")
     if flavor == "pals":
         argv = ["mpiexec", "-n", str(nproc), "--ppn", str(ppn)]
@@ -142,7 +149,7 @@ def build_command(
         argv += ["-bind-to", f"core:{depth}"]
     else:
         raise LaunchEnvError(f"unknown MPI flavour {flavor!r}: choose auto, {', '.join(MPI_FLAVORS)}")
-    return [*argv, *command]
+    return argv
 
 
 def relaunch(argv: list[str], max_restarts: int) -> int:

@@ -13,12 +13,14 @@ partitions), written inside meshtrain's step directory and published like every 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.parallel.lm_layout import LanguageModelLayout
 
 TAG = "deepspeed"  # the sub-directory of a step directory that holds DeepSpeed's files
 
@@ -59,12 +61,12 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch
     return engine, ds_optimizer
 
 
-def save(engine, directory: Path) -> None:
+def save_partitions(engine, directory: Path) -> None:
     """Every rank writes its partitions to directory/deepspeed/."""
     engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
 
 
-def load(engine, directory: Path) -> None:
+def load_partitions(engine, directory: Path) -> None:
     if not (Path(directory) / TAG).is_dir():
         raise MeshtrainError(f"{directory} is not a DeepSpeed checkpoint: a run saved under another backend resumes "
                              "under a meshtrain backend (ddp, fsdp, ...), not train.backend=deepspeed")
@@ -78,3 +80,48 @@ def consolidated_state(directory: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
+
+
+@dataclass
+class EngineLayout(LanguageModelLayout):
+    """A language model's layout whose forward, backward and optimizer step DeepSpeed's engine runs (data
+    parallelism only: config refuses tp, cp and pp with it)."""
+
+    settings: dict = field(default_factory=dict)  # config()'s keywords and the device, until attach_optimizer
+    engine: object | None = None
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.engine, optimizer = initialize(self.model, optimizer, **self.settings)
+        self.runnable = self.engine
+        return optimizer
+
+    def train_micro_step(self, x, y, *, accum: int, sync: bool, autocast, scaler, timer) -> torch.Tensor:
+        with timer("dtf"), autocast:
+            _, loss = self.engine(x, y)
+        with timer("dtb"):
+            self.engine.backward(loss)  # scales by 1 / accumulation itself
+            self.engine.step()  # a real step only at the accumulation boundary
+        return loss.detach().float() / accum
+
+    def optimizer_step(self, optimizer, scaler, max_norm: float) -> torch.Tensor | None:
+        """The engine stepped (and clipped, from its config) at the accumulation boundary: its norm."""
+        return torch.tensor(float(self.engine.get_global_grad_norm() or 0.0)) if max_norm > 0 else None
+
+    def save_checkpoint(self, checkpointer, iteration: int, optimizer, trainer_state: dict):
+        return checkpointer.save_with(iteration, lambda path: save_partitions(self.engine, path), trainer_state)
+
+    def load_checkpoint(self, checkpoint_dir, optimizer, load) -> None:
+        """Its own partitions only: a checkpoint of another backend resumes under a meshtrain backend."""
+        return load_partitions(self.engine, checkpoint_dir)
+
+    def full_state_for_sampling(self) -> dict[str, torch.Tensor] | None:
+        if self.dims.world_size == 1 or self.settings["stage"] != 3:
+            return super().full_state_for_sampling()
+        state = self.engine._zero3_consolidated_16bit_state_dict()  # partitioned: DeepSpeed gathers to rank 0
+        if self.rank != 0:
+            return None
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        if self.split.tied:  # a tied weight is listed once
+            copy, source = self.split.tied
+            state.setdefault(copy, state[source])
+        return state
