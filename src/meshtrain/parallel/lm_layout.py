@@ -131,8 +131,8 @@ class LanguageModelLayout(Layout):
         return whole
 
 
-def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, device: torch.device, rank: int, *,
-                                split: StageSplit, tensor_parallel: Callable) -> LanguageModelLayout:
+def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, device: torch.device,
+                                rank: int, *, split: StageSplit, tensor_parallel: Callable) -> LanguageModelLayout:
     """Apply cfg.parallel and cfg.train's layout options to `model` (built identically on every rank) on `mesh`
     (the trainer's DeviceMesh, None on one process), with the model's own `split` (its structure, for the pipeline)
     and `tensor_parallel(part, tp_mesh, sequence_parallel=, loss_parallel=)` plan. The layout was checked by
@@ -156,9 +156,12 @@ def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: Parallel
     # stream, no vocab-sharded loss across a stage boundary.
     sequence_parallel, loss_parallel = (p.sequence_parallel, p.loss_parallel) if dims.pp == 1 else (False, False)
     recipe = Recipe.of(cfg)
+
+    def tensor_parallel_part(part: nn.Module, tp_mesh) -> None:
+        tensor_parallel(part, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
     # a stage holds its blocks in a ModuleDict of its own, under the model's own path
-    apply_model_parallelism(parts, split.blocks, recipe, dims, mesh, tensor_parallel=lambda part, tp_mesh: tensor_parallel(
-        part, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
+    apply_model_parallelism(parts, split.blocks, recipe, dims, mesh, tensor_parallel=tensor_parallel_part)
     layout.loss_parallel = dims.tp > 1 and loss_parallel
     if dims.cp > 1:
         layout.sequence_shard = (dims.coords(rank)["cp"], dims.cp, p.cp_impl)

@@ -38,7 +38,7 @@ class Backend:
 
     @property
     def all_reduces(self) -> bool:
-        """DDP: every rank holds the whole parameters and gradients are all-reduced (zero1 shards only the optimizer)."""
+        """DDP: every rank holds the whole parameters, gradients are all-reduced (zero1 shards only the optimizer)."""
         return self.family == "ddp"
 
     @property
@@ -77,8 +77,8 @@ REGISTRY = {b.name: b for b in (
 )}
 
 
-def names(*, planned: bool = False, family: str | None = None) -> tuple[str, ...]:
-    return tuple(n for n, b in REGISTRY.items() if (b.planned or not planned) and family in (None, b.family))
+def names(*, planned: bool = False) -> tuple[str, ...]:
+    return tuple(n for n, b in REGISTRY.items() if b.planned or not planned)
 
 
 def get(name: str) -> Backend:
