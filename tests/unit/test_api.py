@@ -127,6 +127,11 @@ def test_the_recorder_writes_the_trainers_row_with_rates_and_mfu_from_its_sectio
         pass
     with pytest.raises(meshtrain.TrainingDiverged, match=f"training loss is nan at iteration 3.*{tmp_path}"):
         recorder.log(3, math.nan)
+    recorder.divergence_suspect = ". A suspect named by the run"  # the Trainer's, for a model compiled on CPU
+    with recorder.section("dt"):
+        pass
+    with pytest.raises(meshtrain.TrainingDiverged, match="resume from it. A suspect named by the run$"):
+        recorder.log(3, math.inf)
     recorder.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2] and rows[0]["ranks"]["dt"]["slowest"] == 0

@@ -41,14 +41,15 @@ class TrainingDiverged(MeshtrainError, RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is left as it was."""
 
 
-def check_finite(row: Mapping[str, float], step: int, run_dir: Path) -> None:
-    """Raise TrainingDiverged if a loss in `row` (training, or an evaluation's *_loss) is NaN or infinite."""
+def check_finite(row: Mapping[str, float], step: int, run_dir: Path, suspect: str = "") -> None:
+    """Raise TrainingDiverged if a loss in `row` (training, or an evaluation's *_loss) is NaN or infinite;
+    `suspect` names a cause other than the optimisation itself, where the run has one."""
     bad = {k: v for k, v in row.items() if k.endswith("loss") and not math.isfinite(v)}
     if bad:
         what = f"training loss is {bad['loss']}" if "loss" in bad else f"evaluation gave {bad}"
         raise TrainingDiverged(f"{what} at iteration {step}: the model diverged. The last good checkpoint in {run_dir} "
                                "is left as it was; lower the learning rate (optimizer.lr) or lengthen its warm-up "
-                               "(optimizer.warmup_iters) and resume from it")
+                               f"(optimizer.warmup_iters) and resume from it{suspect}")
 
 
 class MetricsRecorder:
@@ -78,6 +79,7 @@ class MetricsRecorder:
         self.local_forward = local_forward
         self.iteration: dict[str, float] = {}  # the section times of the last iteration that ended
         self.mfu_meter = None
+        self.divergence_suspect = ""  # check_finite's `suspect`: set by a run that knows of one
         if info.is_main and flops_per_token:  # MFU is rank 0's figure: only it needs the peak
             from meshtrain import machine
 
@@ -111,7 +113,7 @@ class MetricsRecorder:
                                  "recorder.section('dt'):`")
         loss_value = reduce_scalar(loss, "sum", "all_reduce of the training loss for logging", info.timeout_s,
                                    self.device) / self.loss_ranks
-        check_finite({"loss": loss_value}, step, self.run_dir)
+        check_finite({"loss": loss_value}, step, self.run_dir, self.divergence_suspect)
         rates = self.throughput.rates(times["dt"])
         mfu, impossible = self.mfu_meter(rates["tps_per_gpu"]) if self.mfu_meter and "tps" in rates else (None, None)
         mem_gb = metrics.peak_memory_bytes(self.device) / 2**30

@@ -49,6 +49,11 @@ if TYPE_CHECKING:  # for annotations only
 
 log = get_logger("train")
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch 2.13's inductor can store a whole vector into a reduction's tail on CPU, past its buffer (pytorch/pytorch
+# #196681, open): heap corruption or NaN from a healthy model. Seen here on a 2-layer GPT with GELU, n_embd 32.
+COMPILED_ON_CPU = (". This model is compiled on CPU (train.compile=true), where torch's inductor has a known bug "
+                   "that can produce NaN (pytorch/pytorch#196681): run once with train.compile=false to tell the two "
+                   "apart")
 RANGES = {"dtf": "forward", "dtb": "backward", "dtfb": "forward_backward"}  # timer section -> profiler range
 
 
@@ -197,6 +202,8 @@ class Trainer:
             local_forward=backends.get(t.backend).all_reduces and dims.tp == dims.cp == dims.pp == 1, sinks=self.sinks,
             straggler_ratio=t.straggler_ratio, straggler_intervals=t.straggler_intervals)
         self.layout.time_gradient_reduction(every=t.log_interval)
+        if t.compile and self.device.type == "cpu":
+            self.recorder.divergence_suspect = COMPILED_ON_CPU
         if info.is_main:
             self._log_header()
 
@@ -303,7 +310,7 @@ class Trainer:
         self.model.train()
         if self.epochs:
             row["epoch"] = it / self.epochs
-        check_finite(row, it, self.run_dir)
+        check_finite(row, it, self.run_dir, self.recorder.divergence_suspect)
         self.result.train_loss = row.get("train_loss", row.get("avg_loss", math.nan))
         self.result.val_loss = row.get("val_loss", math.nan)
         self.sinks.log(it, row)
