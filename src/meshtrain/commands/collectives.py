@@ -10,6 +10,7 @@ import sys
 # torch comes with these: only `meshtrain collectives` imports this module, and its options need the library's names.
 import torch
 
+from meshtrain.machine import profile
 from meshtrain.runtime import collectives
 from meshtrain.runtime.collectives import BENCH_OPS, DTYPES, OPTIONAL, parse_bytes
 from meshtrain.runtime.log import get_logger
@@ -81,7 +82,5 @@ def _bench(info: DistInfo, args: argparse.Namespace, native: dict[str, bool]) ->
 
 def _record(info: DistInfo, dtype: str, points: collectives.Points) -> None:
     """Keep the bench's points in the machine profile under this set-up's key (backend, device, ranks, nodes)."""
-    from meshtrain.machine import profile
-
     key = profile.collectives_key(info.backend, info.torch_device, info.world_size, info.num_nodes)
     log.info("recorded in the machine profile %s as %s", profile.record_collectives(key, dtype, points), key)

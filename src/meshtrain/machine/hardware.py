@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtrain.runtime.device import cpus_available
+
 # CPU flags that decide precision; /proc/cpuinfo's names (x86 "flags", Arm "Features").
 _X86_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 _ARM_FLAGS = ("asimd", "sve", "bf16", "fphp", "asimdhp")
@@ -167,8 +169,6 @@ def host_memory_bytes() -> int:
 
 def describe(device: torch.device | str) -> Hardware:
     """The Hardware record of `device` (cheap: flags, properties and environment only)."""
-    from meshtrain.runtime.device import cpus_available
-
     device = torch.device(device)
     name, features, caps, device_memory = device_name(device), (), (), None
     if device.type == "cpu":

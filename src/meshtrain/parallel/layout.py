@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.parallel import float8
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.state_dict import load_model_and_optimizer_state, model_and_optimizer_state
 
 
 @dataclass
@@ -59,15 +60,11 @@ class Layout:
 
     def save_checkpoint(self, checkpointer, iteration: int, optimizer, trainer_state: dict):
         """A checkpoint of this rank's share of model and optimizer (every rank calls it)."""
-        from meshtrain.parallel.state_dict import model_and_optimizer_state
-
         return checkpointer.save(iteration, model_and_optimizer_state(self.model, optimizer), trainer_state)
 
     def load_checkpoint(self, checkpoint_dir, optimizer, load) -> None:
         """Load a checkpoint saved under any layout; `load(state)` fills a template state dict from it (the
         checkpointer's: train/checkpoint.dcp_loader(checkpoint_dir))."""
-        from meshtrain.parallel.state_dict import load_model_and_optimizer_state
-
         load_model_and_optimizer_state(self.model, optimizer, load, self.aliases)
         return None
 

@@ -30,10 +30,14 @@ from torch import nn
 
 from meshtrain.parallel import backends
 from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
+from meshtrain.parallel.context_parallel import shard_sequence
 from meshtrain.parallel.data_parallel import gradient_sync
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelDims, submesh
+from meshtrain.parallel.pipeline import build_pipeline
 from meshtrain.parallel.pipeline_schedules import StageSplit
+from meshtrain.parallel.state_dict import full_model_state
+from meshtrain.parallel.tensor_parallel import loss_parallel_context
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -50,15 +54,11 @@ class LanguageModelLayout(Layout):
     def _shard(self, x: torch.Tensor, y: torch.Tensor):
         if self.sequence_shard is None:
             return x, y, None
-        from meshtrain.parallel.context_parallel import shard_sequence
-
         return shard_sequence(x, y, *self.sequence_shard)
 
     def _loss_context(self):
         if not self.loss_parallel:
             return nullcontext()
-        from meshtrain.parallel.tensor_parallel import loss_parallel_context
-
         return loss_parallel_context(True)
 
     def train_micro_step(self, x, y, *, accum: int, sync: bool, autocast, scaler, timer) -> torch.Tensor:
@@ -111,8 +111,6 @@ class LanguageModelLayout(Layout):
     # ---- what the loop reports ------------------------------------------------------------------------------
     def full_state_for_sampling(self) -> dict[str, torch.Tensor] | None:
         """The whole model's tensors on rank 0 (None elsewhere), gathered from every layout. Every rank calls it."""
-        from meshtrain.parallel.state_dict import full_model_state
-
         if self.dims.world_size == 1:  # FSDP2 on one rank (cpu_offload, float8) still holds DTensors
             return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                     for k, v in self.model.state_dict().items()}
@@ -144,8 +142,6 @@ def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: Parallel
     layout = layout_class(model=model, dims=dims, mesh=mesh, rank=rank, split=split, aliases=aliases)
 
     if dims.pp > 1:
-        from meshtrain.parallel.pipeline import build_pipeline
-
         layout.pipeline = build_pipeline(model, split, submesh(mesh, "pp"), schedule=p.pp_schedule,
                                          microbatches=_microbatches(cfg, dims), virtual_stages=p.virtual_stages,
                                          device=device)

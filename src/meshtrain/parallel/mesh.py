@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshtrain import registry
 from meshtrain.errors import MeshtrainError
 from meshtrain.parallel import backends
 
@@ -157,8 +158,6 @@ class ParallelDims:
     def from_config(cls, cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> ParallelDims:
         """The layout of a run config on `world_size` ranks, every rule that needs the world size, the node size
         or the model's shape checked (check_layout): what `train` and a planner accept is one set."""
-        from meshtrain import registry
-
         p = cfg.parallel
         dims = cls.resolve(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
                            order=p.order)

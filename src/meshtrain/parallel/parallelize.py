@@ -28,10 +28,14 @@ from fnmatch import fnmatch
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
+from meshtrain.nn.transformer import Attention
 from meshtrain.parallel import backends
 from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
 from meshtrain.parallel.mesh import MeshError, ParallelDims
+from meshtrain.parallel.tensor_parallel import block_plan, refuse_prepared, replicate_module
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, blocks: str, tp_plan: dict | None = None,
@@ -99,10 +103,6 @@ def _check_plan(model: nn.Module, plan: dict) -> None:
 
 
 def _tensor_parallel(model: nn.Module, container: nn.Module, blocks: str, plan: dict | None, tp_mesh) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from meshtrain.parallel.tensor_parallel import block_plan, refuse_prepared
-
     refuse_prepared(model, container, "parallelize")
     if plan is None:
         if not all(_is_meshtrain_block(block) for block in container.children()):
@@ -116,10 +116,6 @@ def _tensor_parallel(model: nn.Module, container: nn.Module, blocks: str, plan: 
 def _replicate_the_rest(model: nn.Module, tp_mesh) -> None:
     """Every plain parameter becomes a Replicate DTensor, its module fed and read as plain tensors (replicate_module);
     a parameter two modules share is replaced in each, then tied back to one."""
-    from torch.distributed.tensor import DTensor
-
-    from meshtrain.parallel.tensor_parallel import replicate_module
-
     holders: dict[int, list[tuple[nn.Module, str]]] = {}  # by the old parameter: every (module, name) holding it
     for name, module in model.named_modules():
         plain = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
@@ -137,8 +133,6 @@ def _replicate_the_rest(model: nn.Module, tp_mesh) -> None:
 
 
 def _is_meshtrain_block(block: nn.Module) -> bool:
-    from meshtrain.nn.transformer import Attention
-
     return isinstance(getattr(block, "attn", None), Attention)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
+from meshtrain.machine.datasheet import match_device
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.systems import System
 
@@ -198,8 +199,6 @@ def from_system(system: System) -> Machine:
     """A shipped system: its datasheet peaks (for MFU) and links, and the measured H100 tables, as they are on an
     H100 and scaled by the ratio of datasheet peaks of the same label on any other device. The fp32 label is the
     H100's IEEE fp32 table (torch's default for fp32 matmuls) against the datasheet's fp32 column, not tf32's."""
-    from meshtrain.machine.datasheet import match_device
-
     shipped = shipped_curves()
     reference = match_device(shipped["source"]["device"])
     ratios = {label: system.peak_flops[label] / reference.flops[label] for label in shipped["gemm"]

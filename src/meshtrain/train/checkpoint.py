@@ -22,6 +22,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshtrain import registry
+from meshtrain.config import from_dict
+from meshtrain.parallel.backends import deepspeed
+from meshtrain.parallel.state_dict import load_model_and_optimizer_state, model_and_optimizer_state
 from meshtrain.runtime import rundir
 from meshtrain.runtime.rundir import CHECKPOINTS, LATEST, CheckpointError
 
@@ -127,8 +131,6 @@ class Checkpoints:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **extra) -> Path:
         """Save `step`; `extra` (plain values and tensors) comes back from load(). Returns the step's directory,
         complete once save returns (with async_save: once the next save or wait())."""
-        from meshtrain.parallel.state_dict import model_and_optimizer_state
-
         return self._writer.save(step, model_and_optimizer_state(_unwrapped(model), optimizer),
                                  {"iteration": step, "extra": extra})
 
@@ -143,8 +145,6 @@ class Checkpoints:
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path | None = None) -> dict:
         """Fill `model` and `optimizer` (laid out as they are now) from `path`, by default the latest checkpoint;
         returns {"step": ..., **extra} as saved."""
-        from meshtrain.parallel.state_dict import load_model_and_optimizer_state
-
         path = Path(path) if path else latest_checkpoint(self.run_dir)
         load_model_and_optimizer_state(_unwrapped(model), optimizer, dcp_loader(path))
         saved = load_trainer_state(path)
@@ -230,8 +230,6 @@ def rebuild_model(saved: dict[str, Any]):
     file: the model's registry spec builds it from the saved config, with dropout off."""
     from dataclasses import replace
 
-    from meshtrain import registry
-    from meshtrain.config import from_dict
 
     spec = registry.get(saved.get("spec") or saved.get("workload", "gpt"))  # an exported file names its spec
     if spec.build_model is None:
@@ -246,8 +244,6 @@ def rebuild_model(saved: dict[str, Any]):
 
 def load_whole_model(model, checkpoint_dir: Path) -> None:
     """Fill a one-process model from a checkpoint of any layout: this process reads every shard."""
-    from meshtrain.parallel.backends import deepspeed
-
     if (Path(checkpoint_dir) / deepspeed.TAG).is_dir():
         state = deepspeed.consolidated_state(checkpoint_dir)
         # DeepSpeed lists a tied weight once: give every other name of the same parameter its tensor.

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from meshtrain import machine
 from meshtrain.errors import MeshtrainError
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.setup import DistInfo, collective, gather_objects, reduce_scalar
@@ -81,7 +82,6 @@ class MetricsRecorder:
         self.mfu_meter = None
         self.divergence_suspect = ""  # check_finite's `suspect`: set by a run that knows of one
         if info.is_main and flops_per_token:  # MFU is rank 0's figure: only it needs the peak
-            from meshtrain import machine
 
             peak = machine.peak_flops(self.device, dtype, peak_flops)
             self.mfu_meter = metrics.MFUMeter(flops_per_token, peak, remeasure=(

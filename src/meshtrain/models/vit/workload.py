@@ -25,6 +25,7 @@ from meshtrain.models.vit.config import ViTRunConfig
 from meshtrain.models.vit.metrics import latitude_weighted_rmse, rmse
 from meshtrain.models.vit.model import ViT
 from meshtrain.models.vit.parallelize import build_vit_layout
+from meshtrain.models.vit.plot import save_forecast_png
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, collective
@@ -136,7 +137,6 @@ class ViTWorkload:
         """Rank 0 plots the first validation sample's forecast, truth and error of u10 in physical units."""
         if not self.info.is_main or self.first is None:
             return
-        from meshtrain.models.vit.plot import save_forecast_png
 
         pred, truth, std, mean, channel = self.first
         to_physical = lambda field: (field.float().cpu() * float(std) + float(mean)).numpy()  # noqa: E731

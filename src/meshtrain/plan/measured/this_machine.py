@@ -12,6 +12,8 @@ import torch
 
 from meshtrain.machine import hardware, profile
 from meshtrain.machine.measure import timed_call
+from meshtrain.nn.transformer import Block, attention
+from meshtrain.parallel import context_parallel as cp
 from meshtrain.plan.machines import GemmTable, Machine, SdpaTable
 from meshtrain.plan.measured import fixed_costs
 from meshtrain.runtime.device import pick_device, threads_per_rank
@@ -96,9 +98,6 @@ def _curve(device: torch.device, label: str) -> list[tuple[float, float]]:
 def attention_seconds(threads: int, label: str, heads: int, tokens: int, head_dim: int, causal: bool,
                        ring: int) -> float:
     """The median of a few forward and backward passes of the attention a rank runs, on this CPU at `threads`."""
-    from meshtrain.nn.transformer import attention
-    from meshtrain.parallel import context_parallel as cp
-
     dtype = torch.bfloat16 if label == "bf16" else torch.float32
     q, k, v = (torch.randn(1, heads, tokens, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
     scale = head_dim ** -0.5
@@ -132,8 +131,6 @@ def attention_seconds(threads: int, label: str, heads: int, tokens: int, head_di
 def _fixed_costs(device: torch.device) -> tuple[float, float]:
     """(seconds of a tiny transformer block's forward and backward, seconds per tensor of a fused AdamW step):
     what a step costs beyond its arithmetic, the operators' dispatch."""
-    from meshtrain.nn.transformer import Block
-
     torch.manual_seed(0)
     block = Block(16, 2, 64, causal=True, dropout=0.0, bias=False).to(device)
     x = torch.randn(1, 4, 16, device=device, requires_grad=True)
