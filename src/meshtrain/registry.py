@@ -31,6 +31,7 @@ from meshtrain.errors import MeshtrainError
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
+    from meshtrain.nn.transformer import AutocastActivations
 
 ENTRY_POINTS = "meshtrain.models"
 BUILT_IN = {"gpt": "meshtrain.models.gpt:SPEC", "vit": "meshtrain.models.vit:SPEC", "llama": "meshtrain.models.llama:SPEC"}
@@ -57,6 +58,7 @@ class ModelShape:
     # Elements one block saves for its backward, per token: fp32 eager, without dropout or activation checkpointing
     # (tested against what autograd keeps); a cost model scales it by tokens, dtype and the layout's sharding.
     activations_per_token: int | None = None
+    autocast_activations: AutocastActivations | None = None  # the same under autocast, by dtype
     whole_output: bool = False  # its loss reads the whole output on every tp and cp rank (the ViT's whole field)
     parallelisms: frozenset[str] = frozenset({"tp", "cp", "pp", "deepspeed"})  # which this model's plan supports
     keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> config key, for messages

@@ -3,6 +3,8 @@ near the tensors' own peak, and parallel.plan=auto trains with the layout it pic
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from tests.conftest import output, prepare_data, torchrun
 
@@ -39,7 +41,26 @@ def test_predicted_bytes_are_what_ranks_hold(data_root):
         for key in validate.STATES:
             assert round(check.predicted[key]) == check.measured[key], (name, key, check.predicted, check.measured)
         # the planner's promise (docs/plan.md); these four come within 3% on the box that wrote them
-        assert abs(check.relative("peak")) <= 0.15, (name, check.predicted["peak"], check.measured["peak"])
+        assert abs(check.relative("peak")) <= 0.10, (name, check.predicted["peak"], check.measured["peak"])
+
+
+def test_predicted_peak_under_bf16_autocast_is_the_ranks_peak(data_root):
+    """Under autocast a rank holds what fp32 does not: a 16-bit copy of each weight (DDP) and its own cast of each
+    linear's input, or 16-bit gathered weights whose linears share inputs (FSDP2's mixed precision); attention on a
+    CPU keeps fp32. Pricing activations at 16 bits, as the planner once did, misses these peaks by 21-29%."""
+    base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=bf16", "model.batch_size=8"]
+    machine = replace(machines.from_system(systems.get("polaris")), attention_in_fp32=True)  # the ranks: CPUs
+    layouts = {"ddp": LAYOUTS["ddp"], "fsdp tp2": LAYOUTS["fsdp tp2"]}
+    candidates = []
+    for overrides in layouts.values():
+        cfg = config_mod.load_config([*base, *overrides], "gpt")
+        dims = ParallelDims.from_config(cfg, 4, 4)
+        candidates.append(Candidate(cfg, dims, predict(ModelFacts.of(cfg), cfg, dims, machine), fits=True))
+    checks = validate.run("gpt", base, candidates, 4, steps=1, progress=lambda _: None)
+    for name, check in zip(layouts, checks, strict=True):
+        assert check.measured, f"{name}: {check.error}"
+        assert check.states_exact, (name, check.predicted, check.measured)
+        assert abs(check.relative("peak")) <= 0.10, (name, check.predicted["peak"], check.measured["peak"])
 
 def test_auto_plan_trains_with_the_layout_it_chose(data_root, tmp_path):
     out = torchrun(2, "train", "gpt", "preset=cpu", f"data.root={data_root}", f"train.out_dir={tmp_path}",

@@ -91,3 +91,31 @@ def test_activations_per_token_is_what_autograd_saves(name, overrides):
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         block(x, **kwargs)
     assert sum(saved.values()) / 4 / (2 * tokens) == spec.shape(cfg).activations_per_token
+
+    def saved_under_autocast(samples: int, dtype: torch.dtype) -> int:
+        """Bytes saved by the block's forward in bf16 autocast (on a CPU: attention in fp32), weights included,
+        with its parameters and input in `dtype`."""
+        kept: dict[int, int] = {}
+        weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+        def keep_all(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        inputs = torch.randn(samples, tokens, x.shape[-1], dtype=dtype, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(keep_all, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            block(inputs, **kwargs)
+        return sum(kept.values())
+
+    # what grows with the tokens, against the shape's count; what does not: one bf16 copy of each linear's weight
+    saved = spec.shape(cfg).autocast_activations
+    one, three = saved_under_autocast(1, torch.float32), saved_under_autocast(3, torch.float32)
+    assert (three - one) / (2 * tokens) == saved.fp32 * 4 + saved.low * 2 + saved.attention * 4
+    linears = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+    rotary_table = 2 * tokens * cfg.model.n_embd // cfg.model.n_head // 2 * 4 if name == "llama" else 0  # cos, sin
+    assert one - (three - one) / 2 == linears * 2 + rotary_table
+    block.to(torch.bfloat16)  # FSDP2's mixed precision: 16-bit weights and input, no copies
+    one, three = saved_under_autocast(1, torch.bfloat16), saved_under_autocast(3, torch.bfloat16)
+    assert (three - one) / (2 * tokens) == saved.fp32_16bit_weights * 4 + saved.low_16bit_weights * 2 + \
+        saved.attention * 4

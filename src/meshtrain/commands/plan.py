@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 from meshtrain import config as config_mod
 from meshtrain.parallel import backends
 from meshtrain.plan import machines, search, systems
-from meshtrain.plan.cost import kinds_of, predict
-from meshtrain.plan.measured import calibrate, validate
+from meshtrain.plan.measured import validate
 from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
@@ -181,42 +180,28 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
 
 
 def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int) -> int:
-    """Run a spread of the ranked layouts here and print predicted against measured."""
+    """Run a spread of the ranked layouts here, and parallel.plan=auto's choice, and print predicted against
+    measured, with the dtype they ran in."""
     if args.system != "this":
         raise systems.PlanError("--validate runs layouts on this machine: use --system this")
-    chosen = spread(ranked, args.validate)
-    kinds = sorted({k for c in chosen for k in kinds_of(c.cfg, c.dims)})
-    calibrate.calibrate(ranks, kinds, args.model, cfg.data.root, progress=log.info)
-    machine, facts = machine_of(args), ModelFacts.of(cfg)  # now with the fixed costs: predict again
-    chosen = [replace(c, cost=predict(facts, c.cfg, c.dims, machine)) for c in chosen]
-    checks = validate.run(args.model, args.overrides, chosen, ranks, steps=args.steps,
-                          progress=lambda c: log.info("measured %s", c.candidate.label))
+    log.info("validating in %s (%s)", cfg.train.dtype, "as set" if "train.dtype=" in " ".join(args.overrides)
+             else "what train.dtype=auto picks on this machine")
+    overrides = [*args.overrides, f"train.dtype={cfg.train.dtype}"]
+    checks, auto = validate.validate_plan(args.model, overrides, cfg, ranked, args.validate, args.nodes,
+                                          ranks // args.nodes, lambda: machine_of(args), steps=args.steps,
+                                          progress=log.info)
     print_rich(validation_table(checks))
-    log.info("summary: %s", validate.summary(checks))
+    log.info("summary: %s", validate.summary(checks, auto))
+    log.info("parallel.plan=auto here trains %s: %s", auto.candidate.label,
+             f"{validate.summary(checks, auto)['auto_regret']:.1%} slower than the fastest measured" if auto.measured
+             else "it failed to run")
     return 0
 
 
-def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
-    """`count` layouts across the meshes (tp, cp and its impl, pp and its schedule), in turns: the best of each mesh,
-    then the next best of each, ...; meshes of one kind of parallelism before combinations, so that a validation
-    spans the kinds of layout, not the top rows alone."""
-    by_mesh: dict[tuple, list[Candidate]] = {}
-    for c in ranked:
-        p = c.cfg.parallel
-        by_mesh.setdefault((c.dims.tp, c.dims.cp, p.cp_impl, c.dims.pp, p.pp_schedule), []).append(c)
-    kinds = lambda mesh: sum(size > 1 for size in (mesh[0], mesh[1], mesh[3]))  # noqa: E731
-    by_mesh = dict(sorted(by_mesh.items(), key=lambda item: kinds(item[0])))  # stable: ranked order within
-    chosen, depth = [], 0
-    while len(chosen) < count and any(len(group) > depth for group in by_mesh.values()):
-        chosen += [group[depth] for group in by_mesh.values() if len(group) > depth][:count - len(chosen)]
-        depth += 1
-    return chosen
-
-
-def validation_table(checks: list[validate.Check]):
+def validation_table(checks: list[validate.Check], what: str = ""):
     from rich.table import Table
 
-    out = Table(title="predicted / measured, rank 0 of the fullest stage", title_justify="left")
+    out = Table(title=f"{what}predicted / measured, rank 0 of the fullest stage", title_justify="left")
     for column in ("layout", "params MiB", "grads MiB", "optim MiB", "peak MiB", "peak err", "step ms", "step err"):
         out.add_column(column, justify="left" if column == "layout" else "right")
     mib = lambda v: f"{v / 2**20:.2f}"  # noqa: E731

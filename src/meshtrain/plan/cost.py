@@ -89,7 +89,7 @@ def predict(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Mach
                           virtual_stages=p.virtual_stages if dims.pp > 1 else 1)
     micro = _Micro.of(facts, cfg, dims)
     cost = Cost()
-    stage_costs = [(_memory(facts, cfg, dims, share, micro), _time(facts, cfg, dims, share, micro, machine))
+    stage_costs = [(_memory(facts, cfg, dims, share, micro, machine), _time(facts, cfg, dims, share, micro, machine))
                    for share in shares]
     fullest = max(range(len(shares)), key=lambda i: stage_costs[i][0]["peak"])
     cost.memory, cost.memory_stage = stage_costs[fullest][0], shares[fullest].stage
@@ -141,17 +141,65 @@ def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) ->
     return first / virtual, later / virtual
 
 
-def _block_activation_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int) -> tuple[float, float]:
+def _block_activation_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int,
+                            machine: Machine) -> tuple[float, float]:
     """(bytes one block saves for one micro-batch on this rank, bytes of its input alone)."""
     width, sp = facts.shape.width, cfg.parallel.sequence_parallel and dims.pp == 1
+    block_input = width / (dims.tp if sp else 1) * tokens * FP32
+    if _autocast(cfg) and facts.shape.autocast_activations:
+        return _autocast_block_bytes(facts, cfg, dims, machine, sp) * tokens, block_input
     whole = facts.shape.activations_per_token
     kept_whole = (2 if sp else 4) * width if dims.tp > 1 else 0  # gathered inputs (sp) / norm ins and outs (no sp)
     per_token = kept_whole + (whole - kept_whole) / dims.tp
-    # Under autocast what matmuls and attention save is 16-bit; the two norms' inputs (the fp32 residual) are not.
-    scale = (2 * width * FP32 + (whole - 2 * width) * 2) / (whole * FP32) if cfg.train.dtype in ("bf16", "fp16") \
-        else 1.0
-    block_input = width / (dims.tp if sp else 1)
-    return per_token * tokens * FP32 * scale, block_input * tokens * FP32
+    return per_token * tokens * FP32, block_input
+
+
+def _autocast(cfg: RunConfig) -> bool:
+    return cfg.train.dtype in ("bf16", "fp16")
+
+
+def _autocast_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine, sp: bool) -> float:
+    """Bytes per token one block saves under autocast on tp rank 0 (ModelShape.autocast_activations): the inputs
+    of column-parallel linears are whole on every tp rank (replicated, or gathered under sequence parallel), all
+    else the plan shards is divided by tp; the fp32 part is sharded only by sequence parallel. With 16-bit weights
+    (FSDP2's mixed precision) the linears of one module share their input, else each keeps its own cast."""
+    saved = facts.shape.autocast_activations
+    sixteen_bit_weights = _fsdp_mixed(cfg, dims)
+    fp32, low = ((saved.fp32_16bit_weights, saved.low_16bit_weights) if sixteen_bit_weights
+                 else (saved.fp32, saved.low))
+    column_inputs: dict[str, int] = {}  # by the module the linear sits in, or by the linear
+    if dims.tp > 1:
+        for name, shape in _first_block_linears(facts):
+            if tp_local_shape(name + ".weight", shape, dims.tp)[0] != shape[0]:  # sharded by output: column
+                column_inputs[name.rpartition(".")[0] if sixteen_bit_weights else name] = shape[1]
+    whole = sum(column_inputs.values())
+    low_local = whole + (low - whole) / dims.tp
+    fp32_local = fp32 / dims.tp if sp else fp32
+    attention_bytes = FP32 if machine.attention_in_fp32 else 2
+    return fp32_local * FP32 + low_local * 2 + saved.attention / dims.tp * attention_bytes
+
+
+def _first_block_linears(facts: ModelFacts) -> list[tuple[str, tuple[int, int]]]:
+    prefix = f"{facts.split.blocks}.0." if facts.split else ""
+    return [(n, s) for n, s in facts.linears if n.startswith(prefix)] if prefix else []
+
+
+def _fsdp_mixed(cfg: RunConfig, dims: ParallelDims) -> bool:
+    """FSDP2 gathers 16-bit parameters under autocast (parallel/compose.py's param_dtype)."""
+    return _autocast(cfg) and backends.get(cfg.train.backend).sharded and dims.size("dp_shard_cp") > 1
+
+
+def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share) -> float:
+    """Autocast's 16-bit copy of every linear weight this rank runs, cached for the forward and saved for backward
+    (none under FSDP2, whose gathered parameters are already 16-bit)."""
+    if not _autocast(cfg) or _fsdp_mixed(cfg, dims):
+        return 0.0
+    total = 0
+    for name, shape in facts.linears:
+        if _on_stage(name, facts, share, dims, cfg.parallel):
+            out_features, in_features = tp_local_shape(name + ".weight", shape, dims.tp)
+            total += out_features * in_features
+    return 2.0 * total
 
 
 def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro) -> float:
@@ -161,12 +209,15 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     if facts.shape.whole_output:
         return 4 * micro.samples * facts.tokens * facts.head_features * FP32
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
-    return 3 * micro.tokens * facts.head_features / sharded * FP32
+    # the logits (16-bit under autocast), the loss's fp32 log-softmax of them and its fp32 gradient
+    per_feature = (2 if _autocast(cfg) else FP32) + 2 * FP32
+    return micro.tokens * facts.head_features / sharded * per_feature
 
 
-def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro) -> dict[str, float]:
+def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
+            machine: Machine) -> dict[str, float]:
     t, p = cfg.train, cfg.parallel
-    block, block_input = _block_activation_bytes(facts, cfg, dims, micro.tokens)
+    block, block_input = _block_activation_bytes(facts, cfg, dims, micro.tokens, machine)
     checkpointed = {"none": 0, "full": share.blocks,
                     "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
     kept = (share.blocks - checkpointed) * block + checkpointed * block_input
@@ -198,7 +249,8 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     elif chosen.sharded and dims.size("dp_shard_cp") > 1:
         gathered = share.stage_params - share.blocks * share.block_params  # the root's (embeddings, head, norms)
         blocks_gathered = 2 if chosen.reshard_after_forward else share.blocks  # in use + prefetched, or all
-        buffers = (gathered + blocks_gathered * share.block_params) * FP32 + share.block_params * FP32  # + reduce
+        gathered_bytes = 2 if _fsdp_mixed(cfg, dims) else FP32  # gathered in the compute dtype, reduced in fp32
+        buffers = (gathered + blocks_gathered * share.block_params) * gathered_bytes + share.block_params * FP32
     if dims.pp > 1:  # a receive buffer per micro-batch for each stage's input and its output's gradient
         stages = [share.stage + k * dims.pp for k in range(virtual)]
         ends = sum((s > 0) + (s < dims.pp * virtual - 1) for s in stages)
@@ -209,10 +261,12 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     in_flight, held_grads = (later, grads) if later is not None and later * (kept + head) + grads > \
         first * (kept + head) + earlier else (first, earlier)
     activations, head = in_flight * kept, in_flight * head
-    backward = params + optimizer + buffers + activations + head + held_grads + working
+    copies = _weight_copies(facts, cfg, dims, share)
+    backward = params + optimizer + buffers + activations + head + held_grads + working + copies
     optimizer_step = params + grads + optimizer + buffers
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
-            "buffers": buffers, "backward working set": working, "peak": max(backward, optimizer_step)}
+            "buffers": buffers, "backward working set": working, "16-bit weight copies": copies,
+            "peak": max(backward, optimizer_step)}
 
 
 def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
@@ -236,7 +290,7 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
     else:  # Ulysses: the whole sequence on 1/cp of the heads
         one = machine.attention_s(label, micro.samples, heads // dims.cp, facts.tokens, head_dim, causal=causal)
     attention = share.blocks * one
-    block, _ = _block_activation_bytes(facts, cfg, dims, tokens)
+    block, _ = _block_activation_bytes(facts, cfg, dims, tokens, machine)
     recompute = {"none": 0, "full": 1, "selective": 1 / t.ac_every}[t.activation_checkpointing]
     elementwise = 4 * share.blocks * block / machine.memory_bps
     per_micro = (matmul + attention + elementwise) * (1 + recompute / 3)

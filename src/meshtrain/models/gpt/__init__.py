@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
 from meshtrain.models.gpt.config import GPTRunConfig, validate
-from meshtrain.nn.transformer import block_activations
+from meshtrain.nn.transformer import block_activations, block_autocast_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
 
@@ -43,7 +43,8 @@ def _shape(cfg: GPTRunConfig) -> ModelShape:
     m = cfg.model
     return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_head, mlp_hidden=4 * m.n_embd,
                       tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS,
-                      activations_per_token=block_activations(m.n_embd, m.n_head, 4 * m.n_embd))
+                      activations_per_token=block_activations(m.n_embd, m.n_head, 4 * m.n_embd),
+                      autocast_activations=block_autocast_activations(m.n_embd, m.n_head, 4 * m.n_embd))
 
 
 def build_model(cfg: GPTRunConfig, data_facts: dict):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
 from meshtrain.models.llama.config import LlamaRunConfig, ffn_hidden, validate
+from meshtrain.nn.transformer import AutocastActivations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
 
@@ -33,13 +34,19 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 # Elements a block saves for its backward per token (fp32, no dropout), as autograd's saved-tensor hooks count them
 # (tests/unit/test_registry.py): 11 × width for the norms, projections, rotations and attention, 4 × ffn_hidden for
 # the SwiGLU's gate, up, silu and product, a log-sum-exp per head, half a head of rotary table, two rstds.
+# Under autocast, as (fp32, 16-bit, attention's): the two RMSNorms keep their input and output in fp32 (4 × width),
+# with the log-sum-exp and rstds (the rotary table is per position, not per token: left out); six linears' own casts of their inputs (q, k, v, o, gate, up) and
+# the SwiGLU's four hidden tensors are 16-bit; attention's q, k, v (k and v repeated to every head) and output.
 
 
 def _shape(cfg: LlamaRunConfig) -> ModelShape:
     m = cfg.model
     return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head, mlp_hidden=ffn_hidden(m),
                       tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS,
-                      activations_per_token=11 * m.n_embd + 4 * ffn_hidden(m) + m.n_head + m.n_embd // m.n_head // 2 + 2)
+                      activations_per_token=11 * m.n_embd + 4 * ffn_hidden(m) + m.n_head + m.n_embd // m.n_head // 2 + 2,
+                      autocast_activations=AutocastActivations(
+                          fp32=4 * m.n_embd + m.n_head + 2, low=6 * m.n_embd + 4 * ffn_hidden(m), attention=4 * m.n_embd,
+                          fp32_16bit_weights=4 * m.n_embd + m.n_head + 2, low_16bit_weights=3 * m.n_embd + 4 * ffn_hidden(m)))
 
 
 def build_model(cfg: LlamaRunConfig, data_facts: dict):

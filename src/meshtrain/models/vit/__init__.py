@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
 from meshtrain.models.vit.config import ViTRunConfig, validate
-from meshtrain.nn.transformer import block_activations
+from meshtrain.nn.transformer import block_activations, block_autocast_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
 
@@ -61,7 +61,8 @@ def _shape(cfg: ViTRunConfig) -> ModelShape:
     return ModelShape(width=m.embed_dim, layers=m.depth, heads=m.num_heads, kv_heads=m.num_heads, mlp_hidden=hidden,
                       tokens=tokens, causal=False, batch_size=cfg.data.batch_size, dropout=m.dropout,
                       parallelisms=frozenset({"tp", "cp"}), keys=_KEYS, whole_output=True,
-                      activations_per_token=block_activations(m.embed_dim, m.num_heads, hidden))
+                      activations_per_token=block_activations(m.embed_dim, m.num_heads, hidden),
+                      autocast_activations=block_autocast_activations(m.embed_dim, m.num_heads, hidden))
 
 
 def build_model(cfg: ViTRunConfig, data_facts: dict):

@@ -51,7 +51,8 @@ def this_machine(ranks_per_node: int, device: str | None = None, model: str | No
                    peak={label: max(r for _, r in points) for label, points in curve.items()} or
                    {label: max(table.rates.values()) for label, table in gemm.items()}, memory_bps=memory,
                    intra_bps=intra, inter_bps=intra, intra_latency_s=50e-6, inter_latency_s=50e-6,
-                   overlap=dev.type != "cpu", slowdown=slowdown, block_overhead_s=block_s,
+                   overlap=dev.type != "cpu", slowdown=slowdown, attention_in_fp32=dev.type == "cpu",
+                   block_overhead_s=block_s,
                    optimizer_tensor_s=tensor_s, curve=curve, gemm=gemm, sdpa=sdpa, collectives=collectives,
                    fixed=fixed_costs.cached(ranks_per_node, model) if model else {},
                    attention_timer=functools.partial(attention_seconds, threads) if threads else None,
