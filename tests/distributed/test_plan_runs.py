@@ -27,16 +27,20 @@ LAYOUTS = {  # one of each way of holding a model: replicated, sharded, tensor-p
 def data_root(tmp_path_factory):
     return prepare_data(tmp_path_factory.mktemp("plan-data"))
 
-def test_predicted_bytes_are_what_ranks_hold(data_root):
-    base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=fp32", "model.batch_size=8"]
-    machine = machines.from_system(systems.get("polaris"))  # times are not scored here, only bytes
+
+def measured(base: list[str], layouts: dict[str, list[str]], machine) -> list[validate.Check]:
+    """Each layout predicted on `machine` and run on 4 ranks here for one measured step."""
     candidates = []
-    for overrides in LAYOUTS.values():
+    for overrides in layouts.values():
         cfg = config_mod.load_config([*base, *overrides], "gpt")
         dims = ParallelDims.from_config(cfg, 4, 4)
         candidates.append(Candidate(cfg, dims, predict(ModelFacts.of(cfg), cfg, dims, machine), fits=True))
-    checks = validate.run("gpt", base, candidates, 4, steps=1, progress=lambda _: None)
-    for name, check in zip(LAYOUTS, checks, strict=True):
+    return validate.run("gpt", base, candidates, 4, steps=1, progress=lambda _: None)
+
+def test_predicted_bytes_are_what_ranks_hold(data_root):
+    base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=fp32", "model.batch_size=8"]
+    machine = machines.from_system(systems.get("polaris"))  # times are not scored here, only bytes
+    for name, check in zip(LAYOUTS, measured(base, LAYOUTS, machine), strict=True):
         assert check.measured, f"{name}: {check.error}"
         for key in validate.STATES:
             assert round(check.predicted[key]) == check.measured[key], (name, key, check.predicted, check.measured)
@@ -51,13 +55,7 @@ def test_predicted_peak_under_bf16_autocast_is_the_ranks_peak(data_root):
     base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=bf16", "model.batch_size=8"]
     machine = replace(machines.from_system(systems.get("polaris")), attention_in_fp32=True)  # the ranks: CPUs
     layouts = {"ddp": LAYOUTS["ddp"], "fsdp tp2": LAYOUTS["fsdp tp2"]}
-    candidates = []
-    for overrides in layouts.values():
-        cfg = config_mod.load_config([*base, *overrides], "gpt")
-        dims = ParallelDims.from_config(cfg, 4, 4)
-        candidates.append(Candidate(cfg, dims, predict(ModelFacts.of(cfg), cfg, dims, machine), fits=True))
-    checks = validate.run("gpt", base, candidates, 4, steps=1, progress=lambda _: None)
-    for name, check in zip(layouts, checks, strict=True):
+    for name, check in zip(layouts, measured(base, layouts, machine), strict=True):
         assert check.measured, f"{name}: {check.error}"
         assert check.states_exact, (name, check.predicted, check.measured)
         assert abs(check.relative("peak")) <= 0.10, (name, check.predicted["peak"], check.measured["peak"])
