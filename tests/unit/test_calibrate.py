@@ -27,8 +27,17 @@ def fake_runs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate, "_step_s", step_s)
     monkeypatch.setattr(calibrate, "_modelled_s", lambda ranks, model, overrides: 0.0)
+    monkeypatch.setattr(calibrate, "_record_collectives", lambda ranks, progress: runs.append(("collectives", ranks)))
+    monkeypatch.setattr(calibrate, "recorded_collectives", lambda hw, device: {("all_reduce", 4): [(8.0, 1e-4)]})
     yield runs
     profile.clear()
+
+
+def test_collectives_are_recorded_first_where_the_profile_has_none_for_these_ranks(fake_runs, monkeypatch):
+    calibrate.calibrate(4, [], "gpt", progress=lambda _: None)
+    assert fake_runs == [], "4 ranks are recorded: nothing to do"
+    calibrate.calibrate(2, [], "gpt", progress=lambda _: None)
+    assert fake_runs == [("collectives", 2)], "none for 2 ranks: the bench runs once, before any other"
 
 
 @pytest.mark.parametrize("model, depth_key", [("gpt", "model.n_layer"), ("llama", "model.n_layer"),
@@ -37,7 +46,8 @@ def test_each_model_is_calibrated_tiny_on_itself(fake_runs, tmp_path, model, dep
     known = calibrate.calibrate(2, ["backend:ddp"], model, data_root=str(tmp_path), progress=lambda _: None)
     assert known["backend:ddp"] == pytest.approx([1e-3, 5e-3])  # per block, per step
     tiny = registry.get(model).tiny
-    assert [m for m, _ in fake_runs] == [model, model]
+    assert [m for m, _ in fake_runs] == ["collectives", model, model]
+    del fake_runs[0]
     assert [o[:len(tiny)] for _, o in fake_runs] == [list(tiny)] * 2
     assert [o[len(tiny) + 1] for _, o in fake_runs] == [f"{depth_key}=4", f"{depth_key}=8"]
     assert fixed_costs.cached(2, model) == known  # kept under the model's own name
@@ -48,4 +58,12 @@ def test_a_model_without_a_tiny_configuration_is_not_calibrated(fake_runs, monke
     monkeypatch.setitem(registry._loaded, "plain", plain)
     said = []
     assert calibrate.calibrate(2, ["backend:ddp"], "plain", progress=said.append) == {}
-    assert fake_runs == [] and "no tiny configuration" in said[0]
+    assert fake_runs == [("collectives", 2)] and "no tiny configuration" in said[0]  # the machine's, still
+
+
+@pytest.mark.parametrize("model, heads", [("gpt", ["model.n_head=4"]), ("llama", ["model.n_head=4", "model.n_kv_head=4"]),
+                                          ("vit", ["model.num_heads=4"])])
+def test_tensor_parallel_is_calibrated_at_the_size_a_layout_uses(model, heads):
+    overrides, against = calibrate.runs_of("tp:4", model)
+    assert overrides == ["train.backend=fsdp", "parallel.tp=4", *heads] and against == "backend:fsdp"
+    assert calibrate.runs_of("cp:ring", model) == calibrate.KINDS["cp:ring"]

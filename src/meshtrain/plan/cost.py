@@ -318,7 +318,7 @@ def kinds_of(cfg: RunConfig, dims: ParallelDims) -> list[str]:
     p, t = cfg.parallel, cfg.train
     kinds = [backends.get(t.backend).kind]
     if dims.tp > 1:
-        kinds.append("tp")
+        kinds.append(f"tp:{dims.tp}")  # measured at its size: its collectives' waits grow with the group
     if dims.cp > 1:
         kinds.append(f"cp:{p.cp_impl}")
     if dims.pp > 1:
@@ -326,10 +326,16 @@ def kinds_of(cfg: RunConfig, dims: ParallelDims) -> list[str]:
     return kinds
 
 
+def fixed_kind(kind: str, dtype: str) -> str:
+    """The name a kind's fixed costs go by for a run in `dtype`: under autocast every op pays for its casts, so they
+    are calibrated in the dtype the layout runs in ("bf16:tp:2"; fp32's keep the bare kind)."""
+    return kind if dtype == "fp32" else f"{dtype}:{kind}"
+
+
 def _fixed_costs(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro, machine: Machine) -> float:
     """What a step costs beyond arithmetic and bytes: calibrated per kind of layout where calibrate.py measured
     this machine (with ranks sharing cores already in it), else the dispatch of one block per micro-step."""
-    kinds = kinds_of(cfg, dims)
+    kinds = [fixed_kind(k, cfg.train.dtype) for k in kinds_of(cfg, dims)]
     if machine.fixed and all(k in machine.fixed for k in kinds):
         accum = cfg.train.grad_accum
         return sum(machine.fixed[k][0] * facts.shape.layers * accum + machine.fixed[k][1] for k in kinds)

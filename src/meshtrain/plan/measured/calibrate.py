@@ -7,11 +7,14 @@ collectives' measured times, latency included).
 
     kind                      measured as                       cost added to a layout of that kind
     backend:ddp|zero1|...     that backend over all ranks       per block and micro-step, and per step
-    tp                        fsdp with tp=2                    the difference from fsdp alone
+    tp:N                      fsdp with tp=N                    the difference from fsdp alone
     cp:ring | cp:ulysses      ddp with cp=2                     the difference from ddp alone
     pp:1f1b | pp:gpipe | ...  ddp with pp=2
 
-Two depths (4 and 8 blocks) separate the cost per block from the cost per step. The tiny models are never a size
+Before them, the collectives' times on these ranks are recorded where the machine profile has none
+(`meshtrain collectives --bench --record`), so that what is left as fixed cost is not a link the model assumed.
+Each kind is measured in the dtype the plan runs in (train.dtype=bf16 adds autocast's casts to every op), and
+cached under that name ("bf16:backend:ddp"). Two depths (4 and 8 blocks) separate the cost per block from the cost per step. The tiny models are never a size
 `plan --validate` scores: the costs are fitted on them and scored on the layouts' own sizes. Results are cached in
 the machine profile (~/.cache/meshtrain/machine.json, "plan_fixed") under this device, thread count, torch, rank
 count and tiny model.
@@ -20,6 +23,7 @@ count and tiny model.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -27,16 +31,18 @@ from pathlib import Path
 from meshtrain import config as config_mod
 from meshtrain import registry
 from meshtrain.data.text import prepare
+from meshtrain.errors import MeshtrainError
 from meshtrain.machine import profile
+from meshtrain.machine.hardware import describe
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan.cost import predict
+from meshtrain.plan.cost import fixed_kind, kinds_of, predict
 from meshtrain.plan.measured import measure
 from meshtrain.plan.measured.fixed_costs import SLOWDOWN_REFERENCE, cached, cached_slowdown, calibrated, key
-from meshtrain.plan.measured.this_machine import this_machine
+from meshtrain.plan.measured.this_machine import recorded_collectives, this_machine
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.device import pick_device
-from meshtrain.runtime.results import run_ranks
+from meshtrain.runtime.results import run_ranks, torchrun_argv
 
 DEPTHS = (4, 8)
 # Mostly arithmetic (SLOWDOWN_REFERENCE's), for the slowdown of ranks sharing cores; neither a tiny size nor a
@@ -47,9 +53,8 @@ COMPUTE = ["model.n_embd=192", "model.n_head=4", "model.block_size=48", "model.b
 KINDS = {  # kind -> (layout overrides on the tiny model, the kind it is measured against)
     **{backends.get(name).kind: ([f"train.backend={name}", *backends.get(name).calibrate_with], None)
        for name in backends.names(planned=True)},
-    # cp against ddp, whose own cost is the smallest (the difference of two noisy FSDP runs is noisier); tp against
-    # fsdp, as DDP does not replicate tensor-parallel parameters
-    "tp": (["train.backend=fsdp", "parallel.tp=2"], "backend:fsdp"),
+    # cp against ddp, whose own cost is the smallest (the difference of two noisy FSDP runs is noisier); tp (in
+    # runs_of, at each size) against fsdp, as DDP does not replicate tensor-parallel parameters
     "cp:ring": (["train.backend=ddp", "parallel.cp=2", "parallel.cp_impl=ring"], "backend:ddp"),
     "cp:ulysses": (["train.backend=ddp", "parallel.cp=2", "parallel.cp_impl=ulysses"], "backend:ddp"),
     "pp:1f1b": (["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b"], "backend:ddp"),
@@ -59,28 +64,41 @@ KINDS = {  # kind -> (layout overrides on the tiny model, the kind it is measure
 }
 
 
+def runs_of(kind: str, model: str) -> tuple[list[str], str | None]:
+    """(the tiny model's layout overrides, the kind it is measured against) for `kind`. Tensor parallel is measured
+    at the size the layout uses ("tp:4"): its collectives and their waits grow with the group, and a tiny model
+    gets as many heads as ranks so that it can be split."""
+    if not kind.startswith("tp:"):
+        return KINDS[kind]
+    size, keys = int(kind[3:]), registry.get(model).shape(config_mod.load_config([], model)).keys
+    heads = [f"{keys[k]}={size}" for k in ("heads", "kv_heads") if keys.get(k, "").startswith("model.")]
+    return ["train.backend=fsdp", f"parallel.tp={size}", *dict.fromkeys(heads)], "backend:fsdp"
+
+
 def calibrate(ranks: int, kinds: list[str], model: str, data_root: str | None = None,
-              progress=print) -> dict[str, list[float]]:
+              progress=print, dtype: str = "fp32") -> dict[str, list[float]]:
     """[seconds per block and micro-step, seconds per step] of each kind on `ranks` ranks for `model`, measuring
     those not cached (and the kinds they are measured against), and the slowdown of ranks sharing cores. A language
     model is calibrated on the shipped corpus; any other reads `data_root` (e.g. the ViT's prepared ERA5). A model
     whose spec gives no tiny configuration is not calibrated (empty)."""
-    # first: the fixed costs are what is left beyond the slowed arithmetic (only a CPU's ranks share cores)
+    # first the collectives and the slowed arithmetic: the fixed costs are what is left beyond them
+    if not any(world == ranks for _, world in recorded_collectives(describe(pick_device(0)), pick_device(0))):
+        _record_collectives(ranks, progress)
     if pick_device(0).type == "cpu" and cached_slowdown(ranks) is None:
         _measure_slowdown(ranks, progress)
     if not calibrated(model):
         progress(f"no calibration for the {model} model: its ModelSpec gives no tiny configuration (`tiny`)")
         return {}
     known = cached(ranks, model)
-    wanted = list(dict.fromkeys(k for kind in kinds for k in (KINDS[kind][1], kind) if k))
-    missing = [k for k in wanted if k not in known]
+    wanted = list(dict.fromkeys(k for kind in kinds for k in (runs_of(kind, model)[1], kind) if k))
+    missing = [k for k in wanted if fixed_kind(k, dtype) not in known]
     if missing:
-        known = _measure_kinds(ranks, model, missing, data_root, known, progress)
+        known = _measure_kinds(ranks, model, missing, data_root, known, progress, dtype)
     return known
 
 
 def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | None, known: dict,
-                   progress) -> dict[str, list[float]]:
+                   progress, dtype: str = "fp32") -> dict[str, list[float]]:
     spec = registry.get(model)
     if not spec.text and data_root is None:
         raise ValueError(f"calibrating the {model} needs its data: pass data_root")
@@ -90,23 +108,40 @@ def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | 
             prepare("shakespeare_char", Path(root))
         times = {}
         for kind in missing:
-            overrides, _ = KINDS[kind]
-            runs = [[*spec.tiny, f"data.root={data_root or root}", f"{depth_key}={depth}", *overrides]
-                    for depth in DEPTHS]
+            overrides, _ = runs_of(kind, model)
+            runs = [[*spec.tiny, f"data.root={data_root or root}", f"{depth_key}={depth}", *overrides,
+                     f"train.dtype={dtype}"] for depth in DEPTHS]
             times[kind] = [_step_s(ranks, model, run) - _modelled_s(ranks, model, run) for run in runs]
-            progress(f"fixed costs of {kind} on {ranks} ranks ({model}): "
+            progress(f"fixed costs of {fixed_kind(kind, dtype)} on {ranks} ranks ({model}): "
                      f"{[f'{s * 1e3:.1f} ms' for s in times[kind]]} beyond the modelled arithmetic and bytes at "
                      f"{DEPTHS} blocks")
     for kind in missing:  # absolute first, then the differences from what each is measured against
-        (short, long), base = times[kind], KINDS[kind][1]
+        (short, long), base = times[kind], runs_of(kind, model)[1]
         per_block = (long - short) / (DEPTHS[1] - DEPTHS[0])
         per_step = short - DEPTHS[0] * per_block
         if base:
-            base_block, base_step = known.get(base) or _absolute(times[base])
+            base_block, base_step = known.get(fixed_kind(base, dtype)) or _absolute(times[base])
             per_block, per_step = per_block - base_block, per_step - base_step
-        known[kind] = [per_block, per_step]
+        known[fixed_kind(kind, dtype)] = [per_block, per_step]
     profile.remember("plan_fixed", key(ranks, model), known)
     return known
+
+
+COLLECTIVES = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast"  # what the cost model prices
+
+
+def _record_collectives(ranks: int, progress) -> None:
+    """`meshtrain collectives --bench --record` on `ranks` ranks: each collective's time by message size on this
+    machine, which the cost model reads in place of an assumed link (on a CPU, gloo's latency is hundreds of
+    microseconds between ranks that share cores, not the 50 µs a link would take)."""
+    progress(f"recording the collectives' times on {ranks} ranks (meshtrain collectives --bench --record)")
+    job = subprocess.run(torchrun_argv(ranks, "-m", "meshtrain", "collectives", "--bench", "--record", "--ops",
+                                       COLLECTIVES, "--max-bytes", "16M", "--time-per-size", "0.1"),
+                         capture_output=True, text=True, timeout=900)
+    if job.returncode:
+        raise MeshtrainError(f"calibration: the collectives bench on {ranks} ranks failed (exit {job.returncode}): "
+                             f"{(job.stdout + job.stderr).strip().splitlines()[-1:]}; run it yourself to see why: "
+                             f"torchrun --nproc-per-node {ranks} -m meshtrain collectives --bench --record")
 
 
 def _measure_slowdown(ranks: int, progress) -> float:
@@ -141,7 +176,8 @@ def _modelled_s(ranks: int, model: str, overrides: list[str]) -> float:
     """The step time the cost model gives this run without fixed costs: its arithmetic, its bytes, its bubble."""
     cfg = config_mod.load_config(overrides, model)
     dims = ParallelDims.from_config(cfg, ranks)
-    machine = replace(this_machine(ranks, model=model), fixed=dict.fromkeys(KINDS, [0.0, 0.0]))
+    kinds = [fixed_kind(k, cfg.train.dtype) for k in kinds_of(cfg, dims)]
+    machine = replace(this_machine(ranks, model=model), fixed=dict.fromkeys(kinds, [0.0, 0.0]))
     return predict(ModelFacts.of(cfg), cfg, dims, machine).step_s
 
 

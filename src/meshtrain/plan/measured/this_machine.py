@@ -43,7 +43,7 @@ def this_machine(ranks_per_node: int, device: str | None = None, model: str | No
     cores = hw.cores if dev.type == "cpu" else 0
     calibrated = fixed_costs.cached_slowdown(ranks_per_node)
     slowdown = (calibrated or max(1.0, ranks_per_node * threads / cores)) if cores else 1.0
-    collectives = _recorded_collectives(hw, dev)
+    collectives = recorded_collectives(hw, dev)
     intra = min((max(p[0] / p[1] for p in pts) for pts in collectives.values()), default=1e9)
     return Machine(name="this", devices_per_node=ranks_per_node,
                    # a CPU's ranks share the host's memory
@@ -147,7 +147,9 @@ def _fixed_costs(device: torch.device) -> tuple[float, float]:
     return block_s, tensor_s
 
 
-def _recorded_collectives(hw, device: torch.device) -> dict[tuple[str, int], list[tuple[float, float]]]:
+def recorded_collectives(hw, device: torch.device) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """(op, ranks) -> [(bytes, seconds)] that `meshtrain collectives --bench --record` kept for this device on one
+    node (calibrate.py records them for the ranks it calibrates when none are)."""
     found = {}
     for key, entry in profile.read_cache().get("collectives", {}).items():
         parts = key.split("|")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshtrain.plan import search
-from meshtrain.plan.cost import kinds_of, predict
+from meshtrain.plan.cost import fixed_kind, kinds_of, predict
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.measured import calibrate, measure
 from meshtrain.plan.search import Candidate
@@ -101,11 +101,15 @@ def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list
     """`meshtrain plan --validate`: calibrate this machine's fixed costs for the kinds a spread of `count` ranked
     layouts needs, predict them again with those (`machine()` builds the machine afresh), add the layout
     parallel.plan=auto would train now if the spread lacks it, and measure each. Returns the checks and auto's."""
-    chosen = spread(ranked, count)
+    chosen, facts = spread(ranked, count), ModelFacts.of(cfg)
     kinds = sorted({k for c in chosen for k in kinds_of(c.cfg, c.dims)})
-    calibrate.calibrate(nodes * per_node, kinds, model, cfg.data.root, progress=progress)
-    calibrated, facts = machine(), ModelFacts.of(cfg)
-    auto = search.search(cfg, nodes, per_node, calibrated, facts)[0][0]
+    for _ in range(4):  # auto's pick must stand on measured fixed costs too, not on an uncalibrated kind's guess
+        calibrate.calibrate(nodes * per_node, kinds, model, cfg.data.root, progress=progress, dtype=cfg.train.dtype)
+        calibrated = machine()
+        auto = search.search(cfg, nodes, per_node, calibrated, facts)[0][0]
+        kinds = [k for k in kinds_of(auto.cfg, auto.dims) if fixed_kind(k, cfg.train.dtype) not in calibrated.fixed]
+        if not kinds or not calibrate.calibrated(model):
+            break
     chosen = [replace(c, cost=predict(facts, c.cfg, c.dims, calibrated)) for c in chosen]
     if auto.label not in {c.label for c in chosen}:
         chosen.append(auto)
