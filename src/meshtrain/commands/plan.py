@@ -191,10 +191,10 @@ def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int) -> int:
                                           ranks // args.nodes, lambda: machine_of(args), steps=args.steps,
                                           progress=log.info)
     print_rich(validation_table(checks))
-    log.info("summary: %s", validate.summary(checks, auto))
+    summary = validate.summary(checks, auto)
+    log.info("summary: %s", summary)
     log.info("parallel.plan=auto here trains %s: %s", auto.candidate.label,
-             f"{validate.summary(checks, auto)['auto_regret']:.1%} slower than the fastest measured" if auto.measured
-             else "it failed to run")
+             f"{summary['auto_regret']:.1%} slower than the fastest measured" if auto.measured else "it failed to run")
     return 0
 
 

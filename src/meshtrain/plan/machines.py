@@ -114,7 +114,7 @@ class Machine:
     inter_latency_s: float
     overlap: bool  # data-parallel traffic can hide behind backward (an accelerator's own copy engines and streams)
     slowdown: float = 1.0  # ranks sharing cores: compute runs this many times slower
-    attention_in_fp32: bool = False  # under bf16 autocast attention runs (and saves q, k, v) in fp32: a CPU's
+    attention_in_fp32: bool = False  # a CPU: under autocast meshtrain runs attention (and keeps q, k, v) in fp32
     block_overhead_s: float = 0.0  # fixed cost of one block's forward and backward (operator dispatch)
     optimizer_tensor_s: float = 0.0  # fixed cost per parameter tensor of an optimizer step
     fixed: dict[str, list[float]] = field(default_factory=dict)  # calibrate.py: kind -> [per block, per step] s

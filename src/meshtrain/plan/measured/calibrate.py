@@ -14,10 +14,10 @@ collectives' measured times, latency included).
 Before them, the collectives' times on these ranks are recorded where the machine profile has none
 (`meshtrain collectives --bench --record`), so that what is left as fixed cost is not a link the model assumed.
 Each kind is measured in the dtype the plan runs in (train.dtype=bf16 adds autocast's casts to every op), and
-cached under that name ("bf16:backend:ddp"). Two depths (4 and 8 blocks) separate the cost per block from the cost per step. The tiny models are never a size
-`plan --validate` scores: the costs are fitted on them and scored on the layouts' own sizes. Results are cached in
-the machine profile (~/.cache/meshtrain/machine.json, "plan_fixed") under this device, thread count, torch, rank
-count and tiny model.
+cached under that name ("bf16:backend:ddp"). Two depths (4 and 8 blocks) separate the cost per block from the
+cost per step. The tiny models are never a size `plan --validate` scores: the costs are fitted on them and
+scored on the layouts' own sizes. Results are cached in the machine profile (~/.cache/meshtrain/machine.json,
+"plan_fixed") under this device, thread count, torch, rank count and tiny model.
 """
 
 from __future__ import annotations
