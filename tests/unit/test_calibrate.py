@@ -17,7 +17,7 @@ def fake_runs(tmp_path, monkeypatch):
     """Calibration runs that cost 1 ms per block and 5 ms per step beyond the model (no process started)."""
     monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     profile.clear()
-    monkeypatch.setattr(calibrate, "cached_slowdown", lambda ranks: 1.0)  # no slowdown run
+    monkeypatch.setattr(calibrate, "cached_slowdown", lambda ranks, dtype="fp32": 1.0)  # no slowdown run
     runs = []
 
     def step_s(ranks, model, overrides):

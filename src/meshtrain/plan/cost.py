@@ -295,19 +295,21 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
     elementwise = 4 * share.blocks * block / machine.memory_bps
     per_micro = (matmul + attention + elementwise) * (1 + recompute / 3)
     optimizer_s = 10 * share.params * FP32 / machine.memory_bps
-    compute = (per_micro * micro.count + optimizer_s) * machine.slowdown
+    slowdown = machine.slowdown_under_autocast if _autocast(cfg) and machine.slowdown_under_autocast else \
+        machine.slowdown
+    compute = (per_micro * micro.count + optimizer_s) * slowdown
     compute += _fixed_costs(facts, cfg, dims, share, micro, machine)
 
     sent, seconds = _communication(facts, cfg, dims, share, micro, machine)
     dp_time = seconds.get("dp", 0.0)
     critical = sum(v for k, v in seconds.items() if k != "dp")
-    backward = per_micro * micro.count * machine.slowdown * 2 / 3
+    backward = per_micro * micro.count * slowdown * 2 / 3
     hidden = min(dp_time, 0.8 * backward) if machine.overlap else 0.0
     exposed = critical + dp_time - hidden
     bubble = 0.0
     if dims.pp > 1:
         microbatches = micro.count // t.grad_accum
-        bubble = (dims.pp - 1) / (microbatches * p.virtual_stages) * per_micro * micro.count * machine.slowdown
+        bubble = (dims.pp - 1) / (microbatches * p.virtual_stages) * per_micro * micro.count * slowdown
     step = compute + exposed + bubble
     return ({"compute": compute, **{f"comm {k}": v for k, v in seconds.items()}, "exposed": exposed,
              "bubble": bubble, "step": step}, sent)

@@ -114,6 +114,7 @@ class Machine:
     inter_latency_s: float
     overlap: bool  # data-parallel traffic can hide behind backward (an accelerator's own copy engines and streams)
     slowdown: float = 1.0  # ranks sharing cores: compute runs this many times slower
+    slowdown_under_autocast: float | None = None  # the same for bf16 compute, where calibrated apart
     attention_in_fp32: bool = False  # a CPU: under autocast meshtrain runs attention (and keeps q, k, v) in fp32
     block_overhead_s: float = 0.0  # fixed cost of one block's forward and backward (operator dispatch)
     optimizer_tensor_s: float = 0.0  # fixed cost per parameter tensor of an optimizer step

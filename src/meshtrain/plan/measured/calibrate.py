@@ -38,7 +38,14 @@ from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import fixed_kind, kinds_of, predict
 from meshtrain.plan.measured import measure
-from meshtrain.plan.measured.fixed_costs import SLOWDOWN_REFERENCE, cached, cached_slowdown, calibrated, key
+from meshtrain.plan.measured.fixed_costs import (
+    SLOWDOWN_REFERENCE,
+    cached,
+    cached_slowdown,
+    calibrated,
+    key,
+    slowdown_key,
+)
 from meshtrain.plan.measured.this_machine import recorded_collectives, this_machine
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.device import pick_device
@@ -84,8 +91,8 @@ def calibrate(ranks: int, kinds: list[str], model: str, data_root: str | None = 
     # first the collectives and the slowed arithmetic: the fixed costs are what is left beyond them
     if not any(world == ranks for _, world in recorded_collectives(describe(pick_device(0)), pick_device(0))):
         _record_collectives(ranks, progress)
-    if pick_device(0).type == "cpu" and cached_slowdown(ranks) is None:
-        _measure_slowdown(ranks, progress)
+    if pick_device(0).type == "cpu" and cached_slowdown(ranks, dtype) is None:
+        _measure_slowdown(ranks, progress, dtype)
     if not calibrated(model):
         progress(f"no calibration for the {model} model: its ModelSpec gives no tiny configuration (`tiny`)")
         return {}
@@ -144,26 +151,26 @@ def _record_collectives(ranks: int, progress) -> None:
                              f"torchrun --nproc-per-node {ranks} -m meshtrain collectives --bench --record")
 
 
-def _measure_slowdown(ranks: int, progress) -> float:
-    """How many times slower than alone a rank computes while the others do, in training: a mid-size
+def _measure_slowdown(ranks: int, progress, dtype: str = "fp32") -> float:
+    """How many times slower than alone a rank computes while the others do, in training, in `dtype`: a mid-size
     SLOWDOWN_REFERENCE (COMPUTE, mostly arithmetic) under ddp, its measured step against the model's, whose step
     time is linear in the slowdown (a × slowdown + b, b: its bytes and ddp's fixed costs)."""
-    reference = SLOWDOWN_REFERENCE
-    ddp = cached(ranks, reference).get("backend:ddp") or _measure_kinds(
-        ranks, reference, ["backend:ddp"], None, cached(ranks, reference), progress)["backend:ddp"]
+    reference, ddp_kind = SLOWDOWN_REFERENCE, fixed_kind("backend:ddp", dtype)
+    ddp = cached(ranks, reference).get(ddp_kind) or _measure_kinds(
+        ranks, reference, ["backend:ddp"], None, cached(ranks, reference), progress, dtype)[ddp_kind]
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
         prepare("shakespeare_char", Path(root))
-        overrides = [*COMPUTE, f"data.root={root}"]
+        overrides = [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]
         # a step of ranks sharing cores moves by a quarter between runs here: the median of three
         measured = statistics.median(_step_s(ranks, reference, overrides) for _ in range(3))
         cfg = config_mod.load_config(overrides, reference)
         dims, facts = ParallelDims.from_config(cfg, ranks), ModelFacts.of(cfg)
-    machine = replace(this_machine(ranks), fixed={"backend:ddp": ddp})
+    machine = replace(this_machine(ranks), fixed={ddp_kind: ddp}, slowdown_under_autocast=None)
     one, two = (predict(facts, cfg, dims, replace(machine, slowdown=s)).step_s for s in (1.0, 2.0))
     slowdown = max(1.0, (measured - (2 * one - two)) / (two - one))
-    progress(f"ranks sharing cores: {ranks} ranks compute {slowdown:.2f}× slower than one alone (a {reference} of "
-             f"{facts.num_params / 1e6:.1f}M parameters under ddp: {measured * 1e3:.1f} ms a step)")
-    profile.remember("plan_slowdown", key(ranks, reference), slowdown)
+    progress(f"ranks sharing cores: {ranks} ranks compute {slowdown:.2f}× slower than one alone in {dtype} (a "
+             f"{reference} of {facts.num_params / 1e6:.1f}M parameters under ddp: {measured * 1e3:.1f} ms a step)")
+    profile.remember("plan_slowdown", slowdown_key(ranks, dtype), slowdown)
     return slowdown
 
 

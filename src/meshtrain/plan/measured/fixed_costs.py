@@ -10,7 +10,7 @@ from meshtrain import registry
 from meshtrain.machine import hardware, profile
 from meshtrain.runtime.device import pick_device, threads_per_rank
 
-MODEL_VERSION = 6  # what the fixed costs are measured beyond: a new cost model invalidates the cached ones
+MODEL_VERSION = 7  # what the fixed costs are measured beyond: a new cost model invalidates the cached ones
 # The slowdown of ranks sharing cores is the machine's, measured once on this workload (calibrate.COMPUTE).
 SLOWDOWN_REFERENCE = "gpt"
 
@@ -32,5 +32,10 @@ def cached(ranks: int, model: str) -> dict[str, list[float]]:
     return profile.read_cache().get("plan_fixed", {}).get(key(ranks, model), {})
 
 
-def cached_slowdown(ranks: int) -> float | None:
-    return profile.read_cache().get("plan_slowdown", {}).get(key(ranks, SLOWDOWN_REFERENCE))
+def cached_slowdown(ranks: int, dtype: str = "fp32") -> float | None:
+    return profile.read_cache().get("plan_slowdown", {}).get(slowdown_key(ranks, dtype))
+
+
+def slowdown_key(ranks: int, dtype: str) -> str:
+    """The slowdown of ranks sharing cores is measured in the dtype they compute in: bf16 kernels contend otherwise."""
+    return key(ranks, SLOWDOWN_REFERENCE) + ("" if dtype == "fp32" else f"|{dtype}")
