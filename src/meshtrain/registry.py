@@ -82,8 +82,8 @@ class ModelSpec:
     stage_split: object | None = None
     data_facts: Callable | None = None  # (cfg) -> what build_model takes from the data, without opening a stream
     # Overrides that make the model tiny (next to no arithmetic) for the planner's calibration of fixed costs
-    # (plan/measured/calibrate.py sets the depth through ModelShape.keys["layers"]); none: not calibrated, its plan
-    # counts one block's dispatch instead
+    # (plan/measured/calibrate.py sets the depth through ModelShape.keys["layers"], and the dtype); none: not
+    # calibrated, its plan counts one block's dispatch instead
     tiny: tuple[str, ...] = ()
     source: str = ""  # where it was found (set by get)
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # for annotations only
 # A language model made tiny for the planner's calibration (width 32, 2 heads, 16 tokens, batch 4): next to no
 # arithmetic, so what a step costs is the layout's fixed costs.
 LANGUAGE_MODEL_TINY = ("model.n_embd=32", "model.n_head=2", "model.block_size=16", "model.batch_size=4",
-                       "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null")
+                       "model.dropout=0.0", "train.grad_accum=1", "parallel.microbatches=null")
 
 
 def model_spec(init_file: str, *, language_model: bool = False, **fields) -> ModelSpec:

@@ -82,8 +82,7 @@ SPEC = model_spec(
     # tiny for the planner's calibration: width 32, 50 patches, global batch 8. It differs from a language model's
     # beyond its blocks (a field-sized head and loss, all tokens gathered before the head under cp).
     tiny=("model.embed_dim=32", "model.num_heads=2", "model.patch_size=16", "data.crop=[80,160]",
-          "data.global_batch_size=8", "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1",
-          "parallel.microbatches=null"),
+          "data.global_batch_size=8", "model.dropout=0.0", "train.grad_accum=1", "parallel.microbatches=null"),
     legend=MappingProxyType({
         "val_rmse_u10": "RMSE of the u10 forecast in m/s, per sample over the grid, mean over the validation set",
         "persistence_rmse_u10": "the same RMSE for the persistence forecast (forecast = input): the score to beat",

@@ -55,8 +55,7 @@ DEPTHS = (4, 8)
 # Mostly arithmetic (SLOWDOWN_REFERENCE's), for the slowdown of ranks sharing cores; neither a tiny size nor a
 # scored one.
 COMPUTE = ["model.n_embd=192", "model.n_head=4", "model.block_size=48", "model.batch_size=8", "model.n_layer=4",
-           "model.dropout=0.0", "train.dtype=fp32", "train.grad_accum=1", "parallel.microbatches=null",
-           "train.backend=ddp"]
+           "model.dropout=0.0", "train.grad_accum=1", "parallel.microbatches=null", "train.backend=ddp"]
 KINDS = {  # kind -> (layout overrides on the tiny model, the kind it is measured against)
     **{backends.get(name).kind: ([f"train.backend={name}", *backends.get(name).calibrate_with], None)
        for name in backends.names(planned=True)},
