@@ -232,7 +232,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
-    act_bytes = 2 if t.dtype in ("bf16", "fp16") else FP32
+    act_bytes = 2 if _autocast(cfg) else FP32
     working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
     blocks_per_chunk = share.blocks // virtual
     step = 1 if t.activation_checkpointing == "full" else t.ac_every
@@ -272,7 +272,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
 def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
           machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
     t, p = cfg.train, cfg.parallel
-    label = "bf16" if t.dtype in ("bf16", "fp16") else "fp32"
+    label = "bf16" if _autocast(cfg) else "fp32"
     tokens = micro.tokens
     # compute of one micro-batch on this stage
     matmul = 0.0
@@ -328,6 +328,11 @@ def kinds_of(cfg: RunConfig, dims: ParallelDims) -> list[str]:
     return kinds
 
 
+def fixed_kinds(cfg: RunConfig, dims: ParallelDims) -> list[str]:
+    """The names of the fixed costs this layout pays, in its dtype (calibrate.py measures each)."""
+    return [fixed_kind(k, cfg.train.dtype) for k in kinds_of(cfg, dims)]
+
+
 def fixed_kind(kind: str, dtype: str) -> str:
     """The name a kind's fixed costs go by for a run in `dtype`: under autocast every op pays for its casts, so they
     are calibrated in the dtype the layout runs in ("bf16:tp:2"; fp32's keep the bare kind)."""
@@ -337,7 +342,7 @@ def fixed_kind(kind: str, dtype: str) -> str:
 def _fixed_costs(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro, machine: Machine) -> float:
     """What a step costs beyond arithmetic and bytes: calibrated per kind of layout where calibrate.py measured
     this machine (with ranks sharing cores already in it), else the dispatch of one block per micro-step."""
-    kinds = [fixed_kind(k, cfg.train.dtype) for k in kinds_of(cfg, dims)]
+    kinds = fixed_kinds(cfg, dims)
     if machine.fixed and all(k in machine.fixed for k in kinds):
         accum = cfg.train.grad_accum
         return sum(machine.fixed[k][0] * facts.shape.layers * accum + machine.fixed[k][1] for k in kinds)
@@ -356,7 +361,7 @@ def _communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share:
                    machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
     """Bytes this rank sends per iteration, and their seconds, by kind (dp, tp, cp, pp)."""
     t, p = cfg.train, cfg.parallel
-    act_bytes = 2 if t.dtype in ("bf16", "fp16") else FP32
+    act_bytes = 2 if _autocast(cfg) else FP32
     sent, seconds = {}, {}
 
     def add(kind: str, op: str, dim: str, nbytes: float, times: float) -> None:

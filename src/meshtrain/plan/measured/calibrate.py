@@ -36,7 +36,7 @@ from meshtrain.machine import profile
 from meshtrain.machine.hardware import describe
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan.cost import fixed_kind, kinds_of, predict
+from meshtrain.plan.cost import fixed_kind, fixed_kinds, predict
 from meshtrain.plan.measured import measure
 from meshtrain.plan.measured.fixed_costs import (
     SLOWDOWN_REFERENCE,
@@ -182,8 +182,7 @@ def _modelled_s(ranks: int, model: str, overrides: list[str]) -> float:
     """The step time the cost model gives this run without fixed costs: its arithmetic, its bytes, its bubble."""
     cfg = config_mod.load_config(overrides, model)
     dims = ParallelDims.from_config(cfg, ranks)
-    kinds = [fixed_kind(k, cfg.train.dtype) for k in kinds_of(cfg, dims)]
-    machine = replace(this_machine(ranks, model=model), fixed=dict.fromkeys(kinds, [0.0, 0.0]))
+    machine = replace(this_machine(ranks, model=model), fixed=dict.fromkeys(fixed_kinds(cfg, dims), [0.0, 0.0]))
     return predict(ModelFacts.of(cfg), cfg, dims, machine).step_s
 
 
