@@ -127,7 +127,11 @@ def test_the_recorder_writes_the_trainers_row_with_rates_and_mfu_from_its_sectio
         pass
     with pytest.raises(meshtrain.TrainingDiverged, match=f"training loss is nan at iteration 3.*{tmp_path}"):
         recorder.log(3, math.nan)
-    recorder.divergence_suspect = ". A suspect named by the run"  # the Trainer's, for a model compiled on CPU
+    from meshtrain.train.trainer import divergence_suspect
+
+    assert "pytorch/pytorch#196681" in divergence_suspect(True, torch.device("cpu"))  # what the Trainer sets
+    assert divergence_suspect(False, torch.device("cpu")) == divergence_suspect(True, torch.device("cuda")) == ""
+    recorder.divergence_suspect = ". A suspect named by the run"
     with recorder.section("dt"):
         pass
     with pytest.raises(meshtrain.TrainingDiverged, match="resume from it. A suspect named by the run$"):

@@ -71,6 +71,12 @@ def train(cfg: RunConfig, info: DistInfo) -> TrainResult:
     return Trainer(cfg, info).run()
 
 
+def divergence_suspect(compiled: bool, device: torch.device) -> str:
+    """What a NaN loss message names beside the optimisation itself: torch's inductor bug, for a model compiled on
+    CPU; nothing otherwise."""
+    return COMPILED_ON_CPU if compiled and device.type == "cpu" else ""
+
+
 def resolve_precision(cfg: RunConfig, info: DistInfo) -> tuple[object, machine.Precision | None]:
     """cfg with train.dtype the one this run computes in (and, on rank 0, why), after the checks of what the
     device can do. Rank 0 chooses for all: nodes of different kinds must still compute in one dtype."""
@@ -202,8 +208,7 @@ class Trainer:
             local_forward=backends.get(t.backend).all_reduces and dims.tp == dims.cp == dims.pp == 1, sinks=self.sinks,
             straggler_ratio=t.straggler_ratio, straggler_intervals=t.straggler_intervals)
         self.layout.time_gradient_reduction(every=t.log_interval)
-        if t.compile and self.device.type == "cpu":
-            self.recorder.divergence_suspect = COMPILED_ON_CPU
+        self.recorder.divergence_suspect = divergence_suspect(t.compile, self.device)
         if info.is_main:
             self._log_header()
 
