@@ -23,11 +23,11 @@ scored on the layouts' own sizes. Results are cached in the machine profile (~/.
 from __future__ import annotations
 
 import statistics
-import subprocess
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import meshtrain
 from meshtrain import config as config_mod
 from meshtrain import registry
 from meshtrain.data.text import prepare
@@ -49,7 +49,7 @@ from meshtrain.plan.measured.fixed_costs import (
 from meshtrain.plan.measured.this_machine import recorded_collectives, this_machine
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.device import pick_device
-from meshtrain.runtime.results import run_ranks, torchrun_argv
+from meshtrain.runtime.results import run_ranks
 
 DEPTHS = (4, 8)
 # Mostly arithmetic (SLOWDOWN_REFERENCE's), for the slowdown of ranks sharing cores; neither a tiny size nor a
@@ -141,12 +141,12 @@ def _record_collectives(ranks: int, progress) -> None:
     machine, which the cost model reads in place of an assumed link (on a CPU, gloo's latency is hundreds of
     microseconds between ranks that share cores, not the 50 µs a link would take)."""
     progress(f"recording the collectives' times on {ranks} ranks (meshtrain collectives --bench --record)")
-    job = subprocess.run(torchrun_argv(ranks, "-m", "meshtrain", "collectives", "--bench", "--record", "--ops",
-                                       COLLECTIVES, "--max-bytes", "16M", "--time-per-size", "0.1"),
-                         capture_output=True, text=True, timeout=900)
+    command = Path(meshtrain.__file__).parent / "__main__.py"  # `python -m meshtrain` as torchrun's script
+    job = run_ranks(command, ranks, "collectives", "--bench", "--record", "--ops", COLLECTIVES, "--max-bytes", "16M",
+                    "--time-per-size", "0.1", timeout=900)
     if job.returncode:
         raise MeshtrainError(f"calibration: the collectives bench on {ranks} ranks failed (exit {job.returncode}): "
-                             f"{(job.stdout + job.stderr).strip().splitlines()[-1:]}; run it yourself to see why: "
+                             f"{job.output.strip().splitlines()[-1:]}; run it yourself to see why: "
                              f"torchrun --nproc-per-node {ranks} -m meshtrain collectives --bench --record")
 
 
