@@ -38,7 +38,9 @@ Step time, seconds per iteration:
                  context parallel per block and micro-step, pipeline sends per micro-batch and stage boundary
     exposed      what compute does not hide: on accelerators the data-parallel traffic overlaps backward; tp, cp and
                  pipeline traffic sits on the critical path; on a CPU (gloo shares the cores) nothing overlaps
-    bubble       the schedule's idle fraction: (pp - 1) / (microbatches × virtual stages) of the pipelined work
+    bubble       the time the busiest pipeline rank waits for its input, the schedule played out action by action
+                 (plan/pipeline_time.py): on devices of their own (pp - 1) / (microbatches × virtual stages) of the
+                 pipelined work; where ranks share cores the waiting ones leave them to the busy ones
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.machines import Machine
+from meshtrain.plan.pipeline_time import pipeline_time
 from meshtrain.plan.shares import Share, stage_shares, tp_local_shape
 from meshtrain.plan.workload import ModelFacts
 
@@ -293,12 +296,17 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
     block, _ = _block_activation_bytes(facts, cfg, dims, tokens, machine)
     recompute = {"none": 0, "full": 1, "selective": 1 / t.ac_every}[t.activation_checkpointing]
     elementwise = 4 * share.blocks * block / machine.memory_bps
-    per_micro = (matmul + attention + elementwise) * (1 + recompute / 3)
+    forward = matmul + attention + elementwise
+    per_micro = forward * (1 + recompute / 3)
     optimizer_s = 10 * share.params * FP32 / machine.memory_bps
     slowdown = machine.slowdown_under_autocast if _autocast(cfg) and machine.slowdown_under_autocast else \
         machine.slowdown
-    compute = (per_micro * micro.count + optimizer_s) * slowdown
-    compute += _fixed_costs(facts, cfg, dims, share, micro, machine)
+    pipelined, bubble = per_micro * micro.count * slowdown, 0.0
+    if dims.pp > 1:  # the schedule played out: ranks waiting for their input leave shared cores to the busy ones
+        one_pass = pipeline_time(p.pp_schedule, dims.pp, p.virtual_stages, micro.microbatches, forward / 3,
+                                 forward * (2 + recompute) / 3, slowdown)
+        pipelined, bubble = one_pass.busy * t.grad_accum, (one_pass.makespan - one_pass.busy) * t.grad_accum
+    compute = pipelined + optimizer_s * slowdown + _fixed_costs(facts, cfg, dims, share, micro, machine)
 
     sent, seconds = _communication(facts, cfg, dims, share, micro, machine)
     dp_time = seconds.get("dp", 0.0)
@@ -306,10 +314,6 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
     backward = per_micro * micro.count * slowdown * 2 / 3
     hidden = min(dp_time, 0.8 * backward) if machine.overlap else 0.0
     exposed = critical + dp_time - hidden
-    bubble = 0.0
-    if dims.pp > 1:
-        microbatches = micro.count // t.grad_accum
-        bubble = (dims.pp - 1) / (microbatches * p.virtual_stages) * per_micro * micro.count * slowdown
     step = compute + exposed + bubble
     return ({"compute": compute, **{f"comm {k}": v for k, v in seconds.items()}, "exposed": exposed,
              "bubble": bubble, "step": step}, sent)
@@ -388,10 +392,12 @@ def _communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share:
         add("tp", "all_reduce", "tp", stream, 4 * share.blocks * micro.count)
     if dims.cp > 1:
         kv = 2 * stream / dims.tp * facts.shape.kv_heads / facts.shape.heads
-        if p.cp_impl == "ring":  # K and V go round the ring forward; K, V and their gradients backward
-            add("cp", "send_recv", "cp", kv, 3 * (dims.cp - 1) * share.blocks * micro.count)
-        else:  # Ulysses: q, k, v and the output all-to-all, forward and backward
-            add("cp", "all_to_all", "cp", 2 * stream / dims.tp, 2 * share.blocks * micro.count)
+        if p.cp_impl == "ring":  # K and V go round the ring forward and again backward, then their fp32 gradients
+            add("cp", "send_recv", "cp", kv, 2 * (dims.cp - 1) * share.blocks * micro.count)
+            add("cp", "send_recv", "cp", kv * FP32 / act_bytes, dims.cp * share.blocks * micro.count)
+        else:  # Ulysses: q, k, v in one all-to-all and the output in another, forward and again backward
+            add("cp", "all_to_all", "cp", 3 * stream / dims.tp, 2 * share.blocks * micro.count)
+            add("cp", "all_to_all", "cp", stream / dims.tp, 2 * share.blocks * micro.count)
     if dims.pp > 1:  # activations forward, their gradients backward, per micro-batch and boundary
         boundaries = 2 * p.virtual_stages if not (share.first or share.last) else 2 * p.virtual_stages - 1
         add("pp", "send_recv", "pp", micro.samples * facts.tokens * facts.shape.width * act_bytes,
