@@ -41,6 +41,7 @@ Float8 = Literal["off", "tensorwise", "rowwise"]  # parallel/float8.py
 Checkpointing = Literal["none", "full", "selective"]  # parallel/checkpointing.py
 Wandb = Literal["off", "offline", "online"]  # train/sinks.py
 PlanMode = Literal["manual", "auto"]  # auto: plan/search.py picks the layout
+MemoryCheck = Literal["error", "warn", "off"]  # plan/measured/preflight.py
 InitFrom = Literal["scratch", "resume", "auto"]  # the starts every model has; a model's own rules may add others
 DTYPES, PROFILERS, CP_IMPLS, FLOAT8 = get_args(Dtype), get_args(Profiler), get_args(CpImpl), get_args(Float8)
 
@@ -77,8 +78,14 @@ class TrainSection:
     ac_every: int = 2  # selective: every ac_every-th block is recomputed
     max_iters: int = 2000  # optimizer steps of the run (replaced by max_epochs when that is set)
     grad_accum: int = 1  # micro-steps per iteration; only the last one synchronises gradients
+    # samples per iteration over all ranks: when set, grad_accum follows from it (global / (micro-batch × data-
+    # parallel ranks)), so a run resumed on other ranks keeps its batch, learning rate and data
+    global_batch_size: int | None = None
+    sample_ledger: bool = False  # write the samples every iteration read (all ranks') to the run's ledger.txt
+    # before the first step, the planner's predicted peak per rank against the memory this rank has: error | warn | off
+    memory_check: Annotated[str, MemoryCheck] = "error"
     eval_interval: int = 250  # iterations between evaluations (and checkpoints)
-    eval_iters: int = 20  # batches per split in one evaluation (a language model)
+    eval_iters: int = 20  # global batches per split in one evaluation (the ViT: at most, of its validation split)
     log_interval: int = 10  # iterations between log lines (and the timings they show)
     # a rank that reaches its step's first collective later than the median rank by more than (straggler_ratio - 1)
     # × the median step, for straggler_intervals log intervals in a row, is named in one warning (train/rank_stats.py)
@@ -228,8 +235,47 @@ def load_config(overrides: list[str] = (), workload: str = "gpt"):
         except OmegaConfBaseException as e:
             raise _explain(e, schema, item) from None
     run = OmegaConf.to_object(cfg)
+    _choices_in_lower_case(run)
     validate(run)
     return run
+
+
+def _choices_in_lower_case(cfg: RunConfig) -> None:
+    """Choices typed in another case (`train.backend=DDP`, as some seeds spell them) become the names they match."""
+    for group in dataclasses.fields(cfg):
+        section = getattr(cfg, group.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        named = {key: [str(a) for a in allowed] for key, allowed in choices(type(section)).items()}
+        if group.name == "train":
+            named["backend"] = list(backends.REGISTRY)
+        for key, allowed in named.items():
+            value = getattr(section, key)
+            if isinstance(value, str) and value not in allowed and value.lower() in allowed:
+                setattr(section, key, value.lower())
+
+
+def with_global_batch(cfg: RunConfig, dp_size: int):
+    """cfg with train.grad_accum following from train.global_batch_size, where it is set: the global batch over
+    (micro-batch × data-parallel ranks). A size that does not divide gets one error naming sizes that would."""
+    t = cfg.train
+    if t.global_batch_size is None:
+        return cfg
+    micro, key = registry.spec_of(cfg).shape(cfg).batch_size, registry.spec_of(cfg).shape(cfg).keys["batch_size"]
+    share = micro * dp_size
+    accum, rest = divmod(t.global_batch_size, share)
+    if rest or not accum:
+        per_rank = t.global_batch_size / dp_size
+        batches = [b for b in range(1, micro + 1) if per_rank == int(per_rank) and int(per_rank) % b == 0]
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a whole number of micro-steps of "
+                          f"{dp_size} data-parallel rank(s) × {key}={micro} ({share} samples): use a multiple of "
+                          f"{share} ({', '.join(str(share * k) for k in (accum, accum + 1) if k)})"
+                          + (f", or {key} = one of {', '.join(map(str, batches[-6:]))}" if batches else ""))
+    if t.grad_accum not in (1, accum):
+        raise ConfigError(f"train.grad_accum={t.grad_accum} and train.global_batch_size={t.global_batch_size} "
+                          f"disagree on {dp_size} data-parallel rank(s) × {key}={micro} (that global batch needs "
+                          f"grad_accum={accum}): set one of them")
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=accum))
 
 
 def _keep_words(schema: DictConfig, item: str) -> str:
@@ -273,10 +319,15 @@ def validate(cfg: RunConfig) -> None:
     m, t, o = cfg.model, cfg.train, cfg.optimizer
     check_choices(cfg)
     check_positive({"train.max_iters": t.max_iters, "train.grad_accum": t.grad_accum,
+                    "train.global_batch_size": t.global_batch_size,
                      "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters,
                      "train.log_interval": t.log_interval, "train.max_epochs": t.max_epochs,
                      "train.profile_steps": t.profile_steps, "optimizer.base_batch_size": o.base_batch_size,
                      "train.straggler_intervals": t.straggler_intervals, "train.ac_every": t.ac_every})
+    if t.global_batch_size is not None and getattr(cfg.data, "global_batch_size", None) is not None:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} and data.global_batch_size="
+                          f"{cfg.data.global_batch_size}: the first sets the accumulation, the second the batch per "
+                          "rank; set one of them")
     if t.straggler_ratio <= 1:
         raise ConfigError(f"train.straggler_ratio={t.straggler_ratio}: a ratio to the median step, above 1 (1.2: "
                           "warn of a rank that keeps the others waiting 20% of a step)")

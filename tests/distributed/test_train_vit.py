@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, rewound_copy, torchrun
+from tests.conftest import REPO, clean_env, output, torchrun
 
 # 4 channels on a 32 x 64 crop in patches of 4: 128 tokens; fp32 and no dropout so layouts can be compared.
 SMALL = ["model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=4", "data.crop=[32,64]",
@@ -141,38 +141,6 @@ def test_epochs_set_the_schedule_and_the_learning_rate_follows_the_global_batch(
     assert [(r["step"], r.get("epoch")) for r in rows if "val_loss" in r] == [(0, 0.0), (5, 1.0), (10, 2.0)]
     lrs = [r["lr"] for r in rows if "lr" in r]
     assert len(lrs) == 10 and all(lr == pytest.approx(2e-3, rel=1e-12) for lr in lrs)
-
-
-@pytest.mark.slow
-def test_resume_continues_bit_exactly(small_data, tmp_path):
-    common = ["data.batch_size=4", "train.eval_interval=3", "optimizer.lr_decay_iters=9", "data.limit_train=30"]
-    full = train(2, small_data, tmp_path / "full", "train.max_iters=9", *common)
-    assert full.returncode == 0, output(full)[-3000:]
-    want = losses(rows_of(tmp_path / "full"))
-    # 8 samples an iteration, 30 an epoch: the checkpoint at 6 is mid-epoch
-    run_dir = rewound_copy(Path((tmp_path / "full" / "vit" / "ddp" / "latest").read_text().strip()),
-                           tmp_path / "split", 6)
-    resumed = train(2, small_data, tmp_path / "full", "train.max_iters=9", "train.init_from=resume",
-                    f"train.run_dir={run_dir}", *common)
-    assert resumed.returncode == 0 and "resuming at iteration 6" in output(resumed), output(resumed)[-3000:]
-    from meshtrain.runtime.rundir import read_jsonl
-
-    got = {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 6 and "loss" in r}
-    assert sorted(got) == [7, 8, 9] and all(got[s] == want[s] for s in got), (got, want)
-
-    # export rebuilds any model from its spec; sample generates text only
-    export = subprocess.run([sys.executable, "-m", "meshtrain", "export", "--run", run_dir], capture_output=True,
-                            text=True, env=clean_env(), cwd=REPO, timeout=120)
-    assert export.returncode == 0, output(export)
-    import torch
-
-    saved = torch.load(Path(run_dir) / "model.pt", weights_only=True)
-    assert saved["iteration"] == 9 and saved["workload"] == "meshtrain.models.vit:SPEC"
-    assert saved["model"]["pos_embed"].shape[1] == saved["data_facts"]["img_size"][0] // 4 * (
-        saved["data_facts"]["img_size"][1] // 4)
-    sample = subprocess.run([sys.executable, "-m", "meshtrain", "sample", "--run", run_dir], capture_output=True,
-                            text=True, env=clean_env(), cwd=REPO, timeout=120)
-    assert sample.returncode == 1 and "holds a ViT, not a language model" in output(sample)
 
 
 @pytest.mark.parametrize("overrides,message", [

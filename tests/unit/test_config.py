@@ -134,3 +134,35 @@ def test_gpt_has_no_epochs_and_presets_cannot_loop(tmp_path):
     (tmp_path / "b.yaml").write_text(f"defaults_from: {tmp_path / 'a.yaml'}\n")
     with pytest.raises(ConfigError, match="defaults_from loops"):
         load_config([f"preset={tmp_path / 'a.yaml'}"])
+
+
+def test_choices_are_read_in_any_case():
+    cfg = load_config(["train.backend=DDP", "train.dtype=BF16", "parallel.cp_impl=Ulysses"])
+    assert (cfg.train.backend, cfg.train.dtype, cfg.parallel.cp_impl) == ("ddp", "bf16", "ulysses")
+
+
+def test_the_global_batch_sets_the_accumulation_on_any_number_of_ranks():
+    from meshtrain.config import with_global_batch
+
+    cfg = load_config(["train.global_batch_size=48", "model.batch_size=12"])
+    assert [with_global_batch(cfg, dp).train.grad_accum for dp in (1, 2, 4)] == [4, 2, 1]
+    assert with_global_batch(load_config(["train.grad_accum=3"]), 4).train.grad_accum == 3  # unset: as given
+    with pytest.raises(ConfigError) as err:
+        with_global_batch(cfg, 3)  # 3 ranks × 12 = 36 samples a micro-step: 48 is not a whole number of them
+    assert str(err.value) == ("train.global_batch_size=48 is not a whole number of micro-steps of 3 data-parallel "
+                              "rank(s) × model.batch_size=12 (36 samples): use a multiple of 36 (36, 72), or "
+                              "model.batch_size = one of 1, 2, 4, 8")
+    with pytest.raises(ConfigError, match="train.grad_accum=3 and train.global_batch_size=48 disagree"):
+        with_global_batch(load_config(["train.global_batch_size=48", "model.batch_size=12", "train.grad_accum=3"]), 1)
+    with pytest.raises(ConfigError, match="train.global_batch_size=16 and data.global_batch_size=16"):
+        load_config(["train.global_batch_size=16", "data.global_batch_size=16"], "vit")
+
+
+def test_overrides_may_follow_the_options():
+    from meshtrain.commands import parse
+
+    args = parse(["plan", "vit", "--nodes", "4", "parallel.tp=4", "--top", "3", "train.dtype=fp32"])
+    assert (args.model, args.nodes, args.top, args.overrides) == ("vit", 4, 3, ["parallel.tp=4", "train.dtype=fp32"])
+    assert parse(["train", "gpt", "--device", "cpu", "preset=cpu"]).overrides == ["preset=cpu"]
+    with pytest.raises(SystemExit):  # what is neither an option nor key=value is still refused
+        parse(["plan", "vit", "--nodes", "4", "tp4"])

@@ -16,7 +16,7 @@ def choice_keys(workload: str) -> dict[str, tuple]:
 
 def test_the_closed_sets_are_choices():
     shared = {"train.dtype", "train.activation_checkpointing", "train.wandb", "train.float8", "train.profile",
-              "parallel.cp_impl", "parallel.plan"}
+              "parallel.cp_impl", "parallel.plan", "train.memory_check"}
     assert set(choice_keys("gpt")) == set(choice_keys("llama")) == shared
     assert set(choice_keys("vit")) == shared | {"model.loss", "data.loader"}
     assert choice_keys("gpt")["train.dtype"] == ("auto", "fp32", "bf16", "fp16")

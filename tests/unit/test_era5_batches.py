@@ -1,5 +1,6 @@
-"""The ERA5 streams of the training loop: ERA5Batches (dp shares of each epoch's permutation, epochs that follow
-one another, exact resume mid-epoch without reading skipped samples, worker processes) and eval_batches (equal
+"""The ERA5 streams of the training loop: ERA5Batches (global batches down each epoch's permutation, the same
+samples in every layout with one global batch, a start at any iteration without reading skipped samples, worker
+processes) and eval_batches (equal
 batch counts on every rank, every sample weighted exactly once). Samples are identified by their content."""
 
 from __future__ import annotations
@@ -55,32 +56,47 @@ def permutation(n: int, epoch: int) -> list[int]:
 # ------------------------------------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize(("dp_size", "steps"), [(2, 3), (3, 2)])  # 23 // 2 // 3 = 3, 23 // 3 // 3 = 2
-def test_ranks_take_disjoint_shares_of_each_epochs_permutation(root, dp_size, steps):
+@pytest.mark.parametrize(("dp_size", "accum", "steps"), [(2, 1, 3), (3, 1, 2), (2, 2, 1)])  # 23 // (dp × accum × 3)
+def test_global_batches_run_down_each_epochs_permutation_and_ranks_take_slices(root, dp_size, accum, steps):
     ds, batch = train_set(root, 23), 3
     lookup = index_by_content(ds)
-    streams = [ERA5Batches(ds, batch_size=batch, dp_rank=r, dp_size=dp_size, seed=SEED) for r in range(dp_size)]
+    streams = [ERA5Batches(ds, batch_size=batch, dp_rank=r, dp_size=dp_size, accum=accum, seed=SEED)
+               for r in range(dp_size)]
     assert all(s.steps_per_epoch == steps for s in streams)
+    global_batch = batch * dp_size * accum
     for epoch in (0, 1):
         order = permutation(len(ds), epoch)
-        shares = []
-        for rank, stream in enumerate(streams):
-            assert (stream.epoch, stream.step_in_epoch) == (epoch, 0)
-            share = []
-            for step in range(steps):
-                x, y = stream.next_batch()
-                assert x.shape == y.shape == (batch, 2, 4, 8) and x.dtype == torch.float32
-                share += sample_indices(ds, lookup, x, y)
-                assert stream.step_in_epoch == (step + 1) % steps
-            # DistributedSampler deals the permutation round-robin: rank r takes positions r, r + dp_size, ...
-            assert share == [order[rank + dp_size * k] for k in range(steps * batch)]
-            shares.append(share)
-        every = [i for share in shares for i in share]
-        assert len(set(every)) == len(every) == dp_size * steps * batch  # disjoint, equal-sized
-        assert set(every) == set(order[:dp_size * steps * batch])
-        if epoch == 0:
-            first = shares
-    assert shares != first and permutation(len(ds), 0) != permutation(len(ds), 1)  # set_epoch reshuffled
+        for step in range(steps):
+            start = step * global_batch
+            for rank, stream in enumerate(streams):
+                assert (stream.step, stream.micro) == (epoch * steps + step, 0)
+                for micro in range(accum):
+                    x, y = stream.next_batch()
+                    assert x.shape == y.shape == (batch, 2, 4, 8) and x.dtype == torch.float32
+                    first = start + (micro * dp_size + rank) * batch  # micro-step a of rank r: rows (a·dp + r)·B on
+                    assert sample_indices(ds, lookup, x, y) == order[first:first + batch]
+            assert streams[0].global_ids(epoch * steps + step) == order[start:start + global_batch]
+    assert permutation(len(ds), 0) != permutation(len(ds), 1)  # each epoch reshuffles
+
+
+def test_every_layout_with_one_global_batch_reads_the_same_samples(root):
+    ds = train_set(root, 23)
+    lookup = index_by_content(ds)
+
+    def read(dp_size, accum, steps=5):
+        seen = {}
+        for rank in range(dp_size):
+            stream = ERA5Batches(ds, batch_size=12 // (dp_size * accum), dp_rank=rank, dp_size=dp_size, accum=accum,
+                                 seed=SEED)
+            for step in range(steps):  # 23 // 12: one global batch per epoch, so this crosses 4 epochs
+                for _ in range(accum):
+                    seen.setdefault(step, []).extend(sample_indices(ds, lookup, *stream.next_batch()))
+        return {step: sorted(ids) for step, ids in seen.items()}
+
+    reference = read(4, 1)
+    assert all(len(ids) == 12 for ids in reference.values()) and reference[0] != reference[1]
+    for dp_size, accum in [(2, 2), (1, 4), (2, 3), (3, 1)]:
+        assert read(dp_size, accum) == reference, (dp_size, accum)
 
 
 class CountingReads(Dataset):
@@ -95,38 +111,24 @@ class CountingReads(Dataset):
         return self.dataset[index]
 
 
-def test_resume_returns_the_uninterrupted_streams_next_batches(root):
+def test_a_stream_started_at_an_iteration_reads_what_the_uninterrupted_one_did_there(root):
     ds, batch = train_set(root, 23), 3
-    options = dict(batch_size=batch, dp_rank=1, dp_size=2, seed=SEED)
+    options = dict(batch_size=batch, dp_rank=1, dp_size=2, accum=1, seed=SEED)
     reference_stream = ERA5Batches(ds, **options)  # 3 steps per epoch
     rng_before = torch.get_rng_state()
     reference = [reference_stream.next_batch() for _ in range(11)]
     assert torch.equal(torch.get_rng_state(), rng_before)  # the stream never draws from the global RNG
 
     for k in (2, 3, 4, 7):  # mid-epoch 0, on the boundary, just past it, mid-epoch 2
-        stream = ERA5Batches(ds, **options)
-        for _ in range(k):
-            stream.next_batch()
-        state = stream.state_dict()
-        assert state == {"epoch": k // 3, "step_in_epoch": k % 3, "dp_rank": 1, "dp_size": 2, "batch_size": 3,
-                         "seed": SEED, "num_samples": 23}
-        assert all(type(v) is int for v in state.values())
         counted = CountingReads(ds)
         resumed = ERA5Batches(counted, **options)
-        resumed.load_state_dict(state)
+        resumed.seek(k)
         for j in range(3):
             x, y = resumed.next_batch()
             assert torch.equal(x, reference[k + j][0]) and torch.equal(y, reference[k + j][1]), (k, j)
             # the skipped samples were never read: only this batch's were
             assert len(counted.reads) == (j + 1) * batch, (k, j, counted.reads)
-        assert (resumed.epoch, resumed.step_in_epoch) == divmod(k + 3, 3)
-
-    with pytest.raises(ValueError, match="saved with batch_size=3, but this stream has batch_size=2"):
-        ERA5Batches(ds, **{**options, "batch_size": 2}).load_state_dict(state)
-    with pytest.raises(ValueError, match="saved with dp_rank=1, but this stream has dp_rank=0"):
-        ERA5Batches(ds, **{**options, "dp_rank": 0}).load_state_dict(state)
-    with pytest.raises(ValueError, match="not a position of a stream with 3 steps per epoch"):
-        ERA5Batches(ds, **options).load_state_dict({**state, "step_in_epoch": 3})
+        assert resumed.step == k + 3
 
 
 def test_worker_processes_cross_epochs_resume_and_close(root):
@@ -137,10 +139,9 @@ def test_worker_processes_cross_epochs_resume_and_close(root):
     stream = ERA5Batches(ds, num_workers=2, **options)
     for k in range(5):  # across the end of epoch 0 (3 steps): persistent workers, sampler reset
         assert all(torch.equal(a, b) for a, b in zip(stream.next_batch(), reference[k], strict=True)), k
-    state_after_one = {**stream.state_dict(), "epoch": 0, "step_in_epoch": 1}
     workers = [p for p in multiprocessing.active_children() if p not in before]
     assert len(workers) == 2 and all(p.is_alive() for p in workers)
-    stream.load_state_dict(state_after_one)  # back to mid-epoch 0 while the workers hold batches of epoch 1
+    stream.seek(1)  # back to mid-epoch 0 while the workers hold batches of epoch 1
     for k in (1, 2, 3):
         assert all(torch.equal(a, b) for a, b in zip(stream.next_batch(), reference[k], strict=True)), k
     stream.close()
@@ -155,8 +156,8 @@ def test_too_small_a_split_names_the_numbers(root):
     with pytest.raises(DataError) as error:
         ERA5Batches(ds, batch_size=2, dp_size=3)  # 5 // 3 // 2 = 0 steps
     message = str(error.value)
-    for part in (f"the train split of {root}", "has 5 samples", "dp_size=3", "batch_size=2", "at least 6",
-                 "Lower batch_size"):
+    for part in (f"the train split of {root}", "has 5 samples", "dp_size=3", "batch_size=2", "needs 6",
+                 "Lower the batch"):
         assert part in message, message
     assert ERA5Batches(ds, batch_size=1, dp_size=3).steps_per_epoch == 1
     for bad in ({"batch_size": 0}, {"batch_size": 1, "dp_rank": 3, "dp_size": 3}):

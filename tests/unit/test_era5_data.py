@@ -268,7 +268,7 @@ def test_epochs_reshuffle_reproducibly_and_batches_match(synthetic):
 
     def orders(epoch):
         for stream in streams:
-            stream.sampler.start_at(epoch, 0)
+            stream.sampler.start = epoch * stream.steps_per_epoch  # the epoch's first global batch
         return [list(stream.sampler) for stream in streams]
 
     epoch0, epoch1 = orders(0), orders(1)

@@ -109,3 +109,31 @@ def test_fault_specs_for_stops_and_hangs():
                 "slow:rank=1:step=5:phase=data", "hang:rank=1:step=3:phase=data:ms=5"):
         with pytest.raises(faults.FaultSpecError, match="stop\\|hang:rank=R:step=S:phase="):
             faults.parse(bad)
+
+
+def test_a_lost_connection_names_the_peer_that_is_gone_and_the_oom_killer(monkeypatch):
+    import subprocess
+    import sys
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    store = dist.HashStore()
+    kills = iter([3, 3, 3, 3, 4])  # the host's OOM kills: at each rank's start, at each look
+    monkeypatch.setattr(heartbeat, "oom_kills", lambda: next(kills))
+    peer = heartbeat.Heartbeat(store, 1, 3, "n1", timeout_s=60)
+    peer.state = {**peer.state, "pid": victim.pid, "step": 7, "phase": "backward"}
+    peer.post()
+    peer.close()
+    far = heartbeat.Heartbeat(store, 2, 3, "n2", timeout_s=60)
+    far.close()
+    heartbeat._current = me = heartbeat.Heartbeat(store, 0, 3, "n1", timeout_s=60)
+    try:
+        assert heartbeat.departed() == ""  # everyone alive and posting
+        victim.kill()
+        victim.wait()
+        monkeypatch.setattr(heartbeat.time, "time", lambda: time.time_ns() / 1e9 + 200)  # rank 2 silent since
+        said = heartbeat.departed()
+    finally:
+        heartbeat.stop()
+    assert f"rank 1 (n1, pid {victim.pid}) was killed (signal 9, likely out of memory" in said, said
+    assert "at step 7 in backward" in said and "rank 2 (n2) has been silent for 20" in said, said
+    assert me.oom_kills_at_start == 3

@@ -213,9 +213,19 @@ def test_wandb_disabled_is_a_no_op_that_never_imports_wandb(monkeypatch, tmp_pat
 
 # -------------------------------------------------------------------------------------------- progress
 def test_progress_shows_only_on_rank_0_at_a_terminal(monkeypatch):
+    from meshtrain.runtime import progress
+
     monkeypatch.delenv("MESHTRAIN_PROGRESS", raising=False)
+    for name in progress.BATCH_JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     assert progress_enabled(True) and not progress_enabled(False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # Open MPI's pseudo-terminal: a TTY, but a log file behind it
+    assert not progress_enabled(True)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert not progress_enabled(True)
+    monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
     assert not progress_enabled(True)  # a batch job's log file
     monkeypatch.setenv("MESHTRAIN_PROGRESS", "1")
@@ -240,6 +250,26 @@ def test_progress_bar_and_track_pass_everything_through(monkeypatch, forced):
         assert handler.stream is sys.stdout  # the log handler got its stream back
     finally:
         logger.removeHandler(handler)
+
+
+def test_without_a_bar_a_long_task_logs_plain_lines(monkeypatch):
+    from meshtrain.runtime import progress
+
+    monkeypatch.setenv("MESHTRAIN_PROGRESS", "0")
+    clock = iter([0.0, 10.0, 31.0, 40.0, 62.0, 70.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = progress.log.level
+    progress.log.setLevel(logging.INFO)
+    progress.log.addHandler(handler)
+    try:
+        assert list(track(range(5), "eval val")) == [0, 1, 2, 3, 4]  # clock: start, then one reading per item
+    finally:
+        progress.log.removeHandler(handler)
+        progress.log.setLevel(level)
+    assert lines == ["eval val: 2/5 (31 s)", "eval val: 4/5 (62 s)"]
 
 
 # ---------------------------------------------------------------------------------------------- images

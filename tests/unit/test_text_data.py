@@ -372,23 +372,32 @@ def test_batches_repeat_from_the_seed_and_differ_across_ranks_and_splits(prepare
     assert not torch.equal(offsets(split="val")[0], offsets(split="train")[0])
 
 
-def test_state_dict_resumes_the_same_batches(prepared):
+def _read(data_dir, dp_size, accum, steps, start=0):
+    """Every rank's windows of global batches start.. start+steps-1 of one layout: {step: sorted offsets}."""
+    read = {}
+    for rank in range(dp_size):
+        batches = TokenBatches(data_dir, "train", block_size=16, batch_size=12 // (dp_size * accum), seed=3,
+                               dp_rank=rank, dp_size=dp_size, accum=accum)
+        batches.seek(start)
+        for step in range(start, start + steps):
+            for _ in range(accum):
+                read.setdefault(step, []).extend(batches.next_offsets().tolist())
+            assert batches.step == step + 1 and batches.micro == 0
+    return {step: sorted(offsets) for step, offsets in read.items()}
+
+
+def test_every_layout_with_one_global_batch_reads_the_same_windows(prepared):
     data_dir = prepared["shakespeare"][0]
-    run = TokenBatches(data_dir, "train", block_size=16, batch_size=4, seed=3, dp_rank=1, dp_size=2)
-    for _ in range(3):
-        run.next_batch()
-    state = run.state_dict()
-    expected = [run.next_batch() for _ in range(3)]
-
-    resumed = TokenBatches(data_dir, "train", block_size=16, batch_size=4, seed=3, dp_rank=1, dp_size=2)
-    resumed.load_state_dict({**state, "generator": bytes(state["generator"].tolist())})  # bytes work too
-    assert resumed.batches_drawn == 3
-    for (x, y), (ex, ey) in zip((resumed.next_batch() for _ in range(3)), expected, strict=True):
-        assert torch.equal(x, ex) and torch.equal(y, ey)
-
-    other_rank = TokenBatches(data_dir, "train", block_size=16, batch_size=4, seed=3, dp_rank=0, dp_size=2)
-    with pytest.raises(ValueError, match="dp_rank=1"):
-        other_rank.load_state_dict(state)
+    reference = _read(data_dir, dp_size=4, accum=1, steps=5)  # 4 ranks × 3 windows
+    assert all(len(offsets) == 12 for offsets in reference.values())
+    for dp_size, accum in [(2, 2), (1, 4), (2, 1), (1, 1), (4, 3)]:  # the last two read other global batches
+        batch = 12 // (dp_size * accum) * dp_size * accum
+        read = _read(data_dir, dp_size, accum, steps=5)
+        assert (read == reference) == (batch == 12), (dp_size, accum)
+    # the position is the global batch number alone: a stream started at step 3 reads what step 3 read
+    assert _read(data_dir, dp_size=2, accum=2, steps=2, start=3) == {s: reference[s] for s in (3, 4)}
+    stream = TokenBatches(data_dir, "train", block_size=16, batch_size=3, seed=3, dp_size=4)
+    assert sorted(stream.global_offsets(4).tolist()) == reference[4]
 
 
 def test_meshtrain_prepare_through_the_cli(prepared, capsys):

@@ -141,10 +141,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line's arguments. Overrides after an option (`plan vit --nodes 4 parallel.tp=4`) are overrides
+    still: argparse takes a positional list in one run only."""
     command = next((word for word in argv if not word.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    args, unknown = parser.parse_known_args(argv)
+    late = [word for word in unknown if "=" in word and not word.startswith("-")]
+    if late and isinstance(getattr(args, "overrides", None), list):
+        args.overrides += late
+        unknown = [word for word in unknown if word not in late]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
     # Imported once the arguments are parsed: meshtrain.runtime brings torch in, which --version and --help skip.
     from meshtrain.errors import MeshtrainError
     from meshtrain.runtime.log import configure_logging, get_logger

@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart the whole job up to N times when a rank fails (torchrun's elastic restarts; "
                              "under mpiexec or srun, launch runs it again); pair with train.init_from=auto")
+    parser.add_argument("--nnodes", default=None, metavar="MIN:MAX",
+                        help="an elastic torchrun job, run on each node: it goes on with as few as MIN nodes, its "
+                             "agents restarting the ranks on the nodes left (with --max-restarts and "
+                             "train.init_from=auto; train.global_batch_size keeps the batch)")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="with --nnodes: where the nodes' agents meet (c10d rendezvous), the same on every node")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command each rank runs")
 
@@ -34,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise LaunchEnvError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
     argv = build_command(command, nproc=args.nproc, ppn=args.ppn, launcher=args.launcher, flavor=args.flavor,
-                         max_restarts=args.max_restarts)
+                         max_restarts=args.max_restarts, nnodes=args.nnodes, rendezvous=args.rdzv_endpoint)
     print(shlex.join(argv), flush=True)
     if args.dry_run:
         return 0

@@ -1,5 +1,6 @@
 """`meshtrain train MODEL [KEY=VALUE ...]`: resolve the config, join the process group, choose the layout when
-parallel.plan=auto, train, and summarise the run (its report page with train.report=true)."""
+parallel.plan=auto, check that it fits in memory, train, and summarise the run (its report page with
+train.report=true)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshtrain.plan.measured import auto
+    from meshtrain.plan.measured import auto, preflight
     from meshtrain.train.trainer import train
 
     cfg = load_config(args.overrides, args.workload)  # before joining: a bad key fails on every rank alike, at once
     with distributed(device=args.device, backend=args.backend, timeout=args.timeout) as info:
-        result = train(auto.resolve(cfg, info), info)
+        cfg = auto.resolve(cfg, info)
+        preflight.check_memory(cfg, info)  # a run that cannot fit stops here, not under the OOM killer
+        result = train(cfg, info)
         if info.is_main:
             summarise(result.run_dir, page=cfg.train.report)
             log.info("done: %d iterations, train loss %.4f, val loss %.4f", result.iterations, result.train_loss,

@@ -1,5 +1,6 @@
-"""The ViT workload's batch streams over an ERA5Dataset: one data-parallel rank's endless, resumable training
-stream, and evaluation batches that count every sample of a split exactly once over the ranks.
+"""The ViT workload's batch streams over an ERA5Dataset: one data-parallel rank's endless training stream, the same
+samples per optimizer step in every layout, and evaluation batches that count every sample of a split (or of its
+first `limit`) exactly once over the ranks.
 
 Both shard over the data-parallel ranks only (tp/cp ranks of one replica pass the same dp_rank and read the same
 batches) and use samplers of their own random generator, so building a loader never draws from the global RNG
@@ -8,11 +9,10 @@ that drives dropout.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from meshtrain.data.text import DataError
 
@@ -72,92 +72,109 @@ def _on_device(host_batches, device: torch.device) -> Iterator[tuple[torch.Tenso
         yield hand_over(*ahead)
 
 
-class _ResumableSampler(DistributedSampler):
-    """DistributedSampler (shuffled by seed + epoch, tail dropped) that can begin an epoch part-way through this
-    rank's share: a resumed run skips the samples it already trained on without reading them."""
+class GlobalBatchOrder:
+    """Which samples global batch i (one optimizer step) holds, and which of them each rank's micro-step takes: a
+    function of the seed and i alone, so that every layout with the same global batch reads the same samples.
 
-    def __init__(self, dataset: Dataset, *, dp_rank: int, dp_size: int, seed: int):
-        super().__init__(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
-        self.skip = 0
+    Epoch e shuffles the split by seed + e (DistributedSampler's permutation); global batch i is the
+    (i mod steps_per_epoch)-th run of global_batch positions of epoch i // steps_per_epoch (a tail that fills no
+    global batch is dropped, no sample is read twice in an epoch); micro-step a of dp rank r takes its rows from
+    (a × dp_size + r) × batch_size on. Picklable (DALI's workers each get a copy)."""
 
-    def start_at(self, epoch: int, skip: int) -> None:
-        self.set_epoch(epoch)
-        self.skip = skip
+    def __init__(self, num_samples: int, *, batch_size: int, dp_rank: int, dp_size: int, accum: int, seed: int):
+        self.num_samples, self.batch_size, self.accum, self.seed = num_samples, batch_size, accum, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.global_batch = batch_size * dp_size * accum
+        self.steps_per_epoch = num_samples // self.global_batch
+        self._permutation: tuple[int, torch.Tensor] | None = None
+
+    def global_ids(self, step: int) -> list[int]:
+        """The samples of global batch `step`, all ranks'."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        if self._permutation is None or self._permutation[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._permutation = (epoch, torch.randperm(self.num_samples, generator=generator))
+        return self._permutation[1][within * self.global_batch:(within + 1) * self.global_batch].tolist()
+
+    def rank_ids(self, step: int) -> list[int]:
+        """This rank's samples of global batch `step`, in the order of its micro-steps."""
+        ids, b = self.global_ids(step), self.batch_size
+        return [i for a in range(self.accum) for i in ids[(a * self.dp_size + self.dp_rank) * b:][:b]]
+
+
+class _RestOfEpoch(Sampler):
+    """This rank's samples from global batch `start` to the end of its epoch, micro-batch after micro-batch."""
+
+    def __init__(self, order: GlobalBatchOrder):
+        self.order, self.start = order, 0
+
+    def _end(self) -> int:
+        return (self.start // self.order.steps_per_epoch + 1) * self.order.steps_per_epoch
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
+        for step in range(self.start, self._end()):
+            yield from self.order.rank_ids(step)
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip
+        return (self._end() - self.start) * self.order.accum * self.order.batch_size
 
 
 class ERA5Batches:
     """One data-parallel rank's endless training stream: next_batch() -> (x, y) on `device`, [B, C, H, W].
 
-    Epoch e deals the permutation of seed + e over the dp ranks as DistributedSampler does (drop_last: every
-    rank takes `steps_per_epoch` full batches, no sample twice); when an epoch is used up the next begins.
-    `epoch` and `step_in_epoch` say where the NEXT batch comes from. state_dict() / load_state_dict() resume
-    exactly: the sampler starts that epoch's share step_in_epoch * batch_size samples in. The DataLoader gets
-    a generator of its own, so drawing batches never advances torch's global RNG (dropout stays reproducible).
-    On CUDA: pinned host memory and the next batch copied on a side stream while this one computes.
+    The samples come in GlobalBatchOrder: the position is the global batch number alone (`seek`), so a run resumed
+    at iteration i, in any layout with the same global batch, reads what the uninterrupted run read there. The
+    DataLoader gets a generator of its own, so drawing batches never advances torch's global RNG (dropout stays
+    reproducible). On CUDA: pinned host memory and the next batch copied on a side stream while this one computes.
     close() stops the worker processes; the stream restarts them if used again.
     """
 
-    def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
-                 device: torch.device | str = CPU, num_workers: int = 0, pin_memory: bool | None = None,
+    def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1, accum: int = 1,
+                 seed: int = 0, device: torch.device | str = CPU, num_workers: int = 0, pin_memory: bool | None = None,
                  persistent_workers: bool = True, prefetch_factor: int = 2):
         check_sharding(batch_size, dp_rank, dp_size, num_workers)
-        self.batch_size, self.dp_rank, self.dp_size, self.seed = batch_size, dp_rank, dp_size, seed
-        self.num_samples = len(dataset)
-        self.steps_per_epoch = self.num_samples // dp_size // batch_size
+        self.order = GlobalBatchOrder(len(dataset), batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                      accum=accum, seed=seed)
+        self.batch_size, self.dp_rank, self.dp_size, self.accum, self.seed = batch_size, dp_rank, dp_size, accum, seed
+        self.steps_per_epoch = self.order.steps_per_epoch  # global batches (iterations) per epoch
         if self.steps_per_epoch == 0:
-            raise DataError(f"{_describe(dataset)} has {self.num_samples} samples, too few for one training step: "
-                            f"dp_size={dp_size} ranks x batch_size={batch_size} need at least "
-                            f"{dp_size * batch_size}. Lower batch_size (or the data-parallel size), or use more "
-                            "data (a larger limit or more years)")
+            raise DataError(f"{_describe(dataset)} has {len(dataset)} samples, too few for one training step: a "
+                            f"global batch of dp_size={dp_size} ranks x batch_size={batch_size} x grad_accum={accum} "
+                            f"needs {self.order.global_batch}. Lower the batch (or the data-parallel size), or use "
+                            "more data (a larger limit or more years)")
         self.device = torch.device(device)
-        self.sampler = _ResumableSampler(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+        self.sampler = _RestOfEpoch(self.order)
         worker_options = {}
         if num_workers > 0:
             worker_options = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor}
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
                                  pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
                                  drop_last=True, generator=torch.Generator().manual_seed(seed), **worker_options)
-        self.epoch, self.step_in_epoch = 0, 0
+        self.step, self.micro = 0, 0  # where the next batch comes from: global batch `step`, micro-step `micro`
         self._batches = None  # built on the next next_batch(), from the position above
 
-    def _host_batches(self, epoch: int, step: int):
+    def _host_batches(self, step: int):
         while True:
-            self.sampler.start_at(epoch, step * self.batch_size)
+            self.sampler.start = step
             yield from self.loader
-            epoch, step = epoch + 1, 0
+            step = (step // self.steps_per_epoch + 1) * self.steps_per_epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._batches is None:
-            self._batches = _on_device(self._host_batches(self.epoch, self.step_in_epoch), self.device)
+            self._batches = _on_device(self._host_batches(self.step), self.device)
         x, y = next(self._batches)
-        self.step_in_epoch += 1
-        if self.step_in_epoch == self.steps_per_epoch:
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        self.micro += 1
+        if self.micro == self.accum:
+            self.step, self.micro = self.step + 1, 0
         return x, y
 
-    def state_dict(self) -> dict:
-        """This rank's position, plain ints; save one per dp rank (the positions are equal, the shares not)."""
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "dp_rank": self.dp_rank,
-                "dp_size": self.dp_size, "batch_size": self.batch_size, "seed": self.seed,
-                "num_samples": self.num_samples}
+    def seek(self, step: int) -> None:
+        """Start the next batch at global batch `step`, micro-step 0 (drops a batch fetched ahead)."""
+        self.step, self.micro, self._batches = int(step), 0, None
 
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("dp_rank", "dp_size", "batch_size", "seed", "num_samples"):
-            if int(state[key]) != getattr(self, key):
-                raise ValueError(f"this data state was saved with {key}={state[key]}, but this stream has "
-                                 f"{key}={getattr(self, key)}: it cannot resume the same batches. Resume with the "
-                                 "run's data settings and layout (each dp rank loads its own state)")
-        if not 0 <= int(state["step_in_epoch"]) < self.steps_per_epoch or int(state["epoch"]) < 0:
-            raise ValueError(f"data state epoch={state['epoch']}, step_in_epoch={state['step_in_epoch']} is not a "
-                             f"position of a stream with {self.steps_per_epoch} steps per epoch")
-        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
-        self._batches = None  # drops a batch fetched ahead; the next next_batch() starts from the new position
+    def global_ids(self, step: int) -> list[int]:
+        """The samples (dataset indices) of global batch `step`, all ranks'."""
+        return self.order.global_ids(step)
 
     def close(self) -> None:
         """Stop the worker processes (they linger with persistent_workers) and drop any batch fetched ahead."""
@@ -223,13 +240,15 @@ class EvalBatches:
     """
 
     def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 device: torch.device | str = CPU, num_workers: int = 0, pin_memory: bool | None = None):
+                 device: torch.device | str = CPU, num_workers: int = 0, pin_memory: bool | None = None,
+                 limit: int | None = None):
         check_sharding(batch_size, dp_rank, dp_size, num_workers)
         if len(dataset) == 0:
             raise DataError(f"{_describe(dataset)} has no samples to evaluate on: point the evaluation at a "
                             "split with data")
         self.device = torch.device(device)
-        self.sampler = _PaddedDeal(len(dataset), batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        counted = len(dataset) if limit is None else min(len(dataset), limit)  # the first `limit` samples
+        self.sampler = _PaddedDeal(counted, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size)
         self.loader = DataLoader(_Weighted(dataset), batch_size=batch_size, sampler=self.sampler,
                                  num_workers=num_workers, generator=torch.Generator(),
                                  pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory)
@@ -242,8 +261,8 @@ class EvalBatches:
 
 
 def eval_batches(dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 device: torch.device | str = CPU, num_workers: int = 0,
-                 pin_memory: bool | None = None) -> EvalBatches:
-    """This dp rank's exact evaluation pass over `dataset`: see EvalBatches."""
+                 device: torch.device | str = CPU, num_workers: int = 0, pin_memory: bool | None = None,
+                 limit: int | None = None) -> EvalBatches:
+    """This dp rank's exact evaluation pass over `dataset` (its first `limit` samples): see EvalBatches."""
     return EvalBatches(dataset, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size, device=device,
-                       num_workers=num_workers, pin_memory=pin_memory)
+                       num_workers=num_workers, pin_memory=pin_memory, limit=limit)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from meshtrain.data.era5_batches import ERA5Batches, _ResumableSampler
+from meshtrain.data.era5_batches import ERA5Batches, GlobalBatchOrder
 from meshtrain.data.text import DataError
 
 
@@ -28,52 +28,49 @@ def dali_available() -> bool:
     return True
 
 
-class _EpochSamples:
-    """DALI's per-sample source: sample `idx_in_epoch` of this rank's share of epoch `first_epoch + epoch_idx`,
-    the first of those epochs entered `skip` samples in; StopIteration ends each epoch after `per_epoch` samples.
-    Picklable (DALI's worker processes each get a copy; the dataset opens its own files there)."""
+class _RankSamples:
+    """DALI's per-sample source: this rank's samples in GlobalBatchOrder, from global batch `first_step` on; a DALI
+    epoch is one of the order's epochs (the first entered part-way), StopIteration ends it. Picklable (DALI's worker
+    processes each get a copy; the dataset opens its own files there)."""
 
-    def __init__(self, dataset: Dataset, *, dp_rank: int, dp_size: int, seed: int, first_epoch: int, skip: int,
-                 per_epoch: int):
-        self.dataset, self.first_epoch, self.skip, self.per_epoch = dataset, first_epoch, skip, per_epoch
-        self.sampler = _ResumableSampler(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
-        self._indices: tuple[int, list[int]] | None = None
-
-    def _share(self, epoch: int) -> list[int]:
-        if self._indices is None or self._indices[0] != epoch:
-            self.sampler.start_at(epoch, 0)
-            self._indices = (epoch, list(self.sampler))
-        return self._indices[1]
+    def __init__(self, dataset: Dataset, order: GlobalBatchOrder, first_step: int):
+        self.dataset, self.order, self.first_step = dataset, order, first_step
+        self.per_step = order.accum * order.batch_size  # this rank's samples per global batch
+        self._ids: tuple[int, list[int]] | None = None
 
     def __call__(self, info) -> tuple[np.ndarray, np.ndarray]:
-        skip = self.skip if info.epoch_idx == 0 else 0
-        position = skip + info.idx_in_epoch
-        if position >= self.per_epoch:
+        epochs = self.order.steps_per_epoch
+        start = self.first_step if info.epoch_idx == 0 else (self.first_step // epochs + info.epoch_idx) * epochs
+        step, within = divmod(info.idx_in_epoch, self.per_step)
+        step += start
+        if step >= (start // epochs + 1) * epochs:
             raise StopIteration
-        x, y = self.dataset[self._share(self.first_epoch + info.epoch_idx)[position]]
+        if self._ids is None or self._ids[0] != step:
+            self._ids = (step, self.order.rank_ids(step))
+        x, y = self.dataset[self._ids[1][within]]
         return x.numpy(), y.numpy()
 
 
 class ERA5DaliBatches(ERA5Batches):
     """ERA5Batches (same API, same batches) with a DALI pipeline doing the reading, batching and device copy."""
 
-    def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
-                 device: torch.device | str = "cpu", num_workers: int = 0, prefetch_factor: int = 2, **_loader_options):
+    def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1, accum: int = 1,
+                 seed: int = 0, device: torch.device | str = "cpu", num_workers: int = 0, prefetch_factor: int = 2,
+                 **_loader_options):
         if not dali_available():
             raise DataError("data.loader=dali needs NVIDIA DALI: pip install 'meshtrain[dali]' (nvidia-dali-cuda120), "
                             "or use data.loader=pytorch")
-        super().__init__(dataset, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed, device=device)
+        super().__init__(dataset, batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size, accum=accum, seed=seed,
+                         device=device)
         self.dataset, self.num_workers, self.prefetch_factor = dataset, num_workers, prefetch_factor
         self._iterator = None
 
-    def _dali_batches(self, epoch: int, step: int):
+    def _dali_batches(self, step: int):
         from nvidia.dali import fn, pipeline_def
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
         on_gpu = self.device.type == "cuda"
-        source = _EpochSamples(self.dataset, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
-                               first_epoch=epoch, skip=step * self.batch_size,
-                               per_epoch=self.steps_per_epoch * self.batch_size)
+        source = _RankSamples(self.dataset, self.order, step)
         parallel = self.num_workers > 0
 
         @pipeline_def(batch_size=self.batch_size, num_threads=max(1, self.num_workers),
@@ -93,7 +90,7 @@ class ERA5DaliBatches(ERA5Batches):
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._batches is None:
-            self._batches = self._dali_batches(self.epoch, self.step_in_epoch)
+            self._batches = self._dali_batches(self.step)
         return super().next_batch()
 
     def close(self) -> None:

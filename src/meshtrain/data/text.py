@@ -337,6 +337,20 @@ def load_meta(data_dir: Path) -> dict:
     return meta
 
 
+def meta_or_builtin(data_dir: Path) -> dict:
+    """meta.json of a prepared dataset; for a built-in one not prepared here, what its tokenizer alone says (the
+    vocabulary: all a plan for another machine needs of the data). DataError for any other missing dataset."""
+    try:
+        return load_meta(data_dir)
+    except DataError:
+        kind = BUILTIN_TOKENIZER.get(Path(data_dir).name)
+        if kind is None:
+            raise
+    tokenizer = CharTokenizer.from_text(shakespeare_text()) if kind == "char" else GPT2Tokenizer()
+    return {"tokenizer": kind, "vocab_size": tokenizer.vocab_size, "prepared": False,
+            **({"itos": tokenizer.itos} if kind == "char" else {})}
+
+
 def check_split(data_dir: Path, split: str, block_size: int | None = None, meta: dict | None = None) -> int:
     """Number of tokens in data_dir/<split>.bin after checking it against meta.json (and block_size)."""
     if split not in SPLITS:
@@ -368,46 +382,65 @@ def check_split(data_dir: Path, split: str, block_size: int | None = None, meta:
     return n_tokens
 
 
-def window_seed(seed: int, split: str, dp_rank: int) -> int:
-    """A stable 63-bit seed per (seed, split, dp rank): Python's hash() of a str changes per process."""
-    digest = hashlib.sha256(f"meshtrain-windows:{seed}:{split}:{dp_rank}".encode()).digest()
+def window_seed(seed: int, split: str, step: int) -> int:
+    """A stable 63-bit seed per (seed, split, global batch number): Python's hash() of a str changes per process."""
+    digest = hashlib.sha256(f"meshtrain-windows:{seed}:{split}:{step}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class TokenBatches:
-    """Random windows of one split: next_batch() -> (x, y) int64 [batch_size, block_size], y = x shifted by 1.
+    """Random windows of one split, a stream that belongs to the job rather than to its layout: next_batch() ->
+    (x, y) int64 [batch_size, block_size], y = x shifted by 1.
 
-    Each data-parallel rank draws its own offsets from a generator seeded by (seed, split, dp_rank), so
-    ranks see different windows and a run repeats from its seed. Ranks that hold one replica in other
-    dimensions (tp, cp, pp) pass the same dp_rank and so get the same batch. state_dict() holds the
-    generator: restoring it makes a resumed run draw exactly the batches it would have drawn.
+    Global batch number i (one optimizer step: batch_size × dp_size × accum windows) starts at offsets drawn from a
+    generator keyed by (seed, split, i) alone. Each data-parallel rank takes its slice: micro-step a of dp rank r
+    the rows from (a × dp_size + r) × batch_size on. So the job sees the same windows in every layout with the same
+    global batch: 4 ranks × 1 micro-step read what 2 ranks × 2 micro-steps do. Ranks that hold one replica in other
+    dimensions (tp, cp, pp) pass the same dp_rank and so get the same batch. The position is the global batch number
+    alone (`seek`): resuming at iteration i reads what the uninterrupted run read there, in any layout.
     """
 
     def __init__(self, data_dir: Path, split: str, block_size: int, batch_size: int, seed: int = 0,
-                 dp_rank: int = 0, dp_size: int = 1, device: str | torch.device = "cpu"):
-        if block_size < 1 or batch_size < 1:
-            raise ValueError(f"block_size and batch_size must be >= 1, got {block_size} and {batch_size}")
+                 dp_rank: int = 0, dp_size: int = 1, accum: int = 1, device: str | torch.device = "cpu"):
+        if block_size < 1 or batch_size < 1 or accum < 1:
+            raise ValueError(f"block_size, batch_size and accum must be >= 1, got {block_size}, {batch_size}, {accum}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must lie in [0, dp_size={dp_size}), got {dp_rank}")
         self.data_dir, self.split = Path(data_dir), split
-        self.block_size, self.batch_size = block_size, batch_size
+        self.block_size, self.batch_size, self.accum = block_size, batch_size, accum
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.global_batch = batch_size * dp_size * accum
         self.device = torch.device(device)
         self.meta = load_meta(self.data_dir)
         self.num_tokens = check_split(self.data_dir, split, block_size=block_size, meta=self.meta)
         self.path = self.data_dir / f"{split}.bin"
-        self.generator = torch.Generator().manual_seed(window_seed(seed, split, dp_rank))
-        self.batches_drawn = 0
+        self.step, self.micro = 0, 0  # where the next batch comes from: global batch `step`, micro-step `micro`
+        self._drawn: tuple[int, torch.Tensor] | None = None  # the last global batch's offsets, all ranks'
 
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
 
+    def seek(self, step: int) -> None:
+        """Start the next batch at global batch `step`, micro-step 0."""
+        self.step, self.micro = int(step), 0
+
+    def global_offsets(self, step: int) -> torch.Tensor:
+        """The start offsets of every window of global batch `step` (all ranks', all micro-steps')."""
+        if self._drawn is None or self._drawn[0] != step:
+            generator = torch.Generator().manual_seed(window_seed(self.seed, self.split, step))
+            high = self.num_tokens - self.block_size  # the last window starts at num_tokens - block_size - 1
+            self._drawn = (step, torch.randint(high, (self.global_batch,), generator=generator))
+        return self._drawn[1]
+
     def next_offsets(self) -> torch.Tensor:
-        """Draw the start offsets of the next batch's windows (advances the generator)."""
-        self.batches_drawn += 1
-        high = self.num_tokens - self.block_size  # the last window starts at num_tokens - block_size - 1
-        return torch.randint(high, (self.batch_size,), generator=self.generator)
+        """The start offsets of this rank's next micro-batch (advances the position)."""
+        start = (self.micro * self.dp_size + self.dp_rank) * self.batch_size
+        offsets = self.global_offsets(self.step)[start:start + self.batch_size]
+        self.micro += 1
+        if self.micro == self.accum:
+            self.step, self.micro = self.step + 1, 0
+        return offsets
 
     def batch_at(self, offsets) -> tuple[torch.Tensor, torch.Tensor]:
         """The (x, y) windows starting at `offsets`, on the device."""
@@ -424,19 +457,3 @@ class TokenBatches:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batch_at(self.next_offsets())
-
-    def state_dict(self) -> dict:
-        """This rank's position in its stream; save one per dp rank (the states differ between ranks)."""
-        return {"split": self.split, "dp_rank": self.dp_rank, "seed": self.seed,
-                "batches_drawn": self.batches_drawn, "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("split", "dp_rank"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"this state belongs to {key}={state[key]!r}, not {getattr(self, key)!r}: "
-                                 "each dp rank must restore its own stream")
-        generator_state = state["generator"]
-        if not isinstance(generator_state, torch.Tensor):
-            generator_state = torch.tensor(list(bytes(generator_state)), dtype=torch.uint8)
-        self.generator.set_state(generator_state.to("cpu", torch.uint8))
-        self.batches_drawn = int(state["batches_drawn"])

@@ -15,6 +15,7 @@ import platform
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -165,6 +166,19 @@ def host_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def available_memory_bytes(meminfo: str | None = None) -> int:
+    """What the host can still give processes (Linux's MemAvailable: free memory and what caches would release);
+    its total memory where that is not known."""
+    try:
+        text = Path("/proc/meminfo").read_text() if meminfo is None else meminfo
+    except OSError:
+        return host_memory_bytes()
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # kB
+    return host_memory_bytes()
 
 
 def describe(device: torch.device | str) -> Hardware:

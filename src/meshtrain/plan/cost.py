@@ -84,12 +84,25 @@ class Cost:
         return self.time["step"]
 
 
+def predict_peak(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> float:
+    """The peak bytes per rank of the fullest pipeline stage: predict's memory alone (of `machine` it reads only
+    whether attention runs in fp32), for the memory check before a run (plan/measured/preflight.py)."""
+    facts = facts.for_dp(dims.dp_size)
+    micro = _Micro.of(facts, cfg, dims)
+    return max(_memory(facts, cfg, dims, share, micro, machine)["peak"] for share in _shares(facts, cfg, dims))
+
+
+def _shares(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> list[Share]:
+    p = cfg.parallel
+    return stage_shares(facts.model, facts.split, dims, cfg.train.backend, schedule=p.pp_schedule,
+                        virtual_stages=p.virtual_stages if dims.pp > 1 else 1)
+
+
 def predict(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> Cost:
     """Memory and step time of `cfg`'s layout `dims` (already checked by ParallelDims.from_config) on `machine`."""
-    p, t = cfg.parallel, cfg.train
+    t = cfg.train
     facts = facts.for_dp(dims.dp_size)
-    shares = stage_shares(facts.model, facts.split, dims, t.backend, schedule=p.pp_schedule,
-                          virtual_stages=p.virtual_stages if dims.pp > 1 else 1)
+    shares = _shares(facts, cfg, dims)
     micro = _Micro.of(facts, cfg, dims)
     cost = Cost()
     stage_costs = [(_memory(facts, cfg, dims, share, micro, machine), _time(facts, cfg, dims, share, micro, machine))

@@ -112,6 +112,7 @@ def search(base, nodes: int, per_node: int, machine: Machine, facts: ModelFacts 
     for cfg in layouts(base, world):
         try:
             dims = check(cfg, world, per_node)
+            cfg = config_mod.with_global_batch(cfg, dims.dp_size)  # its accumulation, where the global batch is set
         except MeshtrainError as e:
             refused[str(e).split(":")[0][:60]] += 1
             continue

@@ -77,6 +77,57 @@ def stop() -> None:
     _current = None
 
 
+def departed() -> str:
+    """Which peers are gone, for the error of a collective that lost its connection: ranks on this host whose
+    process no longer exists ("killed (signal 9, likely out of memory)" when the kernel's OOM killer has run on this
+    host since the job started), and ranks elsewhere silent for SILENT_AFTER intervals. "" when none is known."""
+    if _current is None:
+        return ""
+    try:
+        notes = _current._read_all()
+    except Exception:  # noqa: BLE001 - the store went with the rank that kept it
+        return ""
+    here, now, gone = _current.state["host"], time.time(), []
+    oom = oom_kills() - _current.oom_kills_at_start
+    for rank, n in sorted(notes.items()):
+        if rank == _current.rank:
+            continue
+        if n["host"] == here and not _alive(n["pid"]):
+            how = "was killed (signal 9, likely out of memory: the kernel's OOM killer ran on this host)" if oom \
+                else "has exited"
+            gone.append(f"rank {rank} ({here}, pid {n['pid']}) {how}, at step {n['step']} in {n['phase']}")
+        elif n["host"] != here and silent(n, now, _current.interval):
+            gone.append(f"rank {rank} ({n['host']}) has been silent for {now - n['posted']:.0f} s, at step "
+                        f"{n['step']} in {n['phase']}")
+    return "; ".join(gone)
+
+
+def oom_kills() -> int:
+    """Processes the kernel's OOM killer has ended on this host since boot (/proc/vmstat; 0 where not known)."""
+    try:
+        with open("/proc/vmstat") as vmstat:
+            return next((int(line.split()[1]) for line in vmstat if line.startswith("oom_kill ")), 0)
+    except OSError:
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (a zombie, dead but not yet reaped by its launcher, does not)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def interval_for(timeout_s: float) -> float:
     """Seconds between posts: a twentieth of the timeout, within 1..15 s (1 s a post per rank at most)."""
     return min(max(timeout_s / 20, 1.0), 15.0)
@@ -91,6 +142,7 @@ class Heartbeat:
         self.state = {"rank": rank, "host": host, "pid": os.getpid(), "step": 0, "micro": None,
                       "phase": "start-up", "collective": None}
         self.moved = time.monotonic()  # when this rank's note last changed
+        self.oom_kills_at_start = oom_kills()
         self.lock = threading.Lock()  # the store client serves one request at a time
         self.changed, self.stopping = threading.Event(), threading.Event()
         self.post()

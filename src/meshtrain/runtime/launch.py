@@ -3,6 +3,7 @@
     PBS    mpiexec -n N --ppn P --hostfile $PBS_NODEFILE --depth D --cpu-bind depth --envall CMD   (PALS)
     SLURM  srun --nodes M --ntasks N --ntasks-per-node P --cpus-per-task D --cpu-bind=cores ... CMD
     local  torchrun --standalone --nproc-per-node N CMD
+    elastic  torchrun --nnodes MIN:MAX --rdzv-backend c10d --rdzv-endpoint HOST:PORT --nproc-per-node P CMD (each node)
 
 The launcher does the launching; meshtrain only writes its command line. The ranks then find
 themselves from the launcher's variables (env.py), so no wrapper process sits between them.
@@ -59,9 +60,20 @@ def _as_interpreter(command: list[str]) -> list[str]:
     return command
 
 
-def _torchrun(nproc: int, command: list[str], max_restarts: int = 0) -> list[str]:
+def _torchrun(nproc: int, command: list[str], max_restarts: int = 0, nnodes: str | None = None,
+              rendezvous: str | None = None, job_id: str = "meshtrain") -> list[str]:
+    """torchrun's command: on this node alone (--standalone), or one node of an elastic job (`nnodes` MIN:MAX,
+    meeting at `rendezvous` HOST:PORT through c10d), whose agents restart the ranks on the nodes that are left."""
     beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    head = [beside if os.path.exists(beside) else "torchrun", "--standalone", f"--nproc-per-node={nproc}"]
+    head = [beside if os.path.exists(beside) else "torchrun"]
+    if nnodes:
+        if not rendezvous:
+            raise LaunchEnvError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT: where the nodes' agents meet "
+                                 "(a port on the first node, the same on every node)")
+        head += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job_id}"]
+    else:
+        head.append("--standalone")
+    head.append(f"--nproc-per-node={nproc}")
     head += [f"--max-restarts={max_restarts}"] if max_restarts else []
     if len(command) >= 3 and command[0] in PYTHON_NAMES and command[1] == "-m":
         return [*head, "-m", *command[2:]]
@@ -90,6 +102,8 @@ def build_command(
     environ: Mapping[str, str] | None = None,
     machine: Machine | None = None,
     max_restarts: int = 0,
+    nnodes: str | None = None,
+    rendezvous: str | None = None,
 ) -> list[str]:
     """The full launcher argv for `command` on this machine (see the module docstring)."""
     env = os.environ if environ is None else environ
@@ -100,7 +114,11 @@ def build_command(
     if launcher == "auto":
         launcher = {"pbs": "mpiexec", "slurm": "srun"}.get(scheduler, "torchrun")
     if launcher == "torchrun":
-        return _torchrun(nproc or machine.accelerators or 2, command, max_restarts)
+        return _torchrun(ppn or nproc or machine.accelerators or 2, command, max_restarts, nnodes, rendezvous,
+                         env.get("SLURM_JOB_ID") or env.get("PBS_JOBID") or "meshtrain")
+    if nnodes:
+        raise LaunchEnvError(f"--nnodes {nnodes} is torchrun's elastic job: add --launcher torchrun (under "
+                             f"{launcher}, --max-restarts runs the job again instead)")
 
     nodes = len(hosts) or int(env.get("SLURM_NNODES", "0") or 0) or 1
     # Outside a scheduler there is one node, which holds every rank asked for (2 on a CPU-only box, as torchrun's).

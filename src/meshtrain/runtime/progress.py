@@ -1,7 +1,10 @@
-"""Progress bars for a person at a terminal: the training loop's, and an evaluation's (`track`).
+"""Progress for a person: the training loop's, and an evaluation's (`track`).
 
-A bar is for a person at a terminal. In a batch job's log it is noise (rich would print its final frame, tqdm every
-refresh), so it shows only on rank 0 with stdout a TTY; MESHTRAIN_PROGRESS=1/0 forces it.
+A bar is for a person at a terminal. In a batch job's log it is noise (rich would print its frames), so it shows
+only on rank 0 with stdout a TTY, and never under mpiexec, srun or a PBS/SLURM batch job: Open MPI gives each rank a
+pseudo-terminal, so isatty() is true there while the output goes to a file. Without a bar, rank 0 logs a plain line
+(`eval val: 120/200 (31 s)`) when a task has run LINE_EVERY_S seconds since the last one. MESHTRAIN_PROGRESS=1/0
+forces the bar on or off.
 """
 
 from __future__ import annotations
@@ -9,12 +12,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from meshtrain.runtime.log import ROOT
 
 OFF_VALUES = ("", "0", "false", "no", "off")  # an environment switch set to one of these is off
+# set in every rank of an mpiexec (Open MPI, MPICH/PALS), srun or PBS/SLURM batch job: output goes to a log there
+BATCH_JOB_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_JOB_ID", "PBS_JOBID")
+LINE_EVERY_S = 30.0
+log = logging.getLogger(f"{ROOT}.progress")
 
 
 def progress_enabled(is_main: bool = True) -> bool:
@@ -23,7 +31,7 @@ def progress_enabled(is_main: bool = True) -> bool:
     forced = os.environ.get("MESHTRAIN_PROGRESS", "auto").strip().lower()
     if forced != "auto":
         return forced not in OFF_VALUES
-    return sys.stdout.isatty()
+    return sys.stdout.isatty() and not any(os.environ.get(name) for name in BATCH_JOB_VARIABLES)
 
 
 class _Bar:
@@ -36,12 +44,29 @@ class _Bar:
                                   **({} if description is None else {"description": description}))
 
 
+class _Lines(_Bar):
+    """A bar's stand-in in a log: one plain line per LINE_EVERY_S seconds of a task that is still running."""
+
+    def __init__(self, total: int | None, description: str):
+        super().__init__()
+        self.total, self.description, self.done = total, description, 0
+        self.started = self.last = time.monotonic()
+
+    def update(self, advance: float = 1, description: str | None = None) -> None:
+        self.done += advance
+        now = time.monotonic()
+        if now - self.last >= LINE_EVERY_S:
+            self.last = now
+            of = f"/{self.total:g}" if self.total else ""
+            log.info("%s: %g%s (%.0f s)", description or self.description, self.done, of, now - self.started)
+
+
 @contextmanager
 def progress_bar(total: int | None, description: str = "", *, is_main: bool = True,
                  transient: bool = False) -> Iterator[_Bar]:
     """A rank-0 progress bar: `with progress_bar(n, "train") as bar: … bar.update()`. A no-op elsewhere."""
     if not progress_enabled(is_main):
-        yield _Bar()
+        yield _Lines(total, description) if is_main else _Bar()
         return
     from rich import progress as rp
 

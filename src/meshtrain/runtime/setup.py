@@ -287,7 +287,9 @@ def collective(operation: str, timeout: float | None = None):
                 "slow, raise the timeout (--timeout or MESHTRAIN_TIMEOUT)."
             )
         else:
-            cause = "lost its connection to a peer rank, which most likely died: the first error is in that rank's log."
+            gone = heartbeat.departed()  # on this host, a rank whose process is gone; elsewhere, one fallen silent
+            cause = ("lost its connection to a peer rank, which most likely died: "
+                     + (f"{gone}." if gone else "the first error is in that rank's log."))
         raise CollectiveError(f"{operation} on rank {rank}/{world} {cause} Backend said: {_first_line(e)}") from e
     finally:
         heartbeat.note(collective=outer)

@@ -19,6 +19,7 @@ import torch
 
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.log import get_logger
+from meshtrain.runtime.setup import DistInfo, reduce_scalar
 
 log = get_logger("train")
 
@@ -232,3 +233,35 @@ class StepTimer:
                 self.totals[name] = self.totals.get(name, 0.0) + start.elapsed_time(end) / 1e3
         out, self.totals, self.events = self.totals, {}, []
         return out
+
+
+class Interval:
+    """What happened since the previous evaluation (an epoch, when counting epochs): training time (wall time
+    between two synchronised ends, so unsynchronised iterations count in full), iterations, the sum of their
+    losses, and the memory high watermark."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.restart()
+
+    def restart(self) -> None:
+        self.iterations = 0
+        self.loss_sum = torch.zeros((), device=self.device)
+        reset_peak_memory(self.device)
+        synchronize(self.device)
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss
+        self.iterations += 1
+
+    def summary(self, mean_loss, samples_per_iter: int, info: DistInfo) -> dict[str, float]:
+        if not self.iterations:
+            return {}
+        synchronize(self.device)
+        seconds = time.perf_counter() - self.started
+        peak = reduce_scalar(peak_memory_bytes(self.device), "max", "all_reduce of the memory high "
+                             "watermark", info.timeout_s, self.device)
+        return {"avg_loss": mean_loss(self.loss_sum / self.iterations, "all_reduce of the interval's training loss"),
+                "train_s": seconds, "avg_sps": samples_per_iter * self.iterations / seconds,
+                "peak_gb": peak / 2**30}

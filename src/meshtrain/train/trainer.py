@@ -8,8 +8,10 @@ optimizer and, when resuming, everything the checkpoint holds. Per iteration (`s
 `evaluate`): the workload's evaluation, reduced over the ranks, a summary of the interval since the previous one
 (time, samples/s, mean training loss, evaluation time, memory high watermark), what the workload shows (a text
 sample, a forecast plot) and a distributed checkpoint (`save`). A checkpoint holds everything a bit-exact resume
-needs: model, optimizer, scaler, iteration, and every rank's RNG and data-stream states; it loads into any other
-layout too (then the data and RNG streams restart from the seed).
+needs: model, optimizer, scaler, iteration and every rank's RNG state; the data stream's position is the iteration
+itself (its samples depend on the global batch number, not on the layout). It loads into any other layout too:
+the data goes on exactly (same global batch: train.global_batch_size keeps it when the ranks change), only dropout's
+masks differ (they are drawn per rank).
 
 The workload supplies the model, its layout, the batch stream, the evaluation and what follows it; the trainer
 never asks which model it drives.
@@ -34,11 +36,11 @@ from meshtrain.parallel import backends, float8
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime import heartbeat, rundir
-from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.log import get_logger, print_rich
 from meshtrain.runtime.progress import progress_bar
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, gather_objects, reduce_scalar
 from meshtrain.train import checkpoint, faults, metrics, profiling
+from meshtrain.train.ledger import SampleLedger
 from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
 from meshtrain.train.recorder import MetricsRecorder, check_finite
 from meshtrain.train.sinks import build_sinks
@@ -107,6 +109,9 @@ class Trainer:
         try:
             self._build()
             self.start_iter = self._resume() if self.resumed else 0
+            self.batches.seek(self.start_iter)  # the data's position is the iteration, in any layout
+            self.ledger = SampleLedger(self.run_dir, self.start_iter) if self.cfg.train.sample_ledger and \
+                info.is_main else None
             self._start_reporting()
         except BaseException:
             if info.is_main and not self.resumed:  # a run that never started leaves nothing behind
@@ -140,6 +145,7 @@ class Trainer:
     def _build(self) -> None:
         """The workload, the model on the run's one mesh, the optimizer, the scaler and the checkpointer."""
         info, dims, device = self.info, self.dims, self.device
+        self.cfg = config_mod.with_global_batch(self.cfg, dims.dp_size)
         self.workload = self.spec.workload(self.cfg, info, dims)
         self.cfg = cfg = self.workload.cfg  # with what the data decided (the ViT's local batch from a global one)
         t, o = cfg.train, cfg.optimizer
@@ -154,7 +160,7 @@ class Trainer:
         self.model = self.layout.model  # this rank's share of the model
         # Dropout masks differ where the data does (dp and cp ranks); tp ranks must draw the same masks on the stream
         # they all hold, and pp ranks hold different layers anyway.
-        torch.manual_seed(t.seed + dims.dp_rank(info.rank) * dims.cp + dims.coords(info.rank)["cp"])
+        torch.manual_seed(_dropout_seed(t.seed, 0, self._place()))
         self.samples_per_iter = self.workload.batch_size * t.grad_accum * dims.dp_size
         self.lr, self.min_lr, self.lr_factor = scaled_learning_rates(cfg, self.samples_per_iter)
         fused = {} if o.fused is None else {"fused": o.fused}
@@ -165,20 +171,29 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, is_main=info.is_main, keep=t.keep_checkpoints,
                                                     async_save=t.async_checkpoint)
 
+    def _place(self) -> int:
+        """This rank's place among the ranks that read different data: its dp rank × cp + its cp rank."""
+        return self.dims.dp_rank(self.info.rank) * self.dims.cp + self.dims.coords(self.info.rank)["cp"]
+
     def _resume(self) -> int:
         """Load the checkpoint into this layout; returns the iteration it was written at."""
         resumed, dims = self.resumed, self.dims
         with collective(f"loading the checkpoint {self.checkpoint_dir}", self.info.timeout_s):
             self.layout.load_checkpoint(self.checkpoint_dir, self.optimizer, checkpoint.dcp_loader(self.checkpoint_dir))
         self.scaler.load_state_dict(resumed["scaler"])
-        # A rank's data and RNG streams belong to its place in the layout (its dp and cp rank): carry them over
-        # only into the same layout. In another, the ranks of one replica would read different batches.
+        # A rank's RNG stream (dropout) belongs to its place in the layout (its dp and cp rank): carry it over only
+        # into the same layout. The data stream's position is the iteration, the same in any layout.
         if resumed.get("layout") == _describe(dims):
-            _restore_rank_state(resumed["ranks"][self.info.rank], self.batches, self.device)
+            _restore_rank_state(resumed["ranks"][self.info.rank], self.device)
         else:
-            log.warning("checkpoint was written under %s, this run is %s: data and RNG streams restart from the "
-                        "seed (the model and optimizer state carry over exactly; the run is not bit-exact)",
-                        resumed.get("layout"), _describe(dims))
+            torch.manual_seed(_dropout_seed(self.cfg.train.seed, resumed["iteration"], self._place()))
+            log.info("checkpoint written under %s, resumed under %s: model, optimizer and data go on exactly; dropout "
+                     "masks are drawn per rank, so they differ from the uninterrupted run's", resumed.get("layout"),
+                     _describe(dims))
+        if resumed.get("global_batch", self.samples_per_iter) != self.samples_per_iter:
+            log.warning("the checkpoint's run read %d samples per iteration, this one %d: the data from here on is "
+                        "not what that run would have read (train.global_batch_size=%d keeps its batch on any ranks)",
+                        resumed["global_batch"], self.samples_per_iter, resumed["global_batch"])
         cost = faults.restart_cost(self.run_dir / rundir.METRICS, resumed["iteration"]) if self.info.is_main else None
         if cost:
             log.info("restart: the previous attempt had done %d iteration(s) past this checkpoint, to be done again, "
@@ -194,7 +209,7 @@ class Trainer:
         self.eval_interval = self.epochs or t.eval_interval
         self.decay_iters = cfg.optimizer.lr_decay_iters or self.max_iters
         self.drill = faults.Drill(info.rank)  # MESHTRAIN_FAULT: rehearsed failures
-        self.interval = _Interval(device)
+        self.interval = metrics.Interval(device)
         dims = self.dims
         self.profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
                                                out_dir=self.run_dir / "profile", rank=info.rank, device=device)
@@ -262,6 +277,8 @@ class Trainer:
         heartbeat.note(phase="finish")
         self.checkpointer.wait()
         self.batches.close()  # loader workers
+        if self.ledger:
+            self.ledger.close()
         self.sinks.close()
         if stopping.reason == "signal":
             result.preempted = True
@@ -301,6 +318,8 @@ class Trainer:
                 self._log_bytes_held()
             self.optimizer.zero_grad(set_to_none=True)
         self.interval.add(loss_sum)
+        if self.ledger:
+            self.ledger.write(it, self.batches.global_ids(it))
         if (it + 1) % t.log_interval == 0:
             self.recorder.log(it + 1, loss_sum, comm=layout.gradient_reduction_wait(), lr=lr_now, grad_norm=grad_norm)
 
@@ -327,11 +346,12 @@ class Trainer:
         """A distributed checkpoint of iteration `it`, with every rank's RNG and data states (collective)."""
         info = self.info
         self._phase("checkpoint")
-        ranks = gather_objects(_rank_state(self.batches, self.device), "all_gather_object of RNG and data states for "
-                               "the checkpoint", info.timeout_s)
+        ranks = gather_objects(_rank_state(self.device), "all_gather_object of RNG states for the checkpoint",
+                               info.timeout_s)
         trainer_state = {"scaler": self.scaler.state_dict(), "iteration": it, "config": config_mod.to_dict(self.cfg),
                          "workload": self.spec.name, "spec": self.spec.source,
                          "data_facts": self.workload.data_facts(), "ranks": ranks, "layout": _describe(self.dims),
+                         "global_batch": self.samples_per_iter,
                          **row}
         with collective("saving the distributed checkpoint", info.timeout_s):
             path = self.layout.save_checkpoint(self.checkpointer, it, self.optimizer, trainer_state)
@@ -370,50 +390,23 @@ class Trainer:
                                        "environment": asdict(info)})  # for `meshtrain report`
 
 
-class _Interval:
-    """What happened since the previous evaluation (an epoch, when counting epochs): training time (wall time
-    between two synchronised ends, so unsynchronised iterations count in full), iterations, the sum of their
-    losses, and the memory high watermark."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.restart()
-
-    def restart(self) -> None:
-        self.iterations = 0
-        self.loss_sum = torch.zeros((), device=self.device)
-        metrics.reset_peak_memory(self.device)
-        synchronize(self.device)
-        self.started = time.perf_counter()
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss
-        self.iterations += 1
-
-    def summary(self, mean_loss, samples_per_iter: int, info: DistInfo) -> dict[str, float]:
-        if not self.iterations:
-            return {}
-        synchronize(self.device)
-        seconds = time.perf_counter() - self.started
-        peak = reduce_scalar(metrics.peak_memory_bytes(self.device), "max", "all_reduce of the memory high "
-                             "watermark", info.timeout_s, self.device)
-        return {"avg_loss": mean_loss(self.loss_sum / self.iterations, "all_reduce of the interval's training loss"),
-                "train_s": seconds, "avg_sps": samples_per_iter * self.iterations / seconds,
-                "peak_gb": peak / 2**30}
-
-
-def _rank_state(batches, device: torch.device) -> dict:
-    state = {"torch_rng": torch.get_rng_state(), "data": batches.state_dict()}
+def _rank_state(device: torch.device) -> dict:
+    state = {"torch_rng": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda_rng"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _restore_rank_state(state: dict, batches, device: torch.device) -> None:
+def _restore_rank_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch_rng"])
     if "cuda_rng" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"], device)
-    batches.load_state_dict(state["data"])
+
+
+def _dropout_seed(seed: int, iteration: int, place: int) -> int:
+    """The RNG seed of a rank's dropout from `iteration` on, at its place (dp and cp rank): different places draw
+    different masks, tp ranks (one stream, held by all) the same; a new place after a layout change, new masks."""
+    return seed + place + 1_000_003 * iteration
 
 
 def _describe(dims: ParallelDims) -> str:

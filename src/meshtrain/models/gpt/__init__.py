@@ -53,7 +53,7 @@ def build_model(cfg: GPTRunConfig, data_facts: dict):
     from meshtrain.models.gpt.model import GPT, GPTConfig
 
     m, t = cfg.model, cfg.train
-    if t.init_from not in ("scratch", "resume"):
+    if t.init_from not in ("scratch", "resume", "auto"):  # auto: the Trainer's scratch or resume
         model = GPT.from_pretrained(t.init_from, override_args={"dropout": m.dropout})
         if m.block_size < model.config.block_size:
             model.crop_block_size(m.block_size)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshtrain.config import ConfigError
-from meshtrain.data.text import TokenBatches, load_meta, tokenizer_from_meta
+from meshtrain.data.text import TokenBatches, load_meta, meta_or_builtin, tokenizer_from_meta
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, reduce_scalar
@@ -25,12 +25,13 @@ if TYPE_CHECKING:  # for annotations only
 
 
 class _Batches:
-    """The three samplers of one rank: training windows, and separate ones for evaluation so that
-    evaluating never shifts what training sees next."""
+    """The three windows streams of one rank: training, and separate ones for evaluation so that evaluating never
+    shifts what training sees next. Each is keyed by the global batch number alone (data/text.py): training's is
+    the iteration, an evaluation at iteration i reads eval_iters global batches from number i × eval_iters."""
 
     def __init__(self, data_dir: Path, cfg: RunConfig, dp_rank: int, dp_size: int, device: torch.device):
         common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=dp_rank,
-                      dp_size=dp_size, device=device)
+                      dp_size=dp_size, accum=cfg.train.grad_accum, device=device)
         seed = cfg.train.seed
         self.train = TokenBatches(data_dir, "train", seed=seed, **common)
         self.eval = {"train": TokenBatches(data_dir, "train", seed=seed + 1, **common),
@@ -39,21 +40,21 @@ class _Batches:
     def next_batch(self):
         return self.train.next_batch()
 
+    def seek(self, iteration: int) -> None:
+        self.train.seek(iteration)
+
+    def global_ids(self, iteration: int) -> list[int]:
+        """The samples of iteration `iteration`, all ranks': its windows' start offsets."""
+        return self.train.global_offsets(iteration).tolist()
+
     def close(self) -> None:
         """Nothing to stop: the token windows are read in this process."""
 
-    def state_dict(self) -> dict:
-        return {"train": self.train.state_dict(), **{f"eval_{k}": v.state_dict() for k, v in self.eval.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.train.load_state_dict(state["train"])
-        for split, batches in self.eval.items():
-            batches.load_state_dict(state[f"eval_{split}"])
-
 
 def text_data_facts(cfg: RunConfig) -> dict:
-    """What a language model's build takes from its data (the vocabulary in meta.json), without opening the tokens."""
-    return {"meta": load_meta(Path(cfg.data.root) / cfg.data.name)}
+    """What a language model's build takes from its data (the vocabulary in meta.json), without opening the tokens;
+    for a built-in dataset not prepared here, its tokenizer's (a plan for another machine needs no data)."""
+    return {"meta": meta_or_builtin(Path(cfg.data.root) / cfg.data.name)}
 
 
 class LanguageModelWorkload:
@@ -63,7 +64,7 @@ class LanguageModelWorkload:
         self.cfg, self.info, self.dims, self.device = cfg, info, dims, info.torch_device
         self._build_model, self._build_layout = build_model, build_layout
         self.data_dir = Path(cfg.data.root) / cfg.data.name
-        self.meta = text_data_facts(cfg)["meta"]
+        self.meta = load_meta(self.data_dir)  # training needs the prepared data itself
         self.tokenizer = tokenizer_from_meta(self.meta)
         try:  # the prompt is first used at the first evaluation: find a bad one now
             self.prompt_ids = self.tokenizer.encode(cfg.train.prompt)
@@ -90,14 +91,17 @@ class LanguageModelWorkload:
         return {"meta": self.meta}
 
     def evaluate(self, layout, autocast, it: int) -> dict[str, float]:
-        """Mean loss over eval_iters batches of each split, over the ranks that hold a loss."""
+        """Mean loss over eval_iters global batches of each split (the training's global batch: every rank reads
+        its share, as in a training step), over the ranks that hold a loss."""
         t = self.cfg.train
         out = {}
+        batches = t.eval_iters * t.grad_accum  # this rank's share of eval_iters global batches
         for split, split_batches in self.batches.eval.items():
+            split_batches.seek(it * t.eval_iters)
             total = torch.zeros((), device=self.device)
-            for _ in track(range(t.eval_iters), f"eval {split}", is_main=self.info.is_main):
+            for _ in track(range(batches), f"eval {split}", is_main=self.info.is_main):
                 total += layout.eval_loss(*split_batches.next_batch(), autocast)
-            out[f"{split}_loss"] = reduce_scalar(total / t.eval_iters, "sum", f"all_reduce of the {split} loss",
+            out[f"{split}_loss"] = reduce_scalar(total / batches, "sum", f"all_reduce of the {split} loss",
                                                  self.info.timeout_s) / layout.loss_ranks
         return out
 

@@ -1,7 +1,7 @@
 """The ViT weather forecaster as a workload of the one training loop: ERA5 fields at t in, fields at t + dt out.
 
-Evaluation runs over the validation split (at most train.eval_iters batches per rank), every sample counted
-once however the split divides over the data-parallel ranks, and reports in physical units what weather
+Evaluation runs over the validation split (its first train.eval_iters global batches at most), every sample
+counted once however the split divides over the data-parallel ranks, and reports in physical units what weather
 people look at: the RMSE of u10 (NERSC's metric) next to the persistence baseline (forecast = input, the
 score to beat), and the latitude-weighted RMSE of a few headline channels (WeatherBench's). After it, rank 0
 plots the first validation sample's u10 forecast, truth and error to figures/ (and TensorBoard).
@@ -60,12 +60,11 @@ class ViTWorkload:
                       device=self.device, num_workers=d.num_workers, pin_memory=d.pin_memory)
         stream = ERA5DaliBatches if d.loader == "dali" else ERA5Batches
         self.batches = stream(self.train_data, seed=cfg.train.seed, persistent_workers=d.persistent_workers,
-                              prefetch_factor=d.prefetch_factor, **loader)
-        self.eval = eval_batches(self.valid_data, **loader)
-        self.iters_per_epoch = self.batches.steps_per_epoch // cfg.train.grad_accum
-        if self.iters_per_epoch < 1:
-            raise ConfigError(f"an epoch of {self.batches.steps_per_epoch} batches per rank is less than one "
-                              f"iteration of train.grad_accum={cfg.train.grad_accum}: lower grad_accum or the batch")
+                              prefetch_factor=d.prefetch_factor, accum=cfg.train.grad_accum, **loader)
+        # At most eval_iters global batches, the split's first samples: the same ones in every layout.
+        global_batch = self.batch_size * dims.dp_size * cfg.train.grad_accum
+        self.eval = eval_batches(self.valid_data, limit=cfg.train.eval_iters * global_batch, **loader)
+        self.iters_per_epoch = self.batches.steps_per_epoch
         self.first = None  # the first validation sample's u10 (forecast, truth, std, mean, name), for the plot
 
     @staticmethod
@@ -106,11 +105,8 @@ class ViTWorkload:
         # Weighted sums: [weight, loss, rmse u10, persistence u10, latitude-weighted rmse per channel]
         sums = torch.zeros(4 + len(self.channel_names), dtype=torch.float64, device=self.device)
         self.first = None
-        batches = min(len(self.eval), self.cfg.train.eval_iters)
-        for number, (x, y, weight) in enumerate(track(self.eval, "eval valid", total=batches,
+        for number, (x, y, weight) in enumerate(track(self.eval, "eval valid", total=len(self.eval),
                                                       is_main=self.info.is_main)):
-            if number == batches:
-                break
             pred = layout.predict(x, autocast)
             for i in torch.nonzero(weight).flatten().tolist():
                 p, truth, now = pred[i:i + 1], y[i:i + 1].float(), x[i:i + 1].float()

@@ -3,11 +3,14 @@ the planner): the fastest layout that fits on this machine by `meshtrain plan`'s
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from meshtrain import config as config_mod
 from meshtrain import registry
 from meshtrain.errors import MeshtrainError
+from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import search
 from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.runtime.log import get_logger
@@ -25,7 +28,13 @@ def resolve(cfg: RunConfig, info: DistInfo):
     every rank, in the dtype the run will compute in (the machine's figures are measured, and must not differ
     between ranks)."""
     if cfg.parallel.plan != "auto":
-        return cfg
+        if not restarted() or _formed(cfg, info):
+            return cfg
+        if info.is_main:
+            log.warning("this restart has %d rank(s) (%d per node), where the run's layout (%s) cannot be formed: "
+                        "re-planning as parallel.plan=auto would", info.world_size, info.local_world_size,
+                        _layout_keys(cfg))
+        cfg = replace(cfg, parallel=replace(cfg.parallel, plan="auto"))
     cfg, _ = resolve_precision(cfg, info)
     layout = None
     if info.is_main:
@@ -43,3 +52,25 @@ def resolve(cfg: RunConfig, info: DistInfo):
     if "error" in layout:
         raise config_mod.ConfigError(layout["error"])
     return search.with_layout(cfg, layout)
+
+
+def restarted() -> bool:
+    """Whether this job is a restart: torchrun's agent (after a failure, an elastic job on the nodes left) or
+    `meshtrain launch --max-restarts` under mpiexec/srun say so."""
+    return any(int(os.environ.get(name, "0") or 0) > 0 for name in ("TORCHELASTIC_RESTART_COUNT",
+                                                                    "MESHTRAIN_RESTART_COUNT"))
+
+
+def _formed(cfg: RunConfig, info: DistInfo) -> bool:
+    """Whether cfg's layout (and its global batch) can be formed on these ranks."""
+    try:
+        dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
+        config_mod.with_global_batch(cfg, dims.dp_size)
+    except MeshtrainError:
+        return False
+    return True
+
+
+def _layout_keys(cfg: RunConfig) -> str:
+    p = cfg.parallel
+    return " ".join(f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "pp", "dp_replicate", "dp_shard"))

@@ -1,0 +1,46 @@
+"""The memory check before a run (plan/measured/preflight.py): the planner's predicted peak against what a rank has,
+one error with both figures and the settings that fit, and nothing said where the run fits."""
+
+import pytest
+from tests.unit.test_api import one_process
+
+from meshtrain.config import ConfigError, load_config
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan.cost import predict_peak
+from meshtrain.plan.machines import Machine
+from meshtrain.plan.measured import preflight
+from meshtrain.plan.workload import ModelFacts
+
+GIB = 2**30
+# the seeds' hands-on run, with the GPT-2 vocabulary: planned without its data, from the tokenizer alone
+SEED_RUN = ["train.backend=DDP", "data=shakespeare", "train.dtype=fp32", "model.batch_size=64",
+            "model.block_size=1024", "data.root=/nonexistent"]
+
+
+def test_a_run_that_cannot_fit_stops_with_both_figures_and_what_fits(monkeypatch):
+    cfg = load_config(SEED_RUN)
+    facts = ModelFacts.of(cfg)
+    assert facts.head_features == 50257  # the vocabulary, from the GPT-2 tokenizer: data/shakespeare is not here
+    machine = Machine("this", 1, 0.0, {}, 0.0, 0.0, 0.0, 0.0, 0.0, overlap=False, attention_in_fp32=True)
+    need = predict_peak(facts, cfg, ParallelDims.resolve(1), machine)
+    assert need > 3 * 64 * 1024 * 50304 * 4  # the logits, what the loss keeps of them, and their gradient
+    monkeypatch.setattr(preflight, "available_bytes", lambda device, ranks: 8 * GIB)
+    with pytest.raises(ConfigError) as err:
+        preflight.check_memory(cfg, one_process())
+    message = str(err.value)
+    assert message.startswith(f"out of memory ahead: ddp dp1 ac=none needs about {need / GIB:.2f} GiB per rank at "
+                              "its peak (`meshtrain plan`'s prediction, fp32), but this host's available memory "
+                              "shared by 1 rank(s) gives 8.00 GiB; these fit: "), message
+    assert "model.batch_size=8 train.grad_accum=8" in message and message.endswith("train.memory_check=warn trains "
+                                                                                  "anyway")
+    for change in message.split("these fit: ")[1].split("; train.memory_check")[0].split("; "):
+        fixed = load_config(SEED_RUN + change.split())
+        assert predict_peak(ModelFacts.of(fixed), fixed, ParallelDims.resolve(1), machine) <= 8 * GIB, change
+
+    warned = []
+    monkeypatch.setattr(preflight.log, "warning", lambda fmt, *args: warned.append(fmt % args))
+    preflight.check_memory(load_config(SEED_RUN + ["train.memory_check=warn"]), one_process())
+    assert len(warned) == 1 and warned[0].startswith("out of memory ahead")
+    monkeypatch.setattr(preflight, "available_bytes", lambda device, ranks: need * 1.01)
+    preflight.check_memory(cfg, one_process())  # fits: nothing said
+    assert len(warned) == 1
