@@ -31,10 +31,10 @@ def drive(root: Path) -> None:
         reference_x = torch.stack([ds[i][0] for i in range(len(ds))])  # this process alone, no loader
         reference_y = torch.stack([ds[i][1] for i in range(len(ds))])
         stream = ERA5Batches(ds, batch_size=BATCH, dp_rank=dp_rank, dp_size=dp_size, seed=5, num_workers=1)
-        per_rank = len(ds) // dp_size // BATCH * BATCH  # whole batches of this rank's share
+        per_rank = len(ds) // (dp_size * BATCH) * BATCH  # its share of the epoch's whole global batches
         orders, worst = [], 0.0
         for epoch in (0, 1):
-            assert stream.epoch == epoch
+            assert stream.step == epoch * stream.steps_per_epoch
             batches = [stream.next_batch() for _ in range(stream.steps_per_epoch)]
             xs, ys = (torch.cat(parts) for parts in zip(*batches, strict=True))
             assert xs.shape[0] == per_rank, (xs.shape, per_rank)

@@ -3,6 +3,8 @@ Runs where NVIDIA DALI is installed (the `dali` extra; on a CPU box its pipeline
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -20,6 +22,14 @@ def dataset(tmp_path_factory) -> ERA5Dataset:
     root = tmp_path_factory.mktemp("era5_dali")
     generate(root, years=[2015, 2016, 2017, 2018], samples_per_year=12, grid=(4, 8), channels=2, seed=0)
     return ERA5Dataset(root, "train")  # 2 years x 11 pairs = 22 samples
+
+
+@pytest.fixture(autouse=True)
+def no_pipeline_left():
+    """Each test's DALI pipelines and their threads are gone before the next test: a later test that forks (a
+    DataLoader's workers) must not inherit a lock one of them holds."""
+    yield
+    gc.collect()
 
 
 def batches(stream, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -43,7 +53,9 @@ def test_dali_resumes_at_the_saved_position(dataset):
     common = dict(batch_size=2, dp_rank=0, dp_size=2, seed=5)
     uninterrupted = ERA5DaliBatches(dataset, **common)
     want = batches(uninterrupted, 9)
+    uninterrupted.close()
     resumed = ERA5DaliBatches(dataset, **common)
     resumed.seek(6)  # one epoch is 5 steps: 6 is mid-way through the second
     for (x, y), (wx, wy) in zip(batches(resumed, 3), want[6:], strict=True):
         assert torch.equal(x, wx) and torch.equal(y, wy)
+    resumed.close()

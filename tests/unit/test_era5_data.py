@@ -241,7 +241,7 @@ def test_dataset_reopens_files_after_pickle_and_in_workers(tiny):
     assert copy._handles == {} and torch.equal(copy[0][0], first)
 
     reference = torch.stack([ds[i][0] for i in range(len(ds))])
-    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2)
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2, timeout=60)  # a hung worker fails fast
     batches = torch.cat([x for x, _ in loader])  # forked workers, each opening its own handles
     assert torch.equal(batches, reference)
     assert torch.equal(ds[6][1], torch.from_numpy(expected(years[2017], 3, means, stds)))  # parent's still good

@@ -57,10 +57,13 @@ def _verdict(cfg: RunConfig, info: DistInfo) -> str | None:
     """None when the run fits; else why not, and what would."""
     dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
     cfg = config_mod.with_global_batch(cfg, dims.dp_size)
+    if cfg.train.init_from not in ("scratch", "resume", "auto"):  # pretrained weights bring their own shapes
+        log.info("memory check skipped: the model's shapes come from train.init_from=%s", cfg.train.init_from)
+        return None
     try:
         facts, device = ModelFacts.of(cfg), info.torch_device
-    except registry.RegistryError as e:  # a model of the user's that the planner cannot build
-        log.info("memory check skipped: %s", e)
+    except (registry.RegistryError, ValueError) as e:  # a model the planner cannot build: the run's own checks
+        log.info("memory check skipped: %s", e)  # say why, with the fix, as it starts
         return None
     machine = Machine("this", info.local_world_size, 0.0, {}, 0.0, 0.0, 0.0, 0.0, 0.0, overlap=False,
                       attention_in_fp32=device.type == "cpu")
