@@ -6,7 +6,8 @@ uninterrupted.
 
     python benchmarks/node_loss_drill.py [--iters 40] [--every 10] [--kill-at 25]
 
-Both "nodes" are process groups on this machine (tests/test_multinode.py does the same on network namespaces).
+Both "nodes" are process trees on this machine (Linux: /proc; tests/distributed/test_multinode.py does the same on
+network namespaces).
 Prints the iterations done again, the seconds from the kill to the first new iteration and to the end, the wall
 time of both jobs, the largest loss difference against the uninterrupted run, and whether the sample ledgers agree.
 """
@@ -48,6 +49,23 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}  # a step done again: its last loss
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its ranks in sessions of their own: no process group holds all)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
 def drill(data_root: Path, out_dir: Path, iters: int, every: int, kill_at: int) -> dict:
     launch = [sys.executable, "-m", "meshtrain", "launch", "--nnodes", "1:2", "--ppn", "2", "--max-restarts", "1",
               "--rdzv-endpoint", "localhost:29477", "--", "python", "-m", "meshtrain",
@@ -65,14 +83,15 @@ def drill(data_root: Path, out_dir: Path, iters: int, every: int, kill_at: int) 
         step = re.search(r"\] step=(\d+) loss", line)
         resumed = resumed or "resuming at iteration" in line
         if step and killed is None and int(step.group(1)) == kill_at:
-            os.killpg(nodes[1].pid, signal.SIGKILL)  # the second node: its agent and its ranks, at once
+            for pid in [nodes[1].pid, *descendants(nodes[1].pid)]:  # the second node: agent and ranks, at once
+                os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
         elif step and resumed and back is None:
             back = time.monotonic()
     nodes[0].wait()
     nodes[1].wait()
     text = "".join(lines)
-    if nodes[0].returncode or killed is None:
+    if nodes[0].returncode or killed is None or back is None:
         raise SystemExit(f"the elastic job failed ({nodes[0].returncode}):\n{text[-3000:]}")
     redone = re.search(r"restart: the previous attempt had done (\d+) iteration", text)
     return {"wall": time.monotonic() - started, "to_first_step": back - killed, "to_end": time.monotonic() - killed,

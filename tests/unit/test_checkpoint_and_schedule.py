@@ -50,6 +50,10 @@ def test_auto_resumes_only_a_run_with_a_complete_checkpoint(tmp_path):
     (run / "checkpoints" / "latest").write_text("step-0000010\n")
     assert checkpoint.resumable_run(tmp_path, "gpt", "ddp") == run.resolve()
     assert checkpoint.resumable_run(tmp_path / "elsewhere", "gpt", "ddp", run_dir=run) == run  # train.run_dir
+    later = rundir.new_run_dir(tmp_path, "gpt", "ddp", now=60)  # a later run, killed before its first checkpoint
+    rundir.record_run(tmp_path, "gpt", "ddp", later)
+    assert rundir.last_run(tmp_path, "gpt", "ddp") == later.resolve()
+    assert checkpoint.resumable_run(tmp_path, "gpt", "ddp") == run.resolve()  # the earlier run's progress, kept
     (run / "checkpoints" / "latest").write_text("step-0000020\n")  # names a step that is not there
     with pytest.raises(checkpoint.CheckpointError, match="names step-0000020, which is missing or incomplete"):
         checkpoint.resumable_run(tmp_path, "gpt", "ddp")

@@ -1,6 +1,8 @@
 """The memory check before a run (plan/measured/preflight.py): the planner's predicted peak against what a rank has,
 one error with both figures and the settings that fit, and nothing said where the run fits."""
 
+import re
+
 import pytest
 from tests.unit.test_api import one_process
 
@@ -28,19 +30,20 @@ def test_a_run_that_cannot_fit_stops_with_both_figures_and_what_fits(monkeypatch
     with pytest.raises(ConfigError) as err:
         preflight.check_memory(cfg, one_process())
     message = str(err.value)
-    assert message.startswith(f"out of memory ahead: ddp dp1 ac=none needs about {need / GIB:.2f} GiB per rank at "
-                              "its peak (`meshtrain plan`'s prediction, fp32), but this host's available memory "
-                              "shared by 1 rank(s) gives 8.00 GiB; these fit: "), message
+    said = re.match(r"out of memory ahead: ddp dp1 ac=none needs about ([\d.]+) GiB per rank at its peak "
+                    r"\(`meshtrain plan`'s prediction, fp32\), but 90% of this host's available memory shared by "
+                    r"1 rank\(s\) gives 7.20 GiB; these fit: ", message)
+    assert said and need / GIB <= float(said.group(1)) < need / GIB + 8, message  # its tensors, and the runtime
     assert "model.batch_size=8 train.grad_accum=8" in message and message.endswith("train.memory_check=warn trains "
                                                                                   "anyway")
     for change in message.split("these fit: ")[1].split("; train.memory_check")[0].split("; "):
         fixed = load_config(SEED_RUN + change.split())
-        assert predict_peak(ModelFacts.of(fixed), fixed, ParallelDims.resolve(1), machine) <= 8 * GIB, change
+        assert predict_peak(ModelFacts.of(fixed), fixed, ParallelDims.resolve(1), machine) <= 7.2 * GIB, change
 
     warned = []
     monkeypatch.setattr(preflight.log, "warning", lambda fmt, *args: warned.append(fmt % args))
     preflight.check_memory(load_config(SEED_RUN + ["train.memory_check=warn"]), one_process())
     assert len(warned) == 1 and warned[0].startswith("out of memory ahead")
-    monkeypatch.setattr(preflight, "available_bytes", lambda device, ranks: need * 1.01)
+    monkeypatch.setattr(preflight, "available_bytes", lambda device, ranks: (need + 8 * GIB) / 0.9)
     preflight.check_memory(cfg, one_process())  # fits: nothing said
     assert len(warned) == 1

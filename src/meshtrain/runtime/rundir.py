@@ -58,6 +58,16 @@ def last_run(out_dir: str | Path, model: str, backend: str) -> Path | None:
     return Path(latest.read_text().strip()) if latest.is_file() else None
 
 
+def runs(out_dir: str | Path, model: str, backend: str) -> list[Path]:
+    """The runs of this model and backend that checkpoints.log lists, the newest first."""
+    log = Path(out_dir) / RUNS_LOG
+    if not log.is_file():
+        return []
+    found = [Path(fields[4]) for fields in (line.split(" ", 4) for line in log.read_text().splitlines())
+             if len(fields) == 5 and fields[2:4] == [model, backend]]
+    return list(reversed(dict.fromkeys(found)))
+
+
 def latest_run(out_dir: str | Path, model: str, backend: str) -> Path:
     """The run train.init_from=resume continues: the last one, which must exist."""
     run = last_run(out_dir, model, backend)

@@ -27,20 +27,31 @@ from meshtrain.config import from_dict
 from meshtrain.parallel.backends import deepspeed
 from meshtrain.parallel.state_dict import load_model_and_optimizer_state, model_and_optimizer_state
 from meshtrain.runtime import rundir
+from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.rundir import CHECKPOINTS, LATEST, CheckpointError
 
+log = get_logger("train")
 TRAINER_STATE, EXPORT = "trainer_state.pt", "model.pt"
 
 
 def resumable_run(out_dir: str | Path, workload: str, backend: str, run_dir: str | Path | None = None) -> Path | None:
-    """The run train.init_from=auto continues: `run_dir`, else the latest run, if it has saved a checkpoint; None
-    when there is no such run or it saved none yet. A checkpoint pointer that names a missing step is an error,
-    not a fresh start: starting over would silently throw the run's progress away."""
-    run = Path(run_dir) if run_dir else rundir.last_run(out_dir, workload, backend)
-    if run is None or not (run / CHECKPOINTS / LATEST).is_file():
-        return None
-    latest_checkpoint(run)  # complete, or a clear error
-    return run
+    """The run train.init_from=auto continues: `run_dir` if it has saved a checkpoint, else the newest run that has
+    (a later run killed before its first checkpoint costs no earlier run's progress: it is passed over, and the
+    log says so); None when no run saved one yet. A checkpoint pointer that names a missing step is an error, not
+    a fresh start: starting over would silently throw the run's progress away."""
+    if run_dir:
+        candidates = [Path(run_dir)]
+    else:
+        latest = rundir.last_run(out_dir, workload, backend)
+        candidates = list(dict.fromkeys(([latest] if latest else []) + rundir.runs(out_dir, workload, backend)))
+    for number, run in enumerate(candidates):
+        if (run / CHECKPOINTS / LATEST).is_file():
+            latest_checkpoint(run)  # complete, or a clear error
+            if number:
+                log.warning("train.init_from=auto: the newer run(s) %s saved no checkpoint; resuming %s",
+                            ", ".join(str(r) for r in candidates[:number]), run)
+            return run
+    return None
 
 
 class Checkpointer:

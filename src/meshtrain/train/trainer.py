@@ -343,7 +343,7 @@ class Trainer:
             self.save(it, row)
 
     def save(self, it: int, row: dict[str, float]) -> None:
-        """A distributed checkpoint of iteration `it`, with every rank's RNG and data states (collective)."""
+        """A distributed checkpoint of iteration `it`, with every rank's RNG state (collective)."""
         info = self.info
         self._phase("checkpoint")
         ranks = gather_objects(_rank_state(self.device), "all_gather_object of RNG states for the checkpoint",

@@ -8,6 +8,7 @@ than minutes later under the kernel's OOM killer with nothing but "exited on sig
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,7 @@ from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import predict_peak
 from meshtrain.plan.machines import Machine
-from meshtrain.plan.search import label
+from meshtrain.plan.search import HEADROOM, label
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.setup import DistInfo, broadcast_object
@@ -67,14 +68,18 @@ def _verdict(cfg: RunConfig, info: DistInfo) -> str | None:
         return None
     machine = Machine("this", info.local_world_size, 0.0, {}, 0.0, 0.0, 0.0, 0.0, 0.0, overlap=False,
                       attention_in_fp32=device.type == "cpu")
-    need, have = predict_peak(facts, cfg, dims, machine), available_bytes(device, info.local_world_size)
-    where = f"{device} (free)" if device.type == "cuda" else \
-        f"this host's available memory shared by {info.local_world_size} rank(s)"
+    # What the rank holds already (the runtime, on a CPU) plus the predicted peak of its tensors, against the
+    # share of the memory that fits as plan=auto counts it (search.HEADROOM: allocator slack).
+    have = HEADROOM * available_bytes(device, info.local_world_size)
+    need_tensors = predict_peak(facts, cfg, dims, machine)
+    need = need_tensors + (0 if device.type == "cuda" else _resident_bytes())
+    where = f"{HEADROOM:.0%} of {device}'s free memory" if device.type == "cuda" else \
+        f"{HEADROOM:.0%} of this host's available memory shared by {info.local_world_size} rank(s)"
     log.info("memory check: %s needs about %s per rank at its peak; %s gives %s", label(cfg, dims), _size(need),
              where, _size(have))
     if need <= have:
         return None
-    fits = [change for change, peak in _alternatives(facts, cfg, dims, machine) if peak <= have]
+    fits = [change for change, peak in _alternatives(facts, cfg, dims, machine) if peak + need - need_tensors <= have]
     return (f"out of memory ahead: {label(cfg, dims)} needs about {need / GIB:.2f} GiB per rank at its peak "
             f"(`meshtrain plan`'s prediction, {cfg.train.dtype}), but {where} gives {have / GIB:.2f} GiB"
             + (f"; these fit: {'; '.join(fits[:4])}" if fits else
@@ -110,3 +115,12 @@ def _alternatives(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine
 
 def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm; 0 where not known)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
