@@ -10,6 +10,7 @@ parallelism's (or the pipeline's) traffic crosses.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import tempfile
@@ -54,6 +55,7 @@ def parameter_bytes(data_root: Path) -> int:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     reason = why_not()
     if reason:
         raise SystemExit(f"cannot make nodes here: {reason}")

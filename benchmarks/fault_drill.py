@@ -43,7 +43,7 @@ def job(out_dir: Path, data_root: Path, iters: int, every: int, faults: str = ""
 def losses(out_dir: Path) -> dict[int, float]:
     from meshtrain.runtime.rundir import read_jsonl
 
-    run_dir = Path((out_dir / "gpt" / "ddp" / "latest").read_text().strip())
+    run_dir = (out_dir / "gpt" / "ddp" / "latest").resolve()
     return {r["step"]: r.get("loss", r.get("val_loss")) for r in read_jsonl(run_dir / "metrics.jsonl")}
 
 

@@ -41,7 +41,7 @@ def train_args(data_root: Path, out_dir: Path, iters: int, every: int) -> list[s
 
 
 def run_dir(out_dir: Path) -> Path:
-    return Path((out_dir / "gpt" / "ddp" / "latest").read_text().strip())
+    return (out_dir / "gpt" / "ddp" / "latest").resolve()
 
 
 def losses(out_dir: Path) -> dict[int, float]:

@@ -19,7 +19,7 @@ ANSI = re.compile(r"\x1b\[[\d;]*m")
 
 
 def output(proc: subprocess.CompletedProcess) -> str:
-    """stdout + stderr without colour codes (under mpirun, rich sees a terminal and colours its tables)."""
+    """stdout + stderr without colour codes (rich colours what it prints at a terminal)."""
     return ANSI.sub("", proc.stdout + proc.stderr)
 
 
@@ -54,6 +54,27 @@ def rewound_copy(run_dir: Path, to: Path, iteration: int) -> Path:
     rows = [line for line in (to / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= iteration]
     (to / "metrics.jsonl").write_text("".join(f"{line}\n" for line in rows))
     return to
+
+
+# The GPT of the resume-anywhere tests (fp32, no dropout: runs in different layouts can be compared), 30 iterations
+# of a global batch of 16 with a checkpoint every 10 and a ledger of the samples each step read.
+RESUMABLE_GPT = ["train", "gpt", "model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.block_size=32",
+                 "model.batch_size=4", "model.dropout=0.0", "train.eval_iters=2", "train.dtype=fp32",
+                 "optimizer.warmup_iters=5", "optimizer.lr_decay_iters=30", "train.global_batch_size=16",
+                 "train.sample_tokens=8", "train.max_iters=30", "train.eval_interval=10", "train.log_interval=1",
+                 "train.sample_ledger=true", "train.keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_gpt(tmp_path_factory) -> tuple[Path, Path]:
+    """(the data root, the run directory) of RESUMABLE_GPT trained under ddp on 4 ranks, never interrupted: what a
+    run resumed in another layout (test_resume_anywhere.py) or restarted on fewer nodes (test_multinode.py) follows."""
+    data_root = prepare_data(tmp_path_factory.mktemp("resumable_gpt_data"))
+    out_dir = tmp_path_factory.mktemp("uninterrupted_gpt")
+    run = torchrun(4, *RESUMABLE_GPT, f"data.root={data_root}", f"train.out_dir={out_dir}", "train.backend=ddp",
+                   "train.async_checkpoint=true", timeout=300)
+    assert run.returncode == 0, output(run)[-3000:]
+    return data_root, (out_dir / "gpt" / "ddp" / "latest").resolve()
 
 
 torchrun_cmd = torchrun_argv  # `torchrun --standalone --nproc-per-node N ARGS` with this interpreter

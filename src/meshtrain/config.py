@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from meshtrain import registry
 from meshtrain.errors import MeshtrainError
 from meshtrain.parallel import backends
+from meshtrain.runtime.log import get_logger
 
 # A choice is a field `key: Annotated[str, SomeLiteral] = default`: a plain str to OmegaConf (2.3 refuses Literal
 # annotations), its values declared once, by the Literal below. check_choices checks every choice of every section of a
@@ -48,6 +49,8 @@ DTYPES, PROFILERS, CP_IMPLS, FLOAT8 = get_args(Dtype), get_args(Profiler), get_a
 
 class ConfigError(MeshtrainError, ValueError):
     """A configuration key, type or value that cannot be used; the message says which and how to fix it."""
+
+    same_on_every_rank = True
 
 
 @dataclass
@@ -236,8 +239,28 @@ def load_config(overrides: list[str] = (), workload: str = "gpt"):
             raise _explain(e, schema, item) from None
     run = OmegaConf.to_object(cfg)
     _choices_in_lower_case(run)
+    _stop_condition_given_wins(run, {item.partition("=")[0] for item in dotted})
     validate(run)
     return run
+
+
+def _stop_condition_given_wins(cfg: RunConfig, given: set[str]) -> None:
+    """train.max_iters and train.max_epochs both say when a run stops (and max_epochs when it evaluates): the one
+    given on the command line wins over a preset's, and says so; both given at once is one error."""
+    t = cfg.train
+    if t.max_epochs is None or "train.max_iters" not in given:
+        if t.max_epochs is not None and "train.eval_interval" in given:
+            raise ConfigError(f"train.eval_interval={t.eval_interval}: with train.max_epochs={t.max_epochs} (from the "
+                              "preset) the run evaluates after each epoch; give train.max_iters=N to count iterations "
+                              "instead (it replaces max_epochs), or leave eval_interval out")
+        return
+    if "train.max_epochs" in given:
+        raise ConfigError(f"train.max_iters={t.max_iters} and train.max_epochs={t.max_epochs} both given: a run "
+                          "stops at one of them; give one (train.max_epochs=null counts iterations)")
+    get_logger("config").info("train.max_iters=%d given: it replaces the preset's train.max_epochs=%d (and its "
+                              "evaluation after each epoch: train.eval_interval=%d)", t.max_iters, t.max_epochs,
+                              t.eval_interval)
+    t.max_epochs = None
 
 
 def _choices_in_lower_case(cfg: RunConfig) -> None:

@@ -3,3 +3,7 @@
 
 class MeshtrainError(Exception):
     """Bad input or a failed job, explained: what went wrong, where, and what to do about it."""
+
+    # True where every rank of a job raises the same error from the same input (a bad key, an unknown model): the
+    # CLI prints it on rank 0 only, not once per rank.
+    same_on_every_rank = False

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,8 @@ BUILT_IN = {"gpt": "meshtrain.models.gpt:SPEC", "vit": "meshtrain.models.vit:SPE
 
 class RegistryError(MeshtrainError, ValueError):
     """No such model, or a plugin that does not give a ModelSpec; the message says which and what exists."""
+
+    same_on_every_rank = True
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,9 @@ def get(name: str) -> ModelSpec:
         raise RegistryError(f"unknown model {name!r}: choose one of {', '.join(names())}, or give your own as "
                             "package.module:SPEC (see docs/models.md)")
     module_name, _, attribute = target.partition(":")
+    if target == name and "" not in sys.path and os.getcwd() not in sys.path:
+        # `python -m meshtrain` finds a model in the working directory; the `meshtrain` script must find it too.
+        sys.path.append(os.getcwd())
     try:
         spec = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as e:

@@ -77,7 +77,7 @@ def test_training_on_the_avx2_path_chooses_fp32_says_why_and_keeps_mfu_honest(da
     assert out.returncode == 0, text[-4000:]
     assert "precision: fp32 (auto: " in text and "so fp32)" in text
     assert "fp32 matmul, 1 thread," in text  # the peak of the dtype the matmuls run in, from the profile
-    run_dir = Path((tmp_path / "gpt" / "ddp" / "latest").read_text().strip())
+    run_dir = (tmp_path / "gpt" / "ddp" / "latest").resolve()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     mfus = [r["mfu"] for r in rows if "mfu" in r]
     assert len(mfus) == 4 and all(0 < m <= 100 for m in mfus), mfus

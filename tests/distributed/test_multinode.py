@@ -8,10 +8,9 @@ import json
 import re
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from tests.conftest import ANSI, REPO, clean_env, prepare_data, requires_mpirun
+from tests.conftest import ANSI, REPO, RESUMABLE_GPT, clean_env, prepare_data, requires_mpirun
 from tests.netns import Cluster, why_not
 
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=f"no network namespaces here: {why_not()}")
@@ -84,21 +83,18 @@ def test_fsdp_x_tp_keeps_tensor_parallel_traffic_inside_a_node(cluster, data_roo
     assert 3 * param_bytes < per_iteration < 6 * param_bytes < tensor_parallel, (per_iteration, param_bytes)
 
 
-def test_an_elastic_job_that_loses_a_node_goes_on_on_the_one_left_as_if_uninterrupted(cluster, data_root, tmp_path):
+def test_an_elastic_job_that_loses_a_node_goes_on_on_the_one_left_as_if_uninterrupted(cluster, uninterrupted_gpt,
+                                                                                      tmp_path):
     """`meshtrain launch --nnodes 1:2` on each of 2 nodes × 2 ranks; node 1 dies at iteration 12. Node 0's ranks name
     the lost peer, torchrun's agent there restarts them on the node left, and train.init_from=auto resumes the
     checkpoint of iteration 10 on 2 ranks, with the accumulation doubled (train.global_batch_size). The losses follow
     a 4-rank run that was never interrupted (within 1e-4), and the sample ledger is identical."""
     from meshtrain.train.ledger import read_ledger
 
-    args = ["train", "gpt", *GPT, "model.batch_size=4", f"data.root={data_root}", "train.global_batch_size=16",
-            "train.max_iters=20", "train.eval_interval=5", "train.sample_ledger=true", "train.init_from=auto"]
-    reference = cluster.start(0, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                  "4", "-m", "meshtrain", *args, f"train.out_dir={tmp_path / 'whole'}"], clean_env(), REPO)
-    assert reference.wait(timeout=300) == 0, reference.stdout.read()[-3000:]
+    data_root, uninterrupted = uninterrupted_gpt
     launch = [sys.executable, "-m", "meshtrain", "launch", "--nnodes", "1:2", "--ppn", "2", "--max-restarts", "1",
-              "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--", "python", "-m", "meshtrain", *args,
-              f"train.out_dir={tmp_path / 'elastic'}"]
+              "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
+              f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={tmp_path}"]
     jobs = [cluster.start(node, launch, clean_env(MESHTRAIN_TIMEOUT="60"), REPO) for node in (0, 1)]
     lines = []
     for line in jobs[0].stdout:
@@ -115,12 +111,12 @@ def test_an_elastic_job_that_loses_a_node_goes_on_on_the_one_left_as_if_uninterr
     assert re.search(r"resuming at iteration 10\b", text) and "× accumulation 2: global batch 16" in text, text[-3000:]
     assert re.search(r"restart: the previous attempt had done [23] iteration\(s\) past this checkpoint", text)
 
-    def runs(out):
-        run_dir = Path((out / "gpt" / "ddp" / "latest").read_text().strip())
+    def losses_and_ledger(run_dir):
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "loss" in r}, read_ledger(run_dir / "ledger.txt")
 
-    (want, want_ledger), (got, got_ledger) = runs(tmp_path / "whole"), runs(tmp_path / "elastic")
-    assert sorted(got) == list(range(1, 21)) and got == pytest.approx(want, rel=1e-4)  # the repeated steps: last
-    assert got_ledger == want_ledger and sorted(got_ledger) == list(range(20))
+    (want, want_ledger) = losses_and_ledger(uninterrupted)
+    (got, got_ledger) = losses_and_ledger((tmp_path / "gpt" / "ddp" / "latest").resolve())
+    assert sorted(got) == list(range(1, 31)) and got == pytest.approx(want, rel=1e-4)  # the repeated steps: last
+    assert got_ledger == want_ledger and sorted(got_ledger) == list(range(30))
     print(f"node lost at iteration 12: done on the node left {time.monotonic() - lost:.1f} s later")

@@ -38,7 +38,7 @@ def test_the_documented_model_trains_and_samples(package):
     assert one.returncode == 0, output(one)[-3000:]
     evals = [float(v) for v in re.findall(r"val_loss=([0-9.]+)", output(one))]
     assert len(evals) == 3 and evals[-1] < evals[0] - 0.5, evals
-    run_dir = Path((package / "one" / "tiny" / "ddp" / "latest").read_text().strip())
+    run_dir = (package / "one" / "tiny" / "ddp" / "latest").resolve()
     sample = subprocess.run([sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir), "--prompt", "ROMEO:",
                              "--max-new-tokens", "10"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert sample.returncode == 0 and sample.stdout.startswith("ROMEO:"), output(sample)

@@ -14,21 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, prepare_data, rewound_copy, torchrun
+from tests.conftest import REPO, RESUMABLE_GPT, clean_env, output, rewound_copy, torchrun
 
 from meshtrain.train.ledger import read_ledger
 
 pytestmark = pytest.mark.slow
 
-GPT = ["train", "gpt", "model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.block_size=32",
-       "model.batch_size=4", "model.dropout=0.0", "train.eval_iters=2", "train.dtype=fp32",
-       "optimizer.warmup_iters=5", "optimizer.lr_decay_iters=30", "train.global_batch_size=16", "train.sample_tokens=8"]
 VIT = ["train", "vit", "preset=tiny", "model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=4",
        "data.crop=[32,64]", "train.dtype=fp32", "train.eval_iters=2", "optimizer.warmup_iters=0", "optimizer.lr=3e-3",
        "optimizer.min_lr=3e-4", "optimizer.lr_decay_iters=30", "train.max_epochs=null", "data.batch_size=2",
-       "train.global_batch_size=8", "data.limit_train=100"]  # 12 iterations an epoch: the runs cross two epochs
-COMMON = ["train.max_iters=30", "train.eval_interval=10", "train.log_interval=1", "train.sample_ledger=true",
-          "train.keep_checkpoints=0"]
+       "train.global_batch_size=8", "data.limit_train=100", "train.max_iters=30", "train.eval_interval=10",
+       "train.log_interval=1", "train.sample_ledger=true", "train.keep_checkpoints=0"]  # 12 iterations an epoch
 RESUMED_INTO = {  # (ranks, overrides) of each resume
     "gpt": [(2, ["train.backend=ddp"]), (4, ["train.backend=fsdp", "parallel.tp=2"]),
             (4, ["train.backend=ddp", "parallel.pp=2"])],
@@ -38,16 +34,19 @@ RESUMED_INTO = {  # (ranks, overrides) of each resume
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict[str, list[str]]:
+def uninterrupted_vit(tmp_path_factory) -> tuple[Path, Path]:
+    """(the data root, the run directory) of VIT under ddp on 4 ranks, never interrupted; the runs cross two epochs."""
     from meshtrain.data.era5_synthetic import generate
 
     era5 = tmp_path_factory.mktemp("era5")
     generate(era5, years=[2015, 2016, 2017, 2018], samples_per_year=60, grid=(34, 66), channels=4, seed=0)
-    return {"gpt": [f"data.root={prepare_data(tmp_path_factory.mktemp('text'))}"], "vit": [f"data.root={era5}"]}
+    out_dir = tmp_path_factory.mktemp("uninterrupted_vit")
+    train(4, [*VIT, f"data.root={era5}"], out_dir, "train.backend=ddp", "train.async_checkpoint=true")
+    return era5, (out_dir / "vit" / "ddp" / "latest").resolve()
 
 
 def train(ranks: int, args: list[str], out_dir: Path, *overrides: str):
-    run = torchrun(ranks, *args, f"train.out_dir={out_dir}", *COMMON, *overrides, timeout=300)
+    run = torchrun(ranks, *args, f"train.out_dir={out_dir}", *overrides, timeout=300)
     assert run.returncode == 0, output(run)[-3000:]
     return run
 
@@ -56,15 +55,10 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def latest(out_dir: Path, model: str, backend: str) -> Path:
-    return Path((out_dir / model / backend / "latest").read_text().strip())
-
-
 @pytest.mark.parametrize("model", ["gpt", "vit"])
-def test_a_run_resumed_in_another_layout_goes_on_as_if_uninterrupted(model, data, tmp_path):
-    args = (GPT if model == "gpt" else VIT) + data[model]
-    train(4, args, tmp_path / "full", "train.backend=ddp", "train.async_checkpoint=true")
-    full_dir = latest(tmp_path / "full", model, "ddp")
+def test_a_run_resumed_in_another_layout_goes_on_as_if_uninterrupted(model, request, tmp_path):
+    data_root, full_dir = request.getfixturevalue(f"uninterrupted_{model}")
+    args = [*(RESUMABLE_GPT if model == "gpt" else VIT), f"data.root={data_root}"]
     want, want_ledger = rows(full_dir), read_ledger(full_dir / "ledger.txt")
     assert sorted(want_ledger) == list(range(30)) and all(len(ids) == (16 if model == "gpt" else 8)
                                                             for ids in want_ledger.values())
@@ -74,7 +68,7 @@ def test_a_run_resumed_in_another_layout_goes_on_as_if_uninterrupted(model, data
 
     for number, (ranks, layout) in enumerate(RESUMED_INTO[model]):
         split = rewound_copy(full_dir, tmp_path / f"split{number}", 10)
-        run = train(ranks, args, tmp_path / "full", *layout, "train.init_from=resume", f"train.run_dir={split}")
+        run = train(ranks, args, tmp_path / "resumed", *layout, "train.init_from=resume", f"train.run_dir={split}")
         text = output(run)
         assert "resuming at iteration 10" in text and "model, optimizer and data go on exactly" in text, text[-3000:]
         for step, key in [(s, "loss") for s in range(11, 31)] + [(20, "val_loss"), (30, "val_loss")]:

@@ -106,6 +106,8 @@ def test_rendezvous_that_nobody_joins_fails_within_the_timeout():
 def test_test_dist_under_mpirun():
     out = mpirun(2, "test-dist", "--iters", "4")
     assert_test_dist_passed(out, 2, 4, "openmpi")
+    # Open MPI gives each rank a pseudo-terminal, but the output goes to a log: no colour codes in its tables.
+    assert "│ launcher" in out.stdout and "\x1b[" not in out.stdout + out.stderr
 
 
 @requires_mpirun

@@ -23,7 +23,8 @@ from tests.conftest import (
 )
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=4",
-        "model.dropout=0.1", "train.eval_iters=4", "train.dtype=fp32", "optimizer.warmup_iters=5"]
+        "model.dropout=0.1", "train.eval_iters=4", "train.dtype=fp32", "optimizer.warmup_iters=5",
+        "train.sample_tokens=16"]  # a sample at each evaluation, shown, not 200 tokens long
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def metrics_of(run_dir: Path) -> list[dict]:
 
 
 def run_dir_of(out_dir: Path, backend: str = "ddp") -> Path:
-    return Path((out_dir / "gpt" / backend / "latest").read_text().strip())
+    return (out_dir / "gpt" / backend / "latest").resolve()
 
 
 def saved_iteration(run_dir: Path) -> int:
@@ -326,7 +327,14 @@ def test_missing_data_names_the_path_and_the_command(tmp_path):
 
 
 def test_a_failed_start_leaves_latest_at_the_good_run_and_auto_resumes_it(data_root, tmp_path):
-    good = train(1, data_root, tmp_path, "train.max_iters=4", "train.eval_interval=4", "train.init_from=auto")
+    """Runs that fail as they are built leave nothing behind; one killed (SIGKILL) after its start, before its first
+    checkpoint, is passed over: train.init_from=auto resumes the earlier run's checkpoint, says which run it passed
+    over, and goes on exactly as a run that was never interrupted."""
+    import signal
+    import time
+
+    common = ["train.eval_interval=4", "train.log_interval=1", "optimizer.lr_decay_iters=6", "model.dropout=0.0"]
+    good = train(1, data_root, tmp_path, "train.max_iters=4", "train.init_from=auto", *common)
     assert good.returncode == 0, output(good)[-2000:]
     good_run = run_dir_of(tmp_path)
     runs = sorted(tmp_path.glob("gpt/ddp/*/*"))
@@ -335,9 +343,27 @@ def test_a_failed_start_leaves_latest_at_the_good_run_and_auto_resumes_it(data_r
         assert out.returncode == 1 and "Traceback" not in output(out), output(out)[-2000:]
         assert run_dir_of(tmp_path) == good_run and sorted(tmp_path.glob("gpt/ddp/*/*")) == runs, bad
     assert "train.init_from=auto: no checkpoint yet, from scratch" in output(good)
-    resumed = train(1, data_root, tmp_path, "train.max_iters=6", "train.init_from=auto")  # as a re-queued job
+
+    killed = subprocess.Popen([sys.executable, "-m", "meshtrain", "train", "gpt", *TINY, f"data.root={data_root}",
+                               f"train.out_dir={tmp_path}", "train.max_iters=100000", "train.eval_interval=1000"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(), cwd=REPO)
+    deadline = time.monotonic() + 120
+    while run_dir_of(tmp_path) == good_run and time.monotonic() < deadline:  # until it is the latest run
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=30)
+    assert run_dir_of(tmp_path) != good_run and not (run_dir_of(tmp_path) / "checkpoints").exists()
+
+    resumed = train(1, data_root, tmp_path, "train.max_iters=6", "train.init_from=auto", *common)  # a re-queued job
     assert resumed.returncode == 0, output(resumed)[-2000:]
-    assert "resuming at iteration 4" in output(resumed) and saved_iteration(good_run) == 6
+    text = output(resumed)
+    assert "resuming at iteration 4" in text and f"saved no checkpoint; resuming {good_run}" in text, text[-3000:]
+    assert saved_iteration(good_run) == 6
+    whole = train(1, data_root, tmp_path / "whole", "train.max_iters=6", *common)
+    assert whole.returncode == 0, output(whole)[-2000:]
+    losses = [{r["step"]: r["loss"] for r in metrics_of(run) if "loss" in r} for run in (good_run, run_dir_of(
+        tmp_path / "whole"))]
+    assert sorted(losses[0]) == list(range(1, 7)) and losses[0] == losses[1]
 
 
 def test_prompt_outside_the_vocabulary_fails_before_training(data_root, tmp_path):
@@ -347,10 +373,16 @@ def test_prompt_outside_the_vocabulary_fails_before_training(data_root, tmp_path
            "65-character vocabulary" in output(out)
 
 
-def test_unknown_key_fails_before_training(tmp_path):
-    out = train(1, tmp_path, tmp_path, "train.max_iter=1")
-    assert out.returncode == 1
-    assert "unknown key 'train.max_iter': did you mean train.max_iters?" in output(out)
+def test_unknown_key_fails_before_training_and_is_said_once(tmp_path):
+    """Every rank fails alike on a bad key: rank 0 says so, once; `meshtrain launch` says so before any rank starts."""
+    said = "unknown key 'train.max_iter': did you mean train.max_iters?"
+    out = train(2, tmp_path, tmp_path, "train.max_iter=1")
+    assert out.returncode != 0 and output(out).count(said) == 1, output(out)
+    launched = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "--", "python", "-m", "meshtrain", "train",
+                               "gpt", "train.max_iter=1"], capture_output=True, text=True, env=clean_env(), cwd=REPO,
+                              timeout=120)
+    assert launched.returncode == 1 and output(launched).count(said) == 1, output(launched)
+    assert "torchrun" not in output(launched) and "Traceback" not in output(launched)
     assert not (tmp_path / "gpt").exists(), "nothing is started or written"
 
 

@@ -30,7 +30,7 @@ def train(data_root: Path, out_dir: Path, *overrides: str):
 def rows_of(out_dir: Path) -> list[dict]:
     from meshtrain.runtime.rundir import read_jsonl
 
-    return read_jsonl(Path((out_dir / "llama" / "fsdp" / "latest").read_text().strip()) / "metrics.jsonl")
+    return read_jsonl((out_dir / "llama" / "fsdp" / "latest").resolve() / "metrics.jsonl")
 
 
 def meshtrain(*args: str) -> subprocess.CompletedProcess:
@@ -47,7 +47,7 @@ def test_llama_trains_under_fsdp_tp_resumes_bit_exactly_exports_and_samples(data
 
     from meshtrain.runtime.rundir import read_jsonl
 
-    run_dir = rewound_copy(Path((tmp_path / "straight" / "llama" / "fsdp" / "latest").read_text().strip()),
+    run_dir = rewound_copy((tmp_path / "straight" / "llama" / "fsdp" / "latest").resolve(),
                            tmp_path / "halves", 10)  # the run as it stood at its checkpoint of iteration 10
     out = train(data_root, tmp_path / "straight", "train.max_iters=20", "train.init_from=resume",
                 f"train.run_dir={run_dir}")

@@ -37,7 +37,7 @@ def train(world: int, data: Path, out_dir: Path, *overrides: str, preset: str = 
 
 
 def rows_of(out_dir: Path, backend: str = "ddp") -> list[dict]:
-    run_dir = Path((out_dir / "vit" / backend / "latest").read_text().strip())
+    run_dir = (out_dir / "vit" / backend / "latest").resolve()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -113,7 +113,7 @@ def test_forecaster_beats_persistence_and_reports_it(small_data, tmp_path):
     for key in ("avg_loss", "train_s", "avg_sps", "eval_s", "peak_gb"):  # what NERSC logs per epoch
         assert last[key] > 0, key
     assert last["avg_sps"] == pytest.approx(100 * 8 / last["train_s"])
-    run_dir = Path((tmp_path / "vit" / "ddp" / "latest").read_text().strip())
+    run_dir = (tmp_path / "vit" / "ddp" / "latest").resolve()
     assert sorted(p.name for p in (run_dir / "figures").glob("*.png")) == [f"u10_step{s:07d}.png" for s in
                                                                             (0, 100, 200, 300)]
     trace = json.loads((run_dir / "profile" / "trace_rank0.json").read_text())

@@ -36,7 +36,7 @@ class Run:
     def __init__(self, proc: subprocess.CompletedProcess, out_dir: Path, backend: str, model: str = "gpt"):
         self.text = output(proc)
         assert proc.returncode == 0, self.text[-4000:]
-        self.run_dir = Path((out_dir / model / backend / "latest").read_text().strip())
+        self.run_dir = (out_dir / model / backend / "latest").resolve()
         self.rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
 
     def losses(self) -> dict[int, float]:
@@ -201,7 +201,7 @@ def test_vit_trains_on_the_gpu_in_bf16_and_fp16(tmp_path):
                                "train.log_interval=1", "optimizer.warmup_iters=0", "optimizer.lr=3e-3"],
                               capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
         assert proc.returncode == 0, output(proc)[-3000:]
-        run_dir = Path((out / "vit" / "ddp" / "latest").read_text().strip())
+        run_dir = (out / "vit" / "ddp" / "latest").resolve()
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         losses = [r["loss"] for r in rows if "loss" in r]
         assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), (dtype, losses)

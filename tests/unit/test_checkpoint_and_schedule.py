@@ -1,6 +1,8 @@
 """Atomic checkpoints, run directories, and the learning-rate schedule."""
 
 import math
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,28 @@ def test_run_dirs_are_unique_and_latest_points_at_the_last(tmp_path):
 def test_resume_without_any_run_is_a_clear_error(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="found no earlier run"):
         rundir.latest_run(tmp_path, "gpt", "ddp")
+
+
+def test_latest_is_a_link_every_command_reads(tmp_path):
+    """`latest` is a relative symbolic link to the last run (the tree can move), so `meshtrain report …/latest`,
+    `sample --run …/latest` and `export` read the run; a text file naming it (no links) is read the same way."""
+    from meshtrain.report.runs import read_run
+
+    first, second = (rundir.new_run_dir(tmp_path / "out", "gpt", "ddp", now=t) for t in (0, 60))
+    for run in (first, second):
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+        rundir.record_run(tmp_path / "out", "gpt", "ddp", run)
+    latest = tmp_path / "out" / "gpt" / "ddp" / "latest"
+    assert latest.is_symlink() and not Path(os.readlink(latest)).is_absolute() and latest.resolve() == second
+    shutil.move(tmp_path / "out", tmp_path / "moved")  # a relative link still points into the tree
+    moved = tmp_path / "moved" / "gpt" / "ddp" / "latest"
+    assert rundir.last_run(tmp_path / "moved", "gpt", "ddp") == rundir.named_run(moved) == moved.resolve()
+    assert read_run(moved).steps == [{"step": 1, "loss": 2.5}] and read_run(moved).path == moved.resolve()
+    moved.unlink()
+    moved.write_text(f"{moved.parent / second.relative_to(tmp_path / 'out' / 'gpt' / 'ddp')}\n")  # no links here
+    assert read_run(moved).path == rundir.last_run(tmp_path / "moved", "gpt", "ddp") != moved
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+        checkpoint.export_model(moved)  # the run, not the file `latest`: it has no checkpoint yet
 
 
 def test_auto_resumes_only_a_run_with_a_complete_checkpoint(tmp_path):

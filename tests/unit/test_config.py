@@ -136,6 +136,24 @@ def test_gpt_has_no_epochs_and_presets_cannot_loop(tmp_path):
         load_config([f"preset={tmp_path / 'a.yaml'}"])
 
 
+def test_the_stop_condition_given_on_the_command_line_wins_over_the_presets(caplog):
+    """vit preset=tiny sets train.max_epochs=30: a train.max_iters given replaces it (and says so), never the
+    reverse in silence; both given, or an eval_interval the epochs would ignore, is one error."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="meshtrain"):
+        cfg = load_config(["preset=tiny", "train.max_iters=20"], "vit")
+    assert cfg.train.max_epochs is None and cfg.train.max_iters == 20
+    assert "train.max_iters=20 given: it replaces the preset's train.max_epochs=30" in caplog.text
+    assert load_config(["preset=tiny"], "vit").train.max_epochs == 30  # the preset alone: its epochs
+    assert load_config(["preset=tiny", "train.max_epochs=2"], "vit").train.max_epochs == 2
+    with pytest.raises(ConfigError, match=r"train.max_iters=20 and train.max_epochs=2 both given: .*give one"):
+        load_config(["preset=tiny", "train.max_iters=20", "train.max_epochs=2"], "vit")
+    with pytest.raises(ConfigError, match=r"train.eval_interval=5: with train.max_epochs=30 \(from the preset\)"):
+        load_config(["preset=tiny", "train.eval_interval=5"], "vit")
+    assert load_config(["preset=tiny", "train.max_iters=20", "train.eval_interval=5"], "vit").train.eval_interval == 5
+
+
 def test_choices_are_read_in_any_case():
     cfg = load_config(["train.backend=DDP", "train.dtype=BF16", "parallel.cp_impl=Ulysses"])
     assert (cfg.train.backend, cfg.train.dtype, cfg.parallel.cp_impl) == ("ddp", "bf16", "ulysses")

@@ -271,3 +271,26 @@ def test_every_launch_line_builds_its_launcher_command(ran, argv):
         inner = inner[1:]  # launch runs the interpreter meshtrain is installed in
     assert out.stdout.split()[-len(inner):] == inner, \
         f"the launcher command does not end in the command shown ({' '.join(inner)}):\n{out.stdout}"
+
+
+BENCHMARK_SCRIPTS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if "__main__" in p.read_text())
+HELP_EACH = """
+import contextlib, io, os, runpy, sys
+sys.path.insert(0, "")
+for script in sys.argv[1:]:
+    sys.path[0], sys.argv, out = os.path.dirname(script), [script, "--help"], io.StringIO()  # as `python script`
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        runpy.run_path(script, run_name="__main__")
+    print(f"{script}\\t{out.getvalue().startswith('usage:')}\\t{out.getvalue().count(chr(10))}")
+"""
+
+
+@pytest.mark.distributed  # starts an interpreter
+def test_every_benchmark_answers_help_without_running():
+    """`python benchmarks/X.py --help` prints its usage and returns at once (cross_node_bytes.py used to run its
+    69-second benchmark instead): every script, one after another in one interpreter."""
+    out = subprocess.run([sys.executable, "-c", HELP_EACH, *map(str, BENCHMARK_SCRIPTS)], capture_output=True,
+                         text=True, env=clean_env(), cwd=REPO, timeout=120)
+    assert out.returncode == 0, output(out)
+    answered = dict(line.split("\t")[:2] for line in out.stdout.splitlines())
+    assert answered == {str(p): "True" for p in BENCHMARK_SCRIPTS}, output(out)

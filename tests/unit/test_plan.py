@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import torch
 from tests.conftest import REPO, clean_env, prepare_data
 
 from meshtrain import config as config_mod
+from meshtrain.errors import MeshtrainError
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import machines, search, systems
 from meshtrain.plan.cost import FP32, predict
@@ -162,10 +164,22 @@ def test_collectives_cross_nodes_by_the_mesh_order():
     assert dp == pytest.approx(2 * system.inter_node_latency_s + 1.0 * nbytes / (system.inter_node_gbs * 1e9))
 
 
+def _refusal(cfg) -> str | None:
+    try:
+        config_mod.with_global_batch(cfg, search.check(cfg, 8, 4).dp_size)
+    except MeshtrainError as e:
+        return str(e)
+    return None
+
+
 def test_every_listed_layout_is_one_train_accepts(data_root):
     cfg = gpt_config(data_root)
     ranked, refused = search.search(cfg, 2, 4, polaris())
     assert ranked and refused  # zero1 with model parallelism, too many stages, ... are refused
+    refusals = [_refusal(c) for c in search.layouts(cfg, 8)]
+    assert set(refused) <= set(refusals)  # each kind once, under a whole message `train` would print for a layout
+    assert sum(refused.values()) == sum(r is not None for r in refusals)
+    assert len({re.sub(r"\d+", "N", why) for why in refused}) == len(refused) > 3
     for candidate in ranked:
         chosen = search.with_layout(cfg, search.layout_of(candidate))
         config_mod.validate(chosen)

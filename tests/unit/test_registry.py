@@ -48,6 +48,22 @@ def test_a_model_of_ones_own_by_entry_point(own_model, monkeypatch):
     assert registry.get("plugged") is own_model.SPEC
 
 
+def test_a_model_by_path_is_found_in_the_working_directory_as_python_m_finds_it(tmp_path, monkeypatch):
+    """The `meshtrain` console script's sys.path starts at its bin directory, not at the working directory as
+    `python -m meshtrain`'s does: a model package beside the user is found all the same."""
+    (tmp_path / "beside_me").mkdir()
+    (tmp_path / "beside_me" / "__init__.py").write_text("from meshtrain.models.gpt import SPEC as GPT\n"
+                                                       "import dataclasses\nSPEC = dataclasses.replace(GPT, name='beside')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        assert registry.get("beside_me:SPEC").name == "beside" and sys.path[-1] == str(tmp_path)
+    finally:
+        for key in ("beside", "beside_me:SPEC"):
+            registry._loaded.pop(key, None)
+        sys.modules.pop("beside_me", None)
+
+
 @pytest.mark.parametrize("name, message", [
     ("bert", "unknown model 'bert': choose one of gpt, vit, llama"),
     ("no_such_module:SPEC", "cannot load no_such_module:SPEC"),

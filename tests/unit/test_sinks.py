@@ -3,7 +3,10 @@
 import io
 import json
 import logging
+import os
 import sys
+import time
+import types
 
 import numpy as np
 import pytest
@@ -22,6 +25,8 @@ from meshtrain.train.sinks import (
     build_sinks,
 )
 
+# the variables of the launchers and schedulers whose output goes to a log (runtime/env.py)
+LAUNCHER_PREFIXES = ("OMPI_", "PMI", "PALS_", "SLURM_", "PBS_")
 ROWS = {1: {"loss": 3.5, "dt": 0.25, "lr": torch.tensor(1e-3)}, 2: {"loss": 3.25, "dt": 0.2, "lr": 9e-4}}
 
 
@@ -213,16 +218,16 @@ def test_wandb_disabled_is_a_no_op_that_never_imports_wandb(monkeypatch, tmp_pat
 
 # -------------------------------------------------------------------------------------------- progress
 def test_progress_shows_only_on_rank_0_at_a_terminal(monkeypatch):
-    from meshtrain.runtime import progress
 
     monkeypatch.delenv("MESHTRAIN_PROGRESS", raising=False)
-    for name in progress.BATCH_JOB_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     assert progress_enabled(True) and not progress_enabled(False)
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # Open MPI's pseudo-terminal: a TTY, but a log file behind it
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")  # Open MPI's pseudo-terminal: a TTY, but a log file behind it
     assert not progress_enabled(True)
-    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     assert not progress_enabled(True)
     monkeypatch.delenv("SLURM_JOB_ID")
@@ -233,6 +238,48 @@ def test_progress_shows_only_on_rank_0_at_a_terminal(monkeypatch):
     monkeypatch.setenv("MESHTRAIN_PROGRESS", "0")
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     assert not progress_enabled(True)
+
+
+def test_a_quiet_log_says_what_rank_0_is_doing(monkeypatch, caplog):
+    """A first step of minutes or a long evaluation: a line each QUIET_S seconds without one, saying what is under
+    way and for how long; nothing on other ranks, nothing while lines come."""
+    from meshtrain.runtime import heartbeat, progress
+
+    monkeypatch.setattr(progress, "QUIET_S", 0.2)
+    heartbeat.note(step=7, phase="evaluate", collective="all_reduce of the validation loss")
+    try:
+        with caplog.at_level(logging.INFO, logger="meshtrain"):
+            with progress.said_while_quiet(is_main=False):
+                time.sleep(0.5)
+            assert not caplog.records
+            with progress.said_while_quiet(is_main=True):
+                time.sleep(0.5)
+        said = [r.getMessage() for r in caplog.records]
+        assert said and all(m.startswith("still evaluating at step 7, in all_reduce of the validation loss (")
+                            for m in said), said
+        assert len(said) <= 3  # one a quiet period
+    finally:
+        heartbeat.note(step=0, phase="start-up", collective=None)
+
+
+def test_tables_carry_no_colour_codes_under_an_mpi_launcher(monkeypatch, capsys):
+    """Open MPI gives each rank a pseudo-terminal: rich would colour a table that goes to the user's log file."""
+    from rich.table import Table
+
+    from meshtrain.runtime.log import print_rich
+
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # stands for the terminal: rich colours what it prints
+    table = Table("key", "value", header_style="bold red")
+    table.add_row("ranks", "2")
+    print_rich(table)
+    assert "\x1b[" in capsys.readouterr().out  # at a terminal, colours (the test can fail)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    print_rich(table)
+    text = capsys.readouterr().out
+    assert "ranks" in text and "\x1b[" not in text
 
 
 @pytest.mark.parametrize("forced", ["0", "1"])
@@ -257,7 +304,7 @@ def test_without_a_bar_a_long_task_logs_plain_lines(monkeypatch):
 
     monkeypatch.setenv("MESHTRAIN_PROGRESS", "0")
     clock = iter([0.0, 10.0, 31.0, 40.0, 62.0, 70.0])
-    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))  # progress's clock
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())

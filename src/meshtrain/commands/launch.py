@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if args.max_restarts < 0:
         raise LaunchEnvError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
+    check_training_config(command)
     argv = build_command(command, nproc=args.nproc, ppn=args.ppn, launcher=args.launcher, flavor=args.flavor,
                          max_restarts=args.max_restarts, nnodes=args.nnodes, rendezvous=args.rdzv_endpoint)
     print(shlex.join(argv), flush=True)
@@ -49,3 +50,18 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts == 0 or os.path.basename(argv[0]) == "torchrun":  # torchrun restarts by itself
         os.execvp(argv[0], argv)  # the launcher takes over this process: its exit code and signals are the job's
     return relaunch(argv, args.max_restarts)
+
+
+def check_training_config(command: list[str]) -> None:
+    """Load the configuration of a `meshtrain train` command here, once: a bad key or value fails before any rank
+    starts, rather than once in every rank and then in the launcher's own traceback."""
+    from meshtrain.commands import parse
+    from meshtrain.config import load_config
+
+    for i, word in enumerate(command):
+        if os.path.basename(word) == "meshtrain" and i == 0 or word == "meshtrain" and command[i - 1:i] == ["-m"]:
+            inner = command[i + 1:]
+            if next((w for w in inner if not w.startswith("-")), None) == "train":
+                args = parse(inner)
+                load_config(args.overrides, args.workload)
+            return

@@ -30,7 +30,7 @@ log = get_logger("plan")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="gpt, vit, llama, or a package.module:SPEC of your own")
-    parser.add_argument("overrides", nargs="*", help="preset=NAME and group.key=value, as for `meshtrain train`")
+    parser.add_argument("overrides", nargs="*", default=[], help="preset=NAME and group.key=value, as for `meshtrain train`")
     parser.add_argument("--system", default="this", help=f"this (measured here), or one of {', '.join(systems.names())}")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the system's devices per node")
@@ -75,7 +75,8 @@ def run(args) -> int:
     print_rich(table(ranked[:args.top], f"{facts.spec.name}: {facts.num_params / 1e6:.1f}M parameters, "
                                         f"{len(ranked)} valid layouts on {where}"))
     if refused:
-        log.info("refused: %s", "; ".join(f"{n} × {why}" for why, n in refused.most_common(6)))
+        log.info("refused %d layout(s), for these reasons (one example of each):\n%s", sum(refused.values()),
+                 "\n".join(f"{n:>5} × {why}" for why, n in refused.most_common()))
     for i, candidate in enumerate(ranked[:3], 1):
         log.info("%d. %s: %s", i, candidate.label, reason(candidate, ranked, machine))
     if ranked:

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", metavar="MODEL",
                         help=f"what to train: {', '.join(registry.names())}, or your own model as "
                              "package.module:SPEC (docs/models.md)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="preset=NAME (one of the model's presets/, or a .yaml path), data=VALUE (the model's "
                              "data key), dotted keys such as train.max_iters=100 model.n_layer=6 optimizer.lr=3e-4, "
                              f"and NERSC's flag names {', '.join(ALIASES)}")
@@ -27,10 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshtrain.plan.measured import auto, preflight
+    from meshtrain.runtime.progress import said_while_quiet
     from meshtrain.train.trainer import train
 
     cfg = load_config(args.overrides, args.workload)  # before joining: a bad key fails on every rank alike, at once
-    with distributed(device=args.device, backend=args.backend, timeout=args.timeout) as info:
+    with distributed(device=args.device, backend=args.backend, timeout=args.timeout) as info, \
+            said_while_quiet(info.is_main):  # a first step of minutes, a long evaluation: never a silent wait
         cfg = auto.resolve(cfg, info)
         preflight.check_memory(cfg, info)  # a run that cannot fit stops here, not under the OOM killer
         result = train(cfg, info)

@@ -8,6 +8,7 @@ A candidate is the run config with its `parallel` and `train` layout keys set, s
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -104,17 +105,17 @@ def check(cfg: RunConfig, world: int, ranks_per_node: int) -> ParallelDims:
 
 def search(base, nodes: int, per_node: int, machine: Machine, facts: ModelFacts | None = None
            ) -> tuple[list[Candidate], Counter]:
-    """Every valid layout of `base` on nodes × per_node ranks, costed and ranked; and why the others were refused
-    (the first words of each error, counted)."""
+    """Every valid layout of `base` on nodes × per_node ranks, costed and ranked; and why the others were refused:
+    each kind of error (its message with the numbers left out) counted, under its first message, whole."""
     facts = facts or ModelFacts.of(base)
     world = nodes * per_node
-    ranked, refused = [], Counter()
+    ranked, refused, first_of_kind = [], Counter(), {}
     for cfg in layouts(base, world):
         try:
             dims = check(cfg, world, per_node)
             cfg = config_mod.with_global_batch(cfg, dims.dp_size)  # its accumulation, where the global batch is set
         except MeshtrainError as e:
-            refused[str(e).split(":")[0][:60]] += 1
+            refused[first_of_kind.setdefault(re.sub(r"\d+", "N", str(e)), str(e))] += 1
             continue
         cost = predict(facts, cfg, dims, machine)
         ranked.append(Candidate(cfg, dims, cost, fits=cost.peak_bytes <= HEADROOM * machine.device_memory_bytes))

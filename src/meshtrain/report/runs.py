@@ -58,8 +58,8 @@ class Run:
 
 
 def read_run(path: str | Path) -> Run:
-    """The run at `path` (a run directory: the one holding metrics.jsonl)."""
-    path = Path(path)
+    """The run at `path` (a run directory: the one holding metrics.jsonl, or a `latest` naming one)."""
+    path = rundir.named_run(path)
     metrics = path / rundir.METRICS
     if not metrics.is_file():
         raise ReportError(f"{path} is not a run directory: it has no metrics.jsonl (a run directory is "

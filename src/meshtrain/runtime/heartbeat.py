@@ -39,20 +39,29 @@ PHASES = ("start-up", "data", "forward", "forward_backward", "backward", "optimi
           "finish")
 SILENT_AFTER = 3  # intervals without a post before a rank counts as stopped or dead
 _current: Heartbeat | None = None
+_here = {"step": 0, "micro": None, "phase": "start-up", "collective": None}  # this rank's, posted or not
+_here_since = time.monotonic()  # when its step or phase last changed
 
 
 def note(**fields) -> None:
-    """Record where this rank is: step, micro, phase, collective (None clears one). A no-op without start()."""
+    """Record where this rank is: step, micro, phase, collective (None clears one); posted once start() ran."""
+    global _here, _here_since
+    if any(fields.get(key, _here[key]) != _here[key] for key in ("step", "phase")):
+        _here_since = time.monotonic()
+    _here = {**_here, **fields}
     if _current is not None:
         _current.note(fields)
 
 
+def where() -> tuple[dict, float]:
+    """Where this rank is (step, micro, phase, collective), and the seconds it has been at that step and phase."""
+    return dict(_here), time.monotonic() - _here_since
+
+
 def entering(collective: str) -> str | None:
     """Note the collective this rank enters; returns the one it was in (to note again when this one ends)."""
-    if _current is None:
-        return None
-    outer = _current.state["collective"]
-    _current.note({"collective": collective})
+    outer = _here["collective"]
+    note(collective=collective)
     return outer
 
 

@@ -12,6 +12,12 @@ import sys
 import time
 
 ROOT = "meshtrain"
+_last_line_at = time.monotonic()  # when this process last wrote a log line
+
+
+def last_line_at() -> float:
+    """time.monotonic() of this process's last log line (or of the import, before the first)."""
+    return _last_line_at
 
 
 class _RankFormatter(logging.Formatter):
@@ -20,6 +26,8 @@ class _RankFormatter(logging.Formatter):
         self.tag = f"rank {rank}/{world_size}"
 
     def format(self, record: logging.LogRecord) -> str:
+        global _last_line_at
+        _last_line_at = time.monotonic()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
         head = f"[{stamp}.{int(record.msecs):03d}][{record.levelname}][{self.tag}]"
         text = f"{head} {record.getMessage()}"
@@ -53,5 +61,9 @@ def print_rich(renderable) -> None:
     """Print a rich table or text to stdout (tables are rank 0's to print; callers check)."""
     from rich.console import Console
 
-    # Command lines and paths end up in these tables: ":ring:" must not become an emoji, "[x]" not markup.
-    Console(width=120, emoji=False, markup=False).print(renderable)
+    from meshtrain.runtime.env import output_goes_to_a_log
+
+    # Command lines and paths end up in these tables: ":ring:" must not become an emoji, "[x]" not markup. Under a
+    # launcher whose output is a log file, no colour codes, though Open MPI's pseudo-terminal says "terminal".
+    Console(width=120, emoji=False, markup=False, force_terminal=False if output_goes_to_a_log() else None
+            ).print(renderable)

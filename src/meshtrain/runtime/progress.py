@@ -1,4 +1,6 @@
-"""Progress for a person: the training loop's, and an evaluation's (`track`).
+"""Progress for a person: the training loop's, an evaluation's (`track`), and a line whenever the log has been
+quiet for QUIET_S seconds (`said_while_quiet`: a first step of minutes, a long evaluation, a checkpoint being written),
+so that nobody waits on silence.
 
 A bar is for a person at a terminal. In a batch job's log it is noise (rich would print its frames), so it shows
 only on rank 0 with stdout a TTY, and never under mpiexec, srun or a PBS/SLURM batch job: Open MPI gives each rank a
@@ -12,16 +14,22 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from meshtrain.runtime.log import ROOT
+from meshtrain.runtime import heartbeat
+from meshtrain.runtime.env import output_goes_to_a_log
+from meshtrain.runtime.log import ROOT, last_line_at
 
 OFF_VALUES = ("", "0", "false", "no", "off")  # an environment switch set to one of these is off
-# set in every rank of an mpiexec (Open MPI, MPICH/PALS), srun or PBS/SLURM batch job: output goes to a log there
-BATCH_JOB_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_JOB_ID", "PBS_JOBID")
 LINE_EVERY_S = 30.0
+QUIET_S = 20.0  # seconds without a log line after which rank 0 says what it is doing
+DOING = {"start-up": "setting up", "data": "reading the data of step {step}", "forward": "computing step {step}",
+         "forward_backward": "computing step {step}", "backward": "computing step {step}",
+         "optimizer": "computing step {step}", "evaluate": "evaluating at step {step}",
+         "checkpoint": "writing the checkpoint of step {step}", "finish": "finishing"}
 log = logging.getLogger(f"{ROOT}.progress")
 
 
@@ -31,7 +39,7 @@ def progress_enabled(is_main: bool = True) -> bool:
     forced = os.environ.get("MESHTRAIN_PROGRESS", "auto").strip().lower()
     if forced != "auto":
         return forced not in OFF_VALUES
-    return sys.stdout.isatty() and not any(os.environ.get(name) for name in BATCH_JOB_VARIABLES)
+    return sys.stdout.isatty() and not output_goes_to_a_log()
 
 
 class _Bar:
@@ -97,3 +105,35 @@ def track(iterable: Iterable, description: str = "", total: int | None = None, *
             yield item
             bar.update()
 
+
+
+def doing(where: dict) -> str:
+    """What a heartbeat note says a rank is doing, in words: `evaluating at step 200, in all_reduce of the loss`."""
+    text = DOING.get(where["phase"], where["phase"]).format(step=where["step"])
+    return f"{text}, in {where['collective']}" if where.get("collective") else text
+
+
+@contextmanager
+def said_while_quiet(is_main: bool = True) -> Iterator[None]:
+    """On rank 0, a line `still evaluating at step 200 (45 s so far)` each time the log has been quiet for QUIET_S
+    seconds, from a thread of its own: a step or an evaluation of minutes is shown to be under way, not hung."""
+    if not is_main:
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        said = time.monotonic()
+        while not stop.wait(QUIET_S / 4):
+            if time.monotonic() - max(last_line_at(), said) >= QUIET_S:
+                where, for_s = heartbeat.where()
+                log.info("still %s (%.0f s so far)", doing(where), for_s)
+                said = time.monotonic()
+
+    thread = threading.Thread(target=watch, name="meshtrain-quiet", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -7,7 +7,8 @@ read its exit code and history.
         run.json         the environment, the layout and what each rank holds (written after the first step)
         checkpoints/     step-NNNNNNN directories and `latest` (train/checkpoint.py owns what is inside)
         model.pt         `meshtrain export`: the whole model in one file
-    <out_dir>/<model>/<backend>/latest                    the last run's directory (a text file)
+    <out_dir>/<model>/<backend>/latest                    a symbolic link to the last run's directory (a text file
+                                                          holding its path where the file system has no links)
     <out_dir>/checkpoints.log                             one line per run directory
 
 A run stopped by a preemption signal with a checkpoint exits with PREEMPTED.
@@ -46,8 +47,15 @@ def new_run_dir(out_dir: str | Path, model: str, backend: str, now: float | None
 
 
 def record_run(out_dir: str | Path, model: str, backend: str, run_dir: Path) -> None:
-    """Point `latest` at run_dir and list it in checkpoints.log."""
-    write_atomically(Path(out_dir) / model / backend / LATEST, f"{run_dir.resolve()}\n")
+    """Point `latest` at run_dir (a relative link: the tree can move) and list it in checkpoints.log."""
+    latest = Path(out_dir) / model / backend / LATEST
+    temporary = latest.with_name(f".{LATEST}.tmp-{os.getpid()}")
+    try:
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(os.path.relpath(run_dir.resolve(), latest.parent.resolve()), target_is_directory=True)
+        os.replace(temporary, latest)  # readers see the old link or the new one
+    except OSError:  # a file system without symbolic links
+        write_atomically(latest, f"{run_dir.resolve()}\n")
     with open(Path(out_dir) / RUNS_LOG, "a") as log:
         log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {model} {backend} {run_dir.resolve()}\n")
 
@@ -55,7 +63,15 @@ def record_run(out_dir: str | Path, model: str, backend: str, run_dir: Path) -> 
 def last_run(out_dir: str | Path, model: str, backend: str) -> Path | None:
     """The run `latest` names, or None before the first."""
     latest = Path(out_dir) / model / backend / LATEST
-    return Path(latest.read_text().strip()) if latest.is_file() else None
+    return named_run(latest) if latest.exists() else None
+
+
+def named_run(path: str | Path) -> Path:
+    """The run directory `path` names: itself, or the run a `latest` link or file points at."""
+    path = Path(path)
+    if path.name == LATEST and path.is_file():  # written where the file system has no links
+        return Path(path.read_text().strip())
+    return path.resolve() if path.is_symlink() else path
 
 
 def runs(out_dir: str | Path, model: str, backend: str) -> list[Path]:

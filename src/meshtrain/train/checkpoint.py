@@ -204,6 +204,7 @@ def dcp_loader(checkpoint_dir: Path):
 def export_model(run_dir: Path, out: Path | None = None) -> Path:
     """Consolidate the run's latest checkpoint into one file: {"model": full state dict, "config", "workload",
     "data_facts", "iteration"}, loadable by torch.load(weights_only=True) on one process and by `meshtrain sample`."""
+    run_dir = rundir.named_run(run_dir)
     checkpoint_dir = latest_checkpoint(run_dir)
     trainer_state = load_trainer_state(checkpoint_dir)
     model, facts = rebuild_model(trainer_state)
@@ -218,6 +219,7 @@ def export_model(run_dir: Path, out: Path | None = None) -> Path:
 def load_language_model(run: Path, device: torch.device) -> tuple[torch.nn.Module, dict]:
     """(the language model of a run's latest checkpoint, whatever layout wrote it, or of an exported file, in eval
     mode on `device`; its tokenizer description), for `meshtrain sample`."""
+    run = rundir.named_run(run)
     if run.is_file():
         try:
             saved = torch.load(run, map_location="cpu", weights_only=True)

@@ -5,11 +5,14 @@ the signals a scheduler sends before it takes the nodes back.
              at the walltime (SIGKILL after kill_delay), torchrun passing its own shutdown on to the ranks
     SIGUSR1  an early warning: SLURM's `#SBATCH --signal=USR1@120`, or anyone's `kill -USR1`
 
-A handler only notes the signal (nothing else is safe inside one). After each iteration the loop asks whether any
+A handler only notes the signal (nothing else is safe inside one); a thread of rank 0 then says at once what the
+run will do and how long that may take (the iteration under way, the last one's time), since a launcher's grace
+before its SIGKILL is short (SLURM's KillWait and torchrun: 30 s). After each iteration the loop asks whether any
 rank noted one, or has run out of time: one all-reduce of a flag, so that all ranks stop after the same iteration.
 The flag travels on a CPU (gloo) group, so that asking never waits for a GPU's queue to drain.
-The run then evaluates and saves a checkpoint as at any other stop, and `meshtrain train` exits with PREEMPTED (75), a
-code a job script tests to re-queue itself; the re-queued job continues with train.init_from=auto:
+The run then saves a checkpoint (after a signal, without the evaluation of a regular stop; the interval's figures
+are logged), and `meshtrain train` exits with PREEMPTED (75), a code a job script tests to re-queue itself; the
+re-queued job continues with train.init_from=auto:
 
     meshtrain train gpt train.init_from=auto ...; [ $? -eq 75 ] && sbatch "$0"   # mpiexec and srun pass it on
 
@@ -22,7 +25,13 @@ import signal
 import threading
 import time
 
+from meshtrain.runtime import heartbeat
+from meshtrain.runtime.log import get_logger
+from meshtrain.runtime.progress import doing
+from meshtrain.runtime.rundir import PREEMPTED
 from meshtrain.runtime.setup import DistInfo, cpu_group, reduce_scalar
+
+log = get_logger("train")
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -35,26 +44,48 @@ class Stopping:
         self.received: str | None = None  # the signal this rank got, by name
         self.reason: str | None = None  # why every rank stopped: "signal" or "time"; None while running
         self._previous: dict[int, object] = {}
+        self._arrived, self._leaving = threading.Event(), threading.Event()
+        self.last_iteration_s: float | None = None
 
     def __enter__(self) -> Stopping:
-        self.started = time.perf_counter()
+        self.started = self._checked = time.perf_counter()
         self.group = cpu_group()  # a collective: every rank enters together
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._note)
+            if self.info.is_main:
+                threading.Thread(target=self._say_what_follows, name="meshtrain-signal", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._leaving.set()
+        self._arrived.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def _note(self, signum: int, _frame) -> None:
         self.received = signal.Signals(signum).name
+        self._arrived.set()
+
+    def _say_what_follows(self) -> None:
+        """Rank 0, the moment a signal arrives: what the run waits for before it can leave, and for how long."""
+        self._arrived.wait()
+        if self._leaving.is_set():
+            return
+        where, _ = heartbeat.where()
+        under_way = time.perf_counter() - self._checked
+        last = f"; an iteration took {self.last_iteration_s:.1f} s" if self.last_iteration_s else ""
+        log.warning("%s received while %s (for %.1f s%s): the run stops after this iteration, with a checkpoint, and "
+                    "exits %d. A launcher kills after its grace period (SLURM's KillWait and torchrun: 30 s by "
+                    "default): where an iteration and a checkpoint take longer, ask the scheduler for an earlier "
+                    "signal (#SBATCH --signal=USR1@120)", self.received, doing(where), under_way, last, PREEMPTED)
 
     def check(self) -> str | None:
         """"signal" if any rank got one, "time" if any rank's clock passed max_minutes, else None: the same answer
         on every rank (a collective: every rank calls it after every iteration)."""
-        over = self.max_minutes is not None and time.perf_counter() - self.started > self.max_minutes * 60
+        now = time.perf_counter()
+        self.last_iteration_s, self._checked = now - self._checked, now
+        over = self.max_minutes is not None and now - self.started > self.max_minutes * 60
         flag = reduce_scalar(2 if self.received else 1 if over else 0, "max", "all_reduce of the stop flags (signals, "
                              "time budget)", self.info.timeout_s, group=self.group)
         self.reason = {2: "signal", 1: "time"}.get(int(flag))

@@ -264,8 +264,11 @@ class Trainer:
                 if it % self.eval_interval == 0 or stop:
                     if not (self.resumed and it == self.start_iter):  # done before that checkpoint was written
                         self._where = {"step": it, "micro": None}
-                        self._phase("evaluate")
-                        self.evaluate(it)
+                        if stopping.reason == "signal" and it % self.eval_interval:
+                            self.save_before_leaving(it)  # a scheduler's grace is short: no evaluation
+                        else:
+                            self._phase("evaluate")
+                            self.evaluate(it)
                     self.interval.restart()
                 if stop:
                     break
@@ -293,7 +296,8 @@ class Trainer:
         # Synchronising the device stalls its queue: a GPU step of a few ms then waits on the CPU's launches.
         # Only the iterations whose times are logged (or profiled) pay for exact section times.
         self.profiler.step(it)
-        self.recorder.timer.sync = (it + 1) % t.log_interval == 0 or self.profiler.active
+        logged = (it + 1) % t.log_interval == 0 or it + 1 == self.max_iters  # a short run logs its last step
+        self.recorder.timer.sync = logged or self.profiler.active
         lr_now = learning_rate(it, self.lr, self.min_lr, o.warmup_iters, self.decay_iters, o.decay_lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_now
@@ -320,7 +324,7 @@ class Trainer:
         self.interval.add(loss_sum)
         if self.ledger:
             self.ledger.write(it, self.batches.global_ids(it))
-        if (it + 1) % t.log_interval == 0:
+        if logged:
             self.recorder.log(it + 1, loss_sum, comm=layout.gradient_reduction_wait(), lr=lr_now, grad_norm=grad_norm)
 
     def evaluate(self, it: int) -> None:
@@ -340,6 +344,14 @@ class Trainer:
         self.sinks.log(it, row)
         self.workload.after_eval(it, self.layout, self.autocast, self.sinks, self.result)
         if t.save_checkpoints and it > self.start_iter:
+            self.save(it, row)
+
+    def save_before_leaving(self, it: int) -> None:
+        """Stopped by a signal between evaluations: the interval's figures logged (nothing measured is lost) and a
+        checkpoint, without the evaluation."""
+        row = self.interval.summary(self._mean_loss, self.samples_per_iter, self.info)
+        self.sinks.log(it, row)
+        if self.cfg.train.save_checkpoints and it > self.start_iter:
             self.save(it, row)
 
     def save(self, it: int, row: dict[str, float]) -> None:
