@@ -53,7 +53,7 @@ def run_train(workload: str, ranks: int, overrides: list[str], timeout: float = 
         if done.returncode:
             raise RuntimeError(f"meshtrain train {workload} {' '.join(overrides)} failed (exit {done.returncode}):\n"
                                f"{(done.stdout + done.stderr)[-3000:]}")
-        run_dir = Path(next(Path(out_dir, workload).glob("*/latest")).read_text().strip())
+        run_dir = next(Path(out_dir, workload).glob("*/latest")).resolve()
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         if keep:
             shutil.copytree(run_dir, keep, dirs_exist_ok=True)

@@ -19,6 +19,7 @@ and train it as `meshtrain train mymodel`. docs/models.md walks through one.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import os
@@ -131,6 +132,7 @@ def spec_of(cfg: RunConfig) -> ModelSpec:
     raise RegistryError(f"a {type(cfg).__name__} is no registered model's run config")
 
 
+@functools.cache  # reading every installed package's metadata takes ms, and the planner asks for each layout
 def _entry_points() -> dict[str, str]:
     from importlib.metadata import entry_points
 

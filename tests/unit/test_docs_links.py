@@ -1,7 +1,6 @@
 """The README and docs/ hold together: every relative link and every path they name exists (anchors included,
 as GitHub writes them), every page is reachable from the README, the README stays a five-minute read, and every
-`meshtrain …` line in a bash block parses: its options against the command's own parser, `--help` of each
-subcommand in a fresh interpreter, and each `meshtrain launch … -- …` line under `--dry-run`."""
+`meshtrain …` line in a bash block parses against the command's own parser (test_docs_run.py runs them all)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import shlex
 import subprocess
 import sys
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -195,31 +193,12 @@ def subcommand(argv) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
-def help_key(argv) -> tuple[str, ...]:
-    """What `--help` is run for: the subcommand, and for prepare its target (argparse checks the choice first)."""
-    name = subcommand(argv)
-    if name == "prepare":
-        target = subcommand(argv[argv.index("prepare") + 1:])
-        return ("prepare", target) if target else ("prepare",)
-    return (name,)
-
-
-def launch_options(argv) -> tuple[str, ...]:
-    """A launch line's own options, between `launch` and `--`."""
-    return tuple(argv[argv.index("launch") + 1:argv.index("--") if "--" in argv else len(argv)])
-
-
-HELP_KEYS = sorted({help_key(argv) for _, argv in INVOCATIONS if subcommand(argv) in commands.SUBCOMMANDS})
-# One `--dry-run` per set of launch options: the launcher command is built from them, and the command after `--`
-# is only appended (test_every_command_line_parses checks every line's options, and the command it runs).
-LAUNCHES = sorted({launch_options(argv): argv for _, argv in sorted(INVOCATIONS, reverse=True)
-                   if subcommand(argv) == "launch"}.values())
-
-
 def test_the_pages_show_every_command():
-    shown = {key[0] for key in HELP_KEYS}
-    assert shown == set(commands.SUBCOMMANDS), f"no bash block runs meshtrain {sorted(set(commands.SUBCOMMANDS) - shown)}"
-    assert LAUNCHES, "no bash block shows `meshtrain launch … -- …`"
+    shown = {subcommand(argv) for _, argv in INVOCATIONS}
+    assert shown >= set(commands.SUBCOMMANDS), \
+        f"no bash block runs meshtrain {sorted(set(commands.SUBCOMMANDS) - shown)}"
+    assert any(subcommand(argv) == "launch" and "--" in argv for _, argv in INVOCATIONS), \
+        "no bash block shows `meshtrain launch … -- …`"
 
 
 @pytest.mark.parametrize("page,argv", INVOCATIONS, ids=[" ".join(argv)[:70] for _, argv in INVOCATIONS])
@@ -235,42 +214,6 @@ def test_every_command_line_parses(page, argv):
     if model is not None:
         assert model in registry.names() or ":" in model, \
             f"{page}: `meshtrain {' '.join(argv)}`: no model {model!r} (there are {registry.names()})"
-
-
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain", *argv], capture_output=True, text=True,
-                          env=clean_env(CUDA_VISIBLE_DEVICES=""), cwd=REPO, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def ran() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
-    """Each distinct `--help` and each launch line's `--dry-run`, once, side by side (each is an interpreter that
-    imports torch: seconds apiece)."""
-    jobs = {("help", *key): [*key, "--help"] for key in HELP_KEYS}
-    jobs |= {("dry-run", *argv): ["launch", "--dry-run", *argv[1:]] for argv in LAUNCHES}
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(jobs, pool.map(_run, jobs.values()), strict=True))
-
-
-@pytest.mark.distributed  # starts `python -m meshtrain`
-@pytest.mark.parametrize("key", HELP_KEYS, ids=" ".join)
-def test_every_subcommand_shown_answers_help(ran, key):
-    out = ran[("help", *key)]
-    assert out.returncode == 0, f"`meshtrain {' '.join(key)} --help` exited {out.returncode}:\n{output(out)}"
-    assert out.stdout.startswith(f"usage: meshtrain {key[0]}"), output(out)
-
-
-@pytest.mark.distributed  # starts `python -m meshtrain`
-@pytest.mark.parametrize("argv", LAUNCHES, ids=[" ".join(argv)[:70] for argv in LAUNCHES])
-def test_every_launch_line_builds_its_launcher_command(ran, argv):
-    out = ran[("dry-run", *argv)]
-    assert out.returncode == 0, f"`meshtrain launch --dry-run {' '.join(argv[1:])}` exited {out.returncode}:\n" \
-                                f"{output(out)}"
-    inner = list(argv[argv.index("--") + 1:])
-    if inner[:1] == ["python"]:
-        inner = inner[1:]  # launch runs the interpreter meshtrain is installed in
-    assert out.stdout.split()[-len(inner):] == inner, \
-        f"the launcher command does not end in the command shown ({' '.join(inner)}):\n{out.stdout}"
 
 
 BENCHMARK_SCRIPTS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if "__main__" in p.read_text())

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -216,3 +217,40 @@ def test_plan_command_prints_json_and_explains(data_root):
     bad = subprocess.run([*argv[:-4], "--system", "summit"], capture_output=True, text=True, env=clean_env(),
                          cwd=REPO, timeout=300)
     assert bad.returncode != 0 and "polaris" in bad.stdout + bad.stderr
+
+
+def test_a_restart_whose_layout_cannot_be_formed_is_re_planned(data_root, monkeypatch, caplog):
+    """An elastic job saved under fsdp × tp4 on 2 nodes × 2 ranks restarts on the node left (2 ranks): tp4 cannot be
+    formed there, so the restart plans a layout as parallel.plan=auto would, keeping the global batch, and says so.
+    The same config outside a restart is left to fail as given (its error names the fix)."""
+    import logging
+
+    from tests.unit.test_api import one_process
+
+    from meshtrain.plan.measured import auto
+
+    cfg = gpt_config(data_root, "train.backend=fsdp", "parallel.tp=4", "train.global_batch_size=48",
+                     "train.dtype=fp32")
+    two_ranks = replace(one_process(), world_size=2, local_world_size=2)
+    monkeypatch.setattr(auto, "this_machine", lambda *args: machines.from_system(systems.get("polaris")))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("MESHTRAIN_RESTART_COUNT", raising=False)
+    assert auto.resolve(cfg, two_ranks) is cfg  # a first start: the run's own checks speak
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        replanned = auto.resolve(cfg, two_ranks)
+    assert "this restart has 2 rank(s) (2 per node), where the run's layout" in caplog.text
+    dims = ParallelDims.from_config(replanned, 2, 2)
+    assert dims.tp <= 2 and dims.world_size == 2
+    assert config_mod.with_global_batch(replanned, dims.dp_size).train.grad_accum * \
+        replanned.model.batch_size * dims.dp_size == 48
+
+
+@pytest.mark.parametrize("command,required", [("plan", "model"), ("train", "MODEL")])
+def test_without_arguments_only_the_model_is_named_as_required(command, required, capsys):
+    """Overrides are optional: `meshtrain plan` alone asks for the model, not for "model, overrides"."""
+    from meshtrain import commands
+
+    with pytest.raises(SystemExit):
+        commands.parse([command])
+    assert capsys.readouterr().err.strip().endswith(f"error: the following arguments are required: {required}")

@@ -391,3 +391,29 @@ def test_wandb_image_is_logged_as_an_image_file(wandb_offline, png):
     assert 7 in history, f"no history record at step 7; steps written: {sorted(history)}"
     assert history[7]["forecast/_type"] == "image-file"
     assert (history[7]["forecast/height"], history[7]["forecast/width"]) == (3, 5)
+
+
+def test_torch_warnings_show_once_on_rank_0_and_not_on_the_others():
+    """DTensor logs its "suboptimal" redistribution at every step and FSDP2 warns once per module: rank 0 shows each
+    message once, the other ranks none (they would repeat it world-size times)."""
+    import warnings
+
+    from meshtrain.runtime.log import TORCH_REPEATING, configure_logging
+
+    torch_log, records = logging.getLogger(TORCH_REPEATING[0]), []
+    handler = logging.Handler()
+    handler.emit = records.append
+    torch_log.addHandler(handler)
+    try:
+        for rank, shown in ((0, 1), (1, 0)):
+            records.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                configure_logging(rank, 2)
+                warnings.warn(f"a view tensor, rank {rank}", UserWarning, stacklevel=1)
+                warnings.warn(f"a view tensor, rank {rank}", UserWarning, stacklevel=1)  # another line, same message
+                for _ in range(3):
+                    torch_log.warning("%d sequential operations: suboptimal, rank %d", 2, rank)
+            assert (len(caught), len(records)) == (shown, shown), rank
+    finally:
+        torch_log.removeHandler(handler)
+        configure_logging()

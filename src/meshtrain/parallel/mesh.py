@@ -40,6 +40,8 @@ FLATTENED = {
 class MeshError(MeshtrainError, ValueError):
     """The parallel sizes do not fit the job or the model; the message names the numbers and the fix."""
 
+    same_on_every_rank = True
+
 
 @dataclass(frozen=True)
 class ParallelDims:

@@ -2,6 +2,10 @@
 
 Rank 0 logs INFO; the others log WARNING and above, so a 1,000-rank job prints one story and
 every rank's trouble. MESHTRAIN_LOG_ALL_RANKS=1 lets every rank speak at INFO.
+
+torch's own warnings are the same on every rank and come again at every step that meets them: rank 0 shows each
+once (Python's UserWarning and FutureWarning by message; the loggers in TORCH_REPEATING by message), the other
+ranks none of them (all of them under MESHTRAIN_LOG_ALL_RANKS=1).
 """
 
 from __future__ import annotations
@@ -10,8 +14,30 @@ import logging
 import os
 import sys
 import time
+import warnings
 
 ROOT = "meshtrain"
+# torch loggers that repeat one message at every step: DTensor's "sequential ... operations will be performed. This is
+# suboptimal" for each redistribution it plans in several steps (a tensor-parallel layout's, every iteration).
+TORCH_REPEATING = ("torch.distributed.tensor._redistribute",)
+
+
+class _Once(logging.Filter):
+    """Each message once; none at all where `quiet` (the ranks that are not 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.quiet, self.seen = False, set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.quiet or message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+_once = _Once()
 _last_line_at = time.monotonic()  # when this process last wrote a log line
 
 
@@ -50,6 +76,11 @@ def configure_logging(rank: int = 0, world_size: int = 1, all_ranks: bool | None
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
     logger.propagate = False
+    _once.quiet = not (rank == 0 or all_ranks)
+    for name in TORCH_REPEATING:
+        logging.getLogger(name).addFilter(_once)  # the same object: added once however often this runs
+    for category in (UserWarning, FutureWarning):
+        warnings.filterwarnings("ignore" if _once.quiet else "once", category=category)
     return logger
 
 

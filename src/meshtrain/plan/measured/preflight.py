@@ -38,8 +38,12 @@ def check_memory(cfg: RunConfig, info: DistInfo) -> None:
     """Rank 0 predicts, every rank acts alike: a ConfigError under memory_check=error when the run will not fit."""
     if cfg.train.memory_check == "off":
         return
+    # A layout that cannot be formed fails on every rank alike, before any collective (rank 0 alone would leave the
+    # others waiting in the broadcast below).
+    dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
+    cfg = config_mod.with_global_batch(cfg, dims.dp_size)
     cfg, _ = resolve_precision(cfg, info)
-    verdict = _verdict(cfg, info) if info.is_main else None
+    verdict = _verdict(cfg, dims, info) if info.is_main else None
     verdict = broadcast_object(verdict, "broadcast of the memory check", info.timeout_s)
     if verdict and cfg.train.memory_check == "error":
         raise config_mod.ConfigError(verdict + "; train.memory_check=warn trains anyway")
@@ -54,10 +58,8 @@ def available_bytes(device: torch.device, local_ranks: int) -> float:
     return hardware.available_memory_bytes() / local_ranks
 
 
-def _verdict(cfg: RunConfig, info: DistInfo) -> str | None:
+def _verdict(cfg: RunConfig, dims: ParallelDims, info: DistInfo) -> str | None:
     """None when the run fits; else why not, and what would."""
-    dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
-    cfg = config_mod.with_global_batch(cfg, dims.dp_size)
     if cfg.train.init_from not in ("scratch", "resume", "auto"):  # pretrained weights bring their own shapes
         log.info("memory check skipped: the model's shapes come from train.init_from=%s", cfg.train.init_from)
         return None

@@ -1,0 +1,143 @@
+"""Every command line the README and docs/ show in a bash block runs as written, at a tiny size: in page order, in
+one fresh working directory (as a newcomer's checkout: `examples/` and `benchmarks/` beside it, nothing prepared),
+each checked for its exit code and one line of its output that says it did its job.
+
+"At a tiny size" means: a `train` gets a tiny model of its kind and two iterations with one evaluation; a few arguments that only set how much work is done are made smaller (SMALLER); a launch naming hosts
+that are not here runs with --dry-run. A placeholder is a shell variable the page names (`$ERA5_DIR`: your ERA5
+data), set here to the synthetic data. Lines that are not commands of meshtrain's (a job script's set-up, `make`,
+whose recipes are the commands below them, the test suite itself) are listed in NOT_RUN with the reason, and
+`make train`'s two commands run in its place. test_docs_links.py checks every line parses; this runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.conftest import REPO, clean_env, output
+from tests.unit.test_docs_links import PAGES, command_lines, rel
+
+pytestmark = pytest.mark.slow
+
+# What a line starts with -> why it is not run here.
+NOT_RUN = {
+    "make test": "the suite itself (CI runs it)",
+    "make test-fast": "the suite's unit tier (CI runs the whole suite)",
+    "make lint": "ruff over the sources (CI's lint step)",
+    ".venv/bin/python -m pytest": "the suite's distributed tier (CI runs the whole suite)",
+    "cd $PBS_O_WORKDIR": "a PBS job script's set-up: the job's directory and environment",
+    "source .venv/bin/activate": "a job script's set-up: the environment `make` built",
+}
+# `make train`, as its recipe runs it (Makefile), at the same tiny size as every train below.
+MAKE_TRAIN = ["meshtrain prepare shakespeare_char", "meshtrain launch -- python -m meshtrain train gpt preset=cpu"]
+TINY_MODEL = {
+    "gpt": ["model.n_layer=4", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=4"],
+    "llama": ["model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32", "model.block_size=32",
+              "model.batch_size=2"],
+    "vit": ["model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=4", "data.crop=[32,64]",
+            "data.batch_size=2", "data.global_batch_size=null", "data.limit_train=16"],
+}
+SHORT_RUN = {"train.max_iters": "2", "train.eval_interval": "2", "train.eval_iters": "1", "train.log_interval": "1"}
+TEXT_RUN = {"train.sample_tokens": "4"}
+SMALLER = [(r"--validate \d+", "--validate 1"), (r"--max-bytes \S+", "--max-bytes 64K"),
+           (r"num_data_workers=\d+", "num_data_workers=1"), (r"train.profile_start=\d+", "train.profile_start=0"),
+           (r"train.profile_steps=\d+", "train.profile_steps=1"), (r"(examples/ddp_loop.py)", r"\1 --steps 4")]
+NOT_HERE = re.compile(r"--rdzv-endpoint node\d")  # hosts of a cluster: the launcher command is built, not run
+# A line of the output that says the command did its job, by what the command is.
+SAID = [(r"--dry-run", r"^(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
+        r"test-dist passed: \d+ rank\(s\) on 1 node\(s\) hold bit-identical parameters"),
+        (r"\btrain (gpt|vit|llama)\b", r"done: \d+ iterations"), (r"\bprepare\b", r"wrote data/|is up to date"),
+        (r"\bsample\b", r"^\S"), (r"\bexport\b", r"^wrote \S+\.pt"), (r"\bmachine\b", r"matmul"),
+        (r"\bplan\b.*--json", r'"layout":'), (r"\bplan\b.*--validate", r"regret"),
+        (r"\bplan\b", r"train the first with: meshtrain train"), (r"\breport\b", r"report of \d+ run\(s\)"),
+        (r"collectives --demo", r"all_reduce"), (r"collectives --bench", r"all_gather"), (r"ddp_loop.py", r"step")]
+
+
+def documented_lines() -> list[tuple[str, str]]:
+    """(page, line) of every bash-block line, in page order, each once; comments and PBS/SLURM directives out."""
+    seen, found = set(), []
+    for page in PAGES:
+        for line in command_lines(page.read_text()):
+            command = strip_comment(line)
+            if command and command not in seen:
+                seen.add(command)
+                found.append((rel(page), command))
+    return found
+
+
+def strip_comment(line: str) -> str:
+    """The line without its shell comment (a `#` that starts a word, outside quotes)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].strip()
+    return line.strip()
+
+
+def as_run_here(line: str) -> list[str]:
+    """The command lines that run for `line`, at a tiny size."""
+    if line.startswith("make train"):
+        return [tiny(command) for command in MAKE_TRAIN]
+    return [tiny(line)]
+
+
+def tiny(line: str) -> str:
+    for pattern, replacement in SMALLER:
+        line = re.sub(pattern, replacement, line)
+    if NOT_HERE.search(line):
+        line = line.replace("meshtrain launch ", "meshtrain launch --dry-run ", 1)
+    for model in TINY_MODEL:
+        if re.search(rf"\btrain {model}\b", line) and "--dry-run" not in line:
+            extra = {**SHORT_RUN, **(TEXT_RUN if model != "vit" else {})}
+            line += " " + " ".join([*TINY_MODEL[model], *(f"{k}={v}" for k, v in extra.items())])
+    return line
+
+
+LINES = documented_lines()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A fresh working directory beside a checkout's examples/ and benchmarks/, and the environment of a shell in
+    it: the venv's commands first on PATH, the page's placeholders set."""
+    root = tmp_path_factory.mktemp("newcomer")
+    for folder in ("examples", "benchmarks"):
+        (root / folder).symlink_to(REPO / folder)
+    return root
+
+
+def shell_env(root: Path) -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)
+    corpus = root / "my_corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question.\n" * 400)
+    return clean_env(PATH=f"{bin_dir}:{os.environ.get('PATH', '')}", ERA5_DIR=str(root / "data" / "era5_synthetic"),
+                     CORPUS=str(corpus),
+                     OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+                     MESHTRAIN_TIMEOUT="120")
+
+
+def said(line: str) -> str | None:
+    return next((expected for pattern, expected in SAID if re.search(pattern, line)), None)
+
+
+@pytest.mark.parametrize("page,line", LINES, ids=[f"{page}: {line[:60]}" for page, line in LINES])
+def test_the_documented_command_runs_as_written(page, line, workspace):
+    reason = next((why for start, why in NOT_RUN.items() if line.startswith(start)), None)
+    if reason:
+        pytest.skip(f"not run here: {reason}")
+    for command in as_run_here(line):
+        expected = said(command)
+        assert expected, f"{page}: no expected output is known for `{command}`: add one to SAID"
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=workspace,
+                              env=shell_env(workspace), timeout=300)
+        text = output(done)
+        assert done.returncode == 0, f"{page}: `{command}` exited {done.returncode}:\n{text[-4000:]}"
+        assert re.search(expected, text, re.MULTILINE), f"{page}: `{command}` did not say /{expected}/:\n{text[-3000:]}"
