@@ -360,10 +360,12 @@ def test_a_failed_start_leaves_latest_at_the_good_run_and_auto_resumes_it(data_r
     killed.wait(timeout=30)
     assert run_dir_of(tmp_path) != good_run and not (run_dir_of(tmp_path) / "checkpoints").exists()
 
-    resumed = train(1, data_root, tmp_path, "train.max_iters=6", "train.init_from=auto", *common)  # a re-queued job
+    resumed = train(1, data_root, tmp_path, "train.max_iters=6", "train.init_from=auto", *common,
+                    "model.n_layer=3")  # a re-queued job, with a model key that the saved run's replaces, saying so
     assert resumed.returncode == 0, output(resumed)[-2000:]
     text = output(resumed)
     assert "resuming at iteration 4" in text and f"saved no checkpoint; resuming {good_run}" in text, text[-3000:]
+    assert f"resuming {good_run}: its saved model replaces what was given here: model.n_layer=3 (saved: 2)" in text
     assert saved_iteration(good_run) == 6
     whole = train(1, data_root, tmp_path / "whole", "train.max_iters=6", *common)
     assert whole.returncode == 0, output(whole)[-2000:]

@@ -24,7 +24,7 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,7 +136,10 @@ class Trainer:
             run_dir = Path(t.run_dir) if t.run_dir else rundir.latest_run(t.out_dir, name, t.backend)
             self.checkpoint_dir = checkpoint.latest_checkpoint(run_dir)
             self.resumed = checkpoint.load_trainer_state(self.checkpoint_dir)
-            self.cfg = replace(self.cfg, model=config_mod.from_dict(self.resumed["config"], name).model)
+            saved = config_mod.from_dict(self.resumed["config"], name).model
+            if info.is_main and (given := _differences(self.cfg.model, saved)):  # a run resumes its own model
+                log.warning("resuming %s: its saved model replaces what was given here: %s", run_dir, given)
+            self.cfg = replace(self.cfg, model=saved)
             return run_dir
         run_dir = rundir.new_run_dir(t.out_dir, name, t.backend) if info.is_main else None
         return Path(broadcast_object(str(run_dir) if run_dir else None, "broadcast of the run directory",
@@ -419,6 +422,12 @@ def _dropout_seed(seed: int, iteration: int, place: int) -> int:
     """The RNG seed of a rank's dropout from `iteration` on, at its place (dp and cp rank): different places draw
     different masks, tp ranks (one stream, held by all) the same; a new place after a layout change, new masks."""
     return seed + place + 1_000_003 * iteration
+
+
+def _differences(given, saved) -> str:
+    """The model keys whose value given here differs from the saved run's, as `model.n_layer=6 (saved: 4)`."""
+    return ", ".join(f"model.{f.name}={getattr(given, f.name)!r} (saved: {getattr(saved, f.name)!r})"
+                     for f in fields(saved) if getattr(given, f.name) != getattr(saved, f.name))
 
 
 def _describe(dims: ParallelDims) -> str:
