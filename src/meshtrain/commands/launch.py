@@ -59,7 +59,7 @@ def check_training_config(command: list[str]) -> None:
     from meshtrain.config import load_config
 
     for i, word in enumerate(command):
-        if os.path.basename(word) == "meshtrain" and i == 0 or word == "meshtrain" and command[i - 1:i] == ["-m"]:
+        if (i == 0 and os.path.basename(word) == "meshtrain") or (word == "meshtrain" and command[i - 1] == "-m"):
             inner = command[i + 1:]
             if next((w for w in inner if not w.startswith("-")), None) == "train":
                 args = parse(inner)

@@ -120,8 +120,8 @@ def output_goes_to_a_log(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process runs under an MPI launcher, srun or a PBS/SLURM job, whose output goes to a log file
     even where stdout is a terminal (Open MPI gives each rank a pseudo-terminal): no progress bars, no colours."""
     env = os.environ if environ is None else environ
-    return _launcher(env) not in ("none", "torchrun") or any(
-        name in env for name in ("SLURM_JOB_ID", "SLURM_JOBID", "PBS_JOBID", "PMIX_RANK"))
+    return _launcher(env) not in ("none", "torchrun") or any(name in env for name in ("SLURM_JOB_ID", "SLURM_JOBID",
+                                                                                     "PBS_JOBID"))
 
 
 def scheduler_info(env: Mapping[str, str]) -> tuple[str, str | None, tuple[str, ...]]:

@@ -106,7 +106,6 @@ def track(iterable: Iterable, description: str = "", total: int | None = None, *
             bar.update()
 
 
-
 def doing(where: dict) -> str:
     """What a heartbeat note says a rank is doing, in words: `evaluating at step 200, in all_reduce of the loss`."""
     text = DOING.get(where["phase"], where["phase"]).format(step=where["step"])
