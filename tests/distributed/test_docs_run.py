@@ -2,8 +2,9 @@
 one fresh working directory (as a newcomer's checkout: `examples/` and `benchmarks/` beside it, nothing prepared),
 each checked for its exit code and one line of its output that says it did its job.
 
-"At a tiny size" means: a `train` gets a tiny model of its kind and two iterations with one evaluation; a few arguments that only set how much work is done are made smaller (SMALLER); a launch naming hosts
-that are not here runs with --dry-run. A placeholder is a shell variable the page names (`$ERA5_DIR`: your ERA5
+"At a tiny size" means: a `train` gets a tiny model of its kind and two iterations with one evaluation; a few
+arguments that only set how much work is done are made smaller (SMALLER); a launch naming hosts that are not here
+runs with --dry-run. A placeholder is a shell variable the page names (`$ERA5_DIR`: your ERA5
 data), set here to the synthetic data. Lines that are not commands of meshtrain's (a job script's set-up, `make`,
 whose recipes are the commands below them, the test suite itself) are listed in NOT_RUN with the reason, and
 `make train`'s two commands run in its place. test_docs_links.py checks every line parses; this runs them.
@@ -51,10 +52,11 @@ NOT_HERE = re.compile(r"--rdzv-endpoint node\d")  # hosts of a cluster: the laun
 SAID = [(r"--dry-run", r"^(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
         r"test-dist passed: \d+ rank\(s\) on 1 node\(s\) hold bit-identical parameters"),
         (r"\btrain (gpt|vit|llama)\b", r"done: \d+ iterations"), (r"\bprepare\b", r"wrote data/|is up to date"),
-        (r"\bsample\b", r"^\S"), (r"\bexport\b", r"^wrote \S+\.pt"), (r"\bmachine\b", r"matmul"),
+        (r"\bsample\b", r"^What is an LLM\?"), (r"\bexport\b", r"^wrote \S+\.pt"), (r"\bmachine\b", r"matmul"),
         (r"\bplan\b.*--json", r'"layout":'), (r"\bplan\b.*--validate", r"regret"),
         (r"\bplan\b", r"train the first with: meshtrain train"), (r"\breport\b", r"report of \d+ run\(s\)"),
-        (r"collectives --demo", r"all_reduce"), (r"collectives --bench", r"all_gather"), (r"ddp_loop.py", r"step")]
+        (r"collectives --demo", r"all_reduce"), (r"collectives --bench", r"all_gather"),
+        (r"ddp_loop.py", r"│ world_size\s+│ \d+\s")]  # and the report of its run, below it
 
 
 def documented_lines() -> list[tuple[str, str]]:
@@ -120,7 +122,8 @@ def shell_env(root: Path) -> dict[str, str]:
     corpus.write_text("To be, or not to be, that is the question.\n" * 400)
     return clean_env(PATH=f"{bin_dir}:{os.environ.get('PATH', '')}", ERA5_DIR=str(root / "data" / "era5_synthetic"),
                      CORPUS=str(corpus),
-                     OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+                     OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                     OMPI_MCA_rmaps_base_oversubscribe="1",
                      MESHTRAIN_TIMEOUT="120")
 
 
