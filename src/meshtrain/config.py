@@ -248,8 +248,10 @@ def _stop_condition_given_wins(cfg: RunConfig, given: set[str]) -> None:
     """train.max_iters and train.max_epochs both say when a run stops (and max_epochs when it evaluates): the one
     given on the command line wins over a preset's, and says so; both given at once is one error."""
     t = cfg.train
-    if t.max_epochs is None or "train.max_iters" not in given:
-        if t.max_epochs is not None and "train.eval_interval" in given:
+    if t.max_epochs is None:
+        return
+    if "train.max_iters" not in given:
+        if "train.eval_interval" in given:
             raise ConfigError(f"train.eval_interval={t.eval_interval}: with train.max_epochs={t.max_epochs} (from the "
                               "preset) the run evaluates after each epoch; give train.max_iters=N to count iterations "
                               "instead (it replaces max_epochs), or leave eval_interval out")

@@ -113,15 +113,14 @@ def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("newcomer")
     for folder in ("examples", "benchmarks"):
         (root / folder).symlink_to(REPO / folder)
+    (root / "my_corpus.txt").write_text("To be, or not to be, that is the question.\n" * 400)  # $CORPUS
     return root
 
 
 def shell_env(root: Path) -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
-    corpus = root / "my_corpus.txt"
-    corpus.write_text("To be, or not to be, that is the question.\n" * 400)
     return clean_env(PATH=f"{bin_dir}:{os.environ.get('PATH', '')}", ERA5_DIR=str(root / "data" / "era5_synthetic"),
-                     CORPUS=str(corpus),
+                     CORPUS=str(root / "my_corpus.txt"),
                      OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                      OMPI_MCA_rmaps_base_oversubscribe="1",
                      MESHTRAIN_TIMEOUT="120")
