@@ -128,6 +128,12 @@ class Cluster:
         path.chmod(0o755)
         return path
 
+    def lose(self, node: int) -> None:
+        """Node `node` fails for good: its processes die at once and it answers nothing any more (its namespace is
+        gone, so the remote shell cannot reach it either)."""
+        self.kill(node)
+        subprocess.run(["ip", "netns", "del", self.namespaces[node]], capture_output=True)
+
     def kill(self, node: int) -> None:
         """Every process of node `node` dies at once (SIGKILL), as when a node fails."""
         pids = subprocess.run(["ip", "netns", "pids", self.namespaces[node]], capture_output=True, text=True)

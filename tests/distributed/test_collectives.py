@@ -64,7 +64,7 @@ def _assert_demo_passed(result, n: int) -> None:
             assert before == _show(demo_input(r, n)), (case, r, before)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [4])  # 2 ranks: README's `meshtrain launch -- … collectives --demo` (test_docs_run.py)
 def test_demo_passes_and_shows_every_collective(n):
     _assert_demo_passed(torchrun(n, "collectives", "--demo"), n)
 

@@ -32,6 +32,8 @@ NOT_RUN = {
     ".venv/bin/python -m pytest": "the suite's distributed tier (CI runs the whole suite)",
     "cd $PBS_O_WORKDIR": "a PBS job script's set-up: the job's directory and environment",
     "source .venv/bin/activate": "a job script's set-up: the environment `make` built",
+    "meshtrain train mypackage.tiny:SPEC": "run as written by test_own_model.py, beside the page's package",
+    "torchrun --nproc-per-node 4 -m meshtrain train mypackage.tiny:SPEC": "run as written by test_own_model.py",
 }
 # `make train`, as its recipe runs it (Makefile), at the same tiny size as every train below.
 MAKE_TRAIN = ["meshtrain prepare shakespeare_char", "meshtrain launch -- python -m meshtrain train gpt preset=cpu"]
@@ -49,13 +51,14 @@ SMALLER = [(r"--validate \d+", "--validate 1"), (r"--max-bytes \S+", "--max-byte
            (r"train.profile_steps=\d+", "train.profile_steps=1"), (r"(examples/ddp_loop.py)", r"\1 --steps 4")]
 NOT_HERE = re.compile(r"--rdzv-endpoint node\d")  # hosts of a cluster: the launcher command is built, not run
 # A line of the output that says the command did its job, by what the command is.
-SAID = [(r"--dry-run", r"^(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
+SAID = [(r"--dry-run", r"^(env (\S+=\S+ )+)?(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
         r"test-dist passed: \d+ rank\(s\) on 1 node\(s\) hold bit-identical parameters"),
         (r"\btrain (gpt|vit|llama)\b", r"done: \d+ iterations"), (r"\bprepare\b", r"wrote data/|is up to date"),
         (r"\bsample\b", r"^What is an LLM\?"), (r"\bexport\b", r"^wrote \S+\.pt"), (r"\bmachine\b", r"matmul"),
         (r"\bplan\b.*--json", r'"layout":'), (r"\bplan\b.*--validate", r"regret"),
         (r"\bplan\b", r"train the first with: meshtrain train"), (r"\breport\b", r"report of \d+ run\(s\)"),
-        (r"collectives --demo", r"all_reduce"), (r"collectives --bench", r"all_gather"),
+        (r"collectives --demo", r"collectives demo: 12/12 passed on \d+ ranks"),
+        (r"collectives --bench", r"all_gather"),
         (r"ddp_loop.py", r"│ world_size\s+│ \d+\s")]  # and the report of its run, below it
 
 
@@ -143,3 +146,5 @@ def test_the_documented_command_runs_as_written(page, line, workspace):
         text = output(done)
         assert done.returncode == 0, f"{page}: `{command}` exited {done.returncode}:\n{text[-4000:]}"
         assert re.search(expected, text, re.MULTILINE), f"{page}: `{command}` did not say /{expected}/:\n{text[-3000:]}"
+        # output that goes to a file carries no colour codes, under mpirun too (whose ranks get pseudo-terminals)
+        assert "\x1b[" not in text, f"{page}: `{command}` wrote terminal escape codes to a file:\n{text[-2000:]}"

@@ -89,8 +89,6 @@ def test_an_elastic_job_that_loses_a_node_goes_on_on_the_one_left_as_if_uninterr
     the lost peer, torchrun's agent there restarts them on the node left, and train.init_from=auto resumes the
     checkpoint of iteration 10 on 2 ranks, with the accumulation doubled (train.global_batch_size). The losses follow
     a 4-rank run that was never interrupted (within 1e-4), and the sample ledger is identical."""
-    from meshtrain.train.ledger import read_ledger
-
     data_root, uninterrupted = uninterrupted_gpt
     launch = [sys.executable, "-m", "meshtrain", "launch", "--nnodes", "1:2", "--ppn", "2", "--max-restarts", "1",
               "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
@@ -111,12 +109,84 @@ def test_an_elastic_job_that_loses_a_node_goes_on_on_the_one_left_as_if_uninterr
     assert re.search(r"resuming at iteration 10\b", text) and "× accumulation 2: global batch 16" in text, text[-3000:]
     assert re.search(r"restart: the previous attempt had done [23] iteration\(s\) past this checkpoint", text)
 
+    assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
+    print(f"node lost at iteration 12: done on the node left {time.monotonic() - lost:.1f} s later")
+
+
+def test_an_elastic_job_grows_when_a_node_joins_later(cluster, uninterrupted_gpt, tmp_path):
+    """Node 0 starts an elastic job alone (2 ranks, accumulation 2); node 1 joins at iteration 12: the agents restart
+    the ranks to admit it (torchrun stops them with SIGTERM, so they checkpoint the iteration they are in), and the
+    job goes on over both nodes from that checkpoint (4 ranks, accumulation 1), following the uninterrupted 4-rank
+    run. Rank 1 lags 300 ms an iteration, so that the job is still running when node 1's agent arrives."""
+    data_root, uninterrupted = uninterrupted_gpt
+    launch = [sys.executable, "-m", "meshtrain", "launch", "--nnodes", "1:2", "--ppn", "2", "--max-restarts", "1",
+              "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
+              f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={tmp_path}"]
+    env = clean_env(MESHTRAIN_TIMEOUT="60", MESHTRAIN_FAULT="slow:rank=1:step=1:phase=data:ms=300")
+    first = cluster.start(0, launch, env, REPO)
+    lines = []
+    for line in first.stdout:
+        lines.append(line)
+        if "] step=12 " in line:
+            break
+    joined = time.monotonic()
+    second = cluster.start(1, launch, env, REPO)
+    lines += first.stdout.readlines()
+    first.wait(timeout=300)
+    second_text = second.communicate(timeout=60)[0]
+    text = ANSI.sub("", "".join(lines))
+    assert [first.returncode, second.returncode] == [0, 0], text[-3000:] + second_text[-2000:]
+    layouts = re.findall(r"layout: ddp over (\d) rank\(s\)", text)
+    stopped = re.search(r"stopped by a signal \(SIGTERM on this rank\) after iteration (\d+), with a checkpoint", text)
+    assert layouts == ["2", "4"] and stopped, text[-3000:]
+    assert f"resuming at iteration {stopped.group(1)}" in text, text[-3000:]  # nothing done twice
+    assert "× accumulation 2: global batch 16" in text and "× accumulation 1: global batch 16" in text
+    assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
+    print(f"node joined at iteration 12: stopped at {stopped.group(1)}, resumed over both nodes, done "
+          f"{time.monotonic() - joined:.1f} s later")
+
+
+@requires_mpirun
+def test_an_mpiexec_job_that_loses_a_node_is_run_again_on_the_one_left(cluster, uninterrupted_gpt, tmp_path):
+    """A PBS job of 2 nodes × 2 slots under `meshtrain launch --max-restarts 1` (mpiexec has no restarts of its own);
+    node 1 is lost for good at iteration 12. Launch asks each host to run `true` through mpiexec, writes the job's
+    nodefile again with node 0 alone, and runs the job there: 2 ranks resume the checkpoint of iteration 10 with the
+    accumulation doubled, following the uninterrupted 4-rank run. This test's last use of node 1."""
+    data_root, uninterrupted = uninterrupted_gpt
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("node0\nnode0\nnode1\nnode1\n")
+    env = clean_env(MESHTRAIN_TIMEOUT="60", PBS_NODEFILE=str(nodefile), PBS_JOBID="4343.pbs01",
+                    OMPI_MCA_plm_rsh_agent=str(cluster.remote_shell(tmp_path / "rsh")),
+                    OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    job = cluster.start(0, [sys.executable, "-m", "meshtrain", "launch", "--max-restarts", "1", "--", "python", "-m",
+                            "meshtrain", *RESUMABLE_GPT, f"data.root={data_root}", "train.init_from=auto",
+                            f"train.out_dir={tmp_path}"], env, tmp_path)  # the job's directory: it keeps the nodefile
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if "] step=12 " in line:
+            break
+    cluster.lose(1)
+    lines += job.stdout.readlines()
+    job.wait(timeout=300)
+    text = ANSI.sub("", "".join(lines))
+    assert job.returncode == 0, text[-4000:]
+    assert "meshtrain launch: node1 did not answer mpiexec within 30 s; going on with node0" in text, text[-3000:]
+    rewritten = tmp_path / ".meshtrain" / "nodefile-4343.pbs01-attempt1"
+    assert rewritten.read_text() == "node0\nnode0\n" and f"--hostfile {rewritten}" in text
+    assert "resuming at iteration 10" in text and "× accumulation 2: global batch 16" in text, text[-3000:]
+    assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
+
+
+def assert_follows_the_uninterrupted_run(out_dir, uninterrupted) -> None:
+    """Every iteration's loss within 1e-4 of the uninterrupted run's (a repeated one: its last), the ledger equal."""
+    from meshtrain.train.ledger import read_ledger
+
     def losses_and_ledger(run_dir):
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "loss" in r}, read_ledger(run_dir / "ledger.txt")
 
     (want, want_ledger) = losses_and_ledger(uninterrupted)
-    (got, got_ledger) = losses_and_ledger((tmp_path / "gpt" / "ddp" / "latest").resolve())
-    assert sorted(got) == list(range(1, 31)) and got == pytest.approx(want, rel=1e-4)  # the repeated steps: last
+    (got, got_ledger) = losses_and_ledger((out_dir / "gpt" / "ddp" / "latest").resolve())
+    assert sorted(got) == list(range(1, 31)) and got == pytest.approx(want, rel=1e-4)
     assert got_ledger == want_ledger and sorted(got_ledger) == list(range(30))
-    print(f"node lost at iteration 12: done on the node left {time.monotonic() - lost:.1f} s later")

@@ -1,15 +1,19 @@
-"""A model of one's own, as docs/models.md writes it, trains through `meshtrain train package.module:SPEC` on one
-process and on two ranks under fsdp × tp, and its run samples: the page's code is run, so it cannot rot."""
+"""A model of one's own, as docs/models.md writes it, trains by path with the page's own command lines (`meshtrain
+train mypackage.tiny:SPEC` in the package's folder, nothing installed; torchrun on four ranks under fsdp × tp), and
+its run samples: the page's code and commands are run, so they cannot rot."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, prepare_data, torchrun
+from tests.conftest import REPO, clean_env, output, prepare_data
+from tests.unit.test_docs_links import command_lines
 
 PRESET = """model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, batch_size: 4}
 optimizer: {lr: 1.0e-3, min_lr: 1.0e-4, beta2: 0.99, warmup_iters: 5}
@@ -30,20 +34,34 @@ def package(tmp_path_factory) -> Path:
     return root
 
 
+def page_commands() -> list[str]:
+    """The page's command lines that train the package by path (its bash block), in page order."""
+    return [line for line in command_lines((REPO / "docs" / "models.md").read_text()) if "mypackage.tiny:SPEC" in line]
+
+
+def run_as_written(line: str, package: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`line` as a shell in the package's folder runs it (the venv's commands first on PATH, nothing on
+    PYTHONPATH: the working directory is what finds the package), with `overrides` after the page's own."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = clean_env(PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([*shlex.split(line), f"data.root={package / 'data'}", *overrides], capture_output=True,
+                          text=True, env=env, cwd=package, timeout=300)
+
+
 def test_the_documented_model_trains_and_samples(package):
-    env = clean_env(PYTHONPATH=f"{package}{':' + str(REPO / 'src')}")
-    common = ["train", "mypackage.tiny:SPEC", "preset=cpu", f"data.root={package / 'data'}"]
-    one = subprocess.run([sys.executable, "-m", "meshtrain", *common, f"train.out_dir={package / 'one'}"],
-                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    one_process, four_ranks = page_commands()
+    assert one_process.startswith("meshtrain train ") and four_ranks.startswith("torchrun --nproc-per-node 4 ")
+    one = run_as_written(one_process, package, f"train.out_dir={package / 'one'}", "train.max_iters=30")
     assert one.returncode == 0, output(one)[-3000:]
     evals = [float(v) for v in re.findall(r"val_loss=([0-9.]+)", output(one))]
     assert len(evals) == 3 and evals[-1] < evals[0] - 0.5, evals
     run_dir = (package / "one" / "tiny" / "ddp" / "latest").resolve()
     sample = subprocess.run([sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir), "--prompt", "ROMEO:",
-                             "--max-new-tokens", "10"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+                             "--max-new-tokens", "10"], capture_output=True, text=True, env=clean_env(), cwd=package,
+                            timeout=120)
     assert sample.returncode == 0 and sample.stdout.startswith("ROMEO:"), output(sample)
 
-    two = torchrun(2, *common, f"train.out_dir={package / 'two'}", "train.backend=fsdp", "parallel.tp=2",
-                   "train.max_iters=10", timeout=300, env=env)
-    assert two.returncode == 0, output(two)[-3000:]
-    assert re.search(r"layout: fsdp over 2 rank\(s\) \([^)]*tp=2", output(two)), output(two)[-3000:]
+    four = run_as_written(four_ranks, package, f"train.out_dir={package / 'four'}", "train.max_iters=10")
+    assert four.returncode == 0, output(four)[-3000:]
+    assert re.search(r"layout: fsdp over 4 rank\(s\) \([^)]*tp=2", output(four)), output(four)[-3000:]

@@ -16,31 +16,38 @@ from meshtrain.plan.measured import validate
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
 
-LAYOUTS = {  # one of each way of holding a model: replicated, sharded, tensor-parallel, pipelined
-    "ddp": ["train.backend=ddp"],
-    "zero1": ["train.backend=zero1"],
-    "fsdp tp2": ["train.backend=fsdp", "parallel.tp=2"],
-    "ddp pp2": ["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=4"],
+LAYOUTS = {  # one of each way of holding a model: replicated, sharded, tensor-parallel, pipelined; (ranks, overrides)
+    "ddp": (2, ["train.backend=ddp"]),
+    "zero1": (2, ["train.backend=zero1"]),
+    "fsdp tp2": (4, ["train.backend=fsdp", "parallel.tp=2"]),  # dp 2 × tp 2: FSDP2 shards over 2
+    "ddp pp2": (2, ["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=4"]),
 }
+
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     return prepare_data(tmp_path_factory.mktemp("plan-data"))
 
 
-def measured(base: list[str], layouts: dict[str, list[str]], machine) -> list[validate.Check]:
-    """Each layout predicted on `machine` and run on 4 ranks here for one measured step."""
-    candidates = []
-    for overrides in layouts.values():
-        cfg = config_mod.load_config([*base, *overrides], "gpt")
-        dims = ParallelDims.from_config(cfg, 4, 4)
-        candidates.append(Candidate(cfg, dims, predict(ModelFacts.of(cfg), cfg, dims, machine), fits=True))
-    return validate.run("gpt", base, candidates, 4, steps=1, progress=lambda _: None)
+def measured(base: list[str], layouts: dict[str, tuple[int, list[str]]], machine) -> dict[str, validate.Check]:
+    """Each layout predicted on `machine` and run on its ranks here for one measured step; those of one size in one
+    call (a launch each)."""
+    checks = {}
+    for ranks in sorted({ranks for ranks, _ in layouts.values()}):
+        names, candidates = [n for n, (r, _) in layouts.items() if r == ranks], []
+        for name in names:
+            cfg = config_mod.load_config([*base, *layouts[name][1]], "gpt")
+            dims = ParallelDims.from_config(cfg, ranks, ranks)
+            candidates.append(Candidate(cfg, dims, predict(ModelFacts.of(cfg), cfg, dims, machine), fits=True))
+        checks.update(zip(names, validate.run("gpt", base, candidates, ranks, steps=1, progress=lambda _: None),
+                          strict=True))
+    return checks
+
 
 def test_predicted_bytes_are_what_ranks_hold(data_root):
     base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=fp32", "model.batch_size=8"]
     machine = machines.from_system(systems.get("polaris"))  # times are not scored here, only bytes
-    for name, check in zip(LAYOUTS, measured(base, LAYOUTS, machine), strict=True):
+    for name, check in measured(base, LAYOUTS, machine).items():
         assert check.measured, f"{name}: {check.error}"
         for key in validate.STATES:
             assert round(check.predicted[key]) == check.measured[key], (name, key, check.predicted, check.measured)
@@ -55,10 +62,11 @@ def test_predicted_peak_under_bf16_autocast_is_the_ranks_peak(data_root):
     base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=bf16", "model.batch_size=8"]
     machine = replace(machines.from_system(systems.get("polaris")), attention_in_fp32=True)  # the ranks: CPUs
     layouts = {"ddp": LAYOUTS["ddp"], "fsdp tp2": LAYOUTS["fsdp tp2"]}
-    for name, check in zip(layouts, measured(base, layouts, machine), strict=True):
+    for name, check in measured(base, layouts, machine).items():
         assert check.measured, f"{name}: {check.error}"
         assert check.states_exact, (name, check.predicted, check.measured)
         assert abs(check.relative("peak")) <= 0.10, (name, check.predicted["peak"], check.measured["peak"])
+
 
 def test_auto_plan_trains_with_the_layout_it_chose(data_root, tmp_path):
     out = torchrun(2, "train", "gpt", "preset=cpu", f"data.root={data_root}", f"train.out_dir={tmp_path}",

@@ -1,4 +1,5 @@
-"""The runtime for real: test-dist under torchrun and mpirun, `meshtrain launch`, dead and stuck ranks."""
+"""The runtime for real: test-dist alone and over MPI's rendezvous, dead and stuck ranks under torchrun and mpirun.
+test-dist under `meshtrain launch`, torchrun and mpirun as the docs show them: test_docs_run.py."""
 
 import importlib.util
 import re
@@ -39,14 +40,6 @@ def test_test_dist_single_process_without_launcher():
     out = subprocess.run([sys.executable, "-m", "meshtrain", "test-dist", "--iters", "3"], capture_output=True,
                          text=True, env=clean_env(), cwd=REPO, timeout=60)
     assert_test_dist_passed(out, 1, 3, "none")
-
-
-def test_launch_runs_torchrun_locally():  # 4 ranks under torchrun: README's, run by test_docs_run.py
-    out = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "-n", "2", "--", "python", "-m", "meshtrain",
-                          "test-dist", "--iters", "3"], capture_output=True, text=True, env=clean_env(), cwd=REPO,
-                         timeout=120)
-    assert out.stdout.splitlines()[0].split()[1:3] == ["--standalone", "--nproc-per-node=2"]
-    assert_test_dist_passed(out, 2, 3, "torchrun")
 
 
 def run_faulty(mode: str, launcher=torchrun, timeout_s: int = 10):
@@ -93,15 +86,6 @@ def test_rendezvous_that_nobody_joins_fails_within_the_timeout():
     assert out.returncode == 1
     assert "rank 0 could not join the other 1 rank(s) at 127.0.0.1:29731 within 5 s" in output(out)
     assert time.monotonic() - start < 5 + 30
-
-
-@requires_mpirun
-@pytest.mark.mpi
-def test_test_dist_under_mpirun():
-    out = mpirun(2, "test-dist", "--iters", "4")
-    assert_test_dist_passed(out, 2, 4, "openmpi")
-    # Open MPI gives each rank a pseudo-terminal, but the output goes to a log: no colour codes in its tables.
-    assert "│ launcher" in out.stdout and "\x1b[" not in out.stdout + out.stderr
 
 
 @requires_mpirun

@@ -124,8 +124,8 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, request):
     assert "ranks=" not in text, "the console line keeps its columns"
     named = [line for line in text.splitlines() if "straggler: rank" in line]
     assert len(named) == (world == 4), named  # after three intervals (40, 50, 60), once
-    if world == 4:
-        assert "straggler: rank 3 (host " in named[0] and "at step 60" in named[0], named
+    if world == 4:  # at 50 where rank 3 also came last at 30 by chance (4 ranks on 2 cores): three in a row then
+        assert "straggler: rank 3 (host " in named[0] and re.search(r"at step (50|60):", named[0]), named
     assert "What is an LLM?" in text, "a sample from the prompt is printed at each eval"
     assert (f"; batch 4 × block 32 tokens per data-parallel rank and micro-step; {world} data-parallel rank(s) × "
             f"accumulation 1: global batch {4 * world} samples ({4 * world * 32} tokens) per iteration") in text
@@ -171,47 +171,6 @@ def test_the_report_opens_in_a_headless_browser_with_every_plot_and_table(ddp_ru
 
 
 @pytest.mark.slow
-def test_resume_after_a_kill_continues_bit_exactly(data_root, ddp_reference, tmp_path):
-    import signal
-    import time
-
-    from meshtrain.runtime.rundir import read_jsonl
-
-    common = RESUMABLE
-    full_rows = ddp_reference
-    full = {r["step"]: r["loss"] for r in full_rows if "loss" in r}
-
-    # The same run, killed (SIGKILL, every rank) once its first checkpoint is on disk; its max_iters is large so
-    # that it is still running however late this process sees the checkpoint (the schedule ends at 30 either way).
-    killed_out = tmp_path / "killed"
-    cmd = torchrun_cmd(2, "-m", "meshtrain", "train", "gpt", *TINY, f"data.root={data_root}",
-                       f"train.out_dir={killed_out}", "train.max_iters=100000", *common)
-    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(), cwd=REPO,
-                           start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not ((killed_out / "gpt/ddp/latest").exists() and (run_dir_of(killed_out) / "checkpoints/latest").exists()):
-        assert job.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    # torchrun starts each rank in a session of its own: kill the ranks (its children), then torchrun.
-    subprocess.run(["pkill", "-KILL", "-P", str(job.pid)], check=False)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait()
-    killed_at = saved_iteration(run_dir_of(killed_out))
-    assert killed_at % 10 == 0 and killed_at >= 10, killed_at
-    if killed_at >= 30:
-        pytest.skip(f"this machine was too busy: the job saved iteration {killed_at} before it could be killed")
-
-    resumed = train(2, data_root, killed_out, "train.init_from=resume", "train.max_iters=30", *common)
-    assert resumed.returncode == 0, output(resumed)[-3000:]
-    rows = read_jsonl(run_dir_of(killed_out) / "metrics.jsonl")  # the resumed history replaces the killed tail
-    after = {r["step"]: r["loss"] for r in rows if r["step"] > killed_at and "loss" in r}
-    assert sorted(after) == list(range(killed_at + 1, 31))
-    for step, loss in after.items():
-        assert loss == full[step], f"loss at step {step} differs after resume"
-    final_val = [r["val_loss"] for r in full_rows if "val_loss" in r and r["step"] == 30]
-    assert [r["val_loss"] for r in rows if "val_loss" in r and r["step"] == 30] == final_val
-
-
 def _start_and_wait_for_steps(world: int, data_root: Path, out_dir: Path, steps: int, *overrides: str):
     """A run with no end in sight, once it has logged `steps` iterations."""
     import time
@@ -423,10 +382,10 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_root, tmp_path):
     assert exported["iteration"] == 5 and all(torch.isfinite(v).all() for v in exported["model"].values())
 
 
-def test_sample_command_reads_a_run(data_root, tmp_path):
-    out = train(1, data_root, tmp_path, "train.max_iters=10", "train.eval_interval=10")
+def test_sample_command_reads_a_run(ddp_run_2):
+    out, out_dir = ddp_run_2
     assert out.returncode == 0, output(out)[-3000:]
-    run_dir = run_dir_of(tmp_path)
+    run_dir = run_dir_of(out_dir)
     cmd = [sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir), "--prompt", "ROMEO:",
            "--max-new-tokens", "40", "--seed", "3"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
@@ -509,12 +468,14 @@ def test_compile_trains_like_eager(data_root, tmp_path):
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
 
 
-@pytest.mark.parametrize("backend,world,extra", [  # ddp: the kill, preemption and drill tests above
-    ("zero1", 2, []), ("zero2", 2, []), ("fsdp", 2, []),
+# ddp: the kill, preemption and drill tests above; FSDP2's own checkpoint (fsdp, and zero2, which saves the same
+# sharded state): the offloaded case here, test_train_llama.py (fsdp × tp) and test_resume_anywhere.py
+@pytest.mark.parametrize("backend,world,extra", [
+    ("zero1", 2, []),
     pytest.param("hsdp", 4, ["parallel.dp_replicate=2"], marks=pytest.mark.slow),
     ("fsdp", 2, ["parallel.cpu_offload=true", "train.activation_checkpointing=selective"]),
     pytest.param("deepspeed", 2, ["parallel.zero_stage=3"], marks=pytest.mark.slow),
-], ids=["zero1", "zero2", "fsdp", "hsdp-2x2", "fsdp-cpu-offload-selective-ac", "deepspeed-zero3"])
+], ids=["zero1", "hsdp-2x2", "fsdp-cpu-offload-selective-ac", "deepspeed-zero3"])
 def test_sharded_backends_train_and_resume_exactly(backend, world, extra, data_root, tmp_path):
     if backend == "deepspeed":
         pytest.importorskip("deepspeed", reason="needs the [deepspeed] extra")

@@ -67,3 +67,24 @@ def test_tensor_parallel_is_calibrated_at_the_size_a_layout_uses(model, heads):
     overrides, against = calibrate.runs_of("tp:4", model)
     assert overrides == ["train.backend=fsdp", "parallel.tp=4", *heads] and against == "backend:fsdp"
     assert calibrate.runs_of("cp:ring", model) == calibrate.KINDS["cp:ring"]
+
+
+def test_a_slow_calibration_says_which_kind_it_measures(fake_runs, tmp_path, monkeypatch, caplog):
+    """`plan --validate` calibrates for minutes on a slow machine: each quiet spell names the kind under way."""
+    import logging
+    import time
+
+    from meshtrain.runtime import heartbeat, progress
+
+    monkeypatch.setattr(progress, "QUIET_S", 0.2)
+    slow = calibrate._step_s
+    monkeypatch.setattr(calibrate, "_step_s", lambda *args: (time.sleep(0.4), slow(*args))[1])
+    try:
+        with caplog.at_level(logging.INFO, logger="meshtrain"), progress.said_while_quiet():
+            calibrate.calibrate(2, ["cp:ring"], "gpt", progress=lambda _: None)  # measured against ddp
+    finally:
+        heartbeat.note(step=0, phase="start-up", collective=None)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still ")]
+    kinds = ["still measuring the fixed costs of backend:ddp on 2 ranks (gpt, kind 1 of 2) (",
+             "still measuring the fixed costs of cp:ring on 2 ranks (gpt, kind 2 of 2) ("]
+    assert [kind for kind in kinds if any(m.startswith(kind) for m in said)] == kinds, said

@@ -2,10 +2,13 @@
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from tests.conftest import clean_env
 
+from meshtrain.runtime import launch
 from meshtrain.runtime.env import LaunchEnvError
 from meshtrain.runtime.launch import Machine, build_command, relaunch
 from meshtrain.train import faults
@@ -152,6 +155,39 @@ def test_restarts_torchrun_by_flag_and_mpiexec_by_running_it_again(tmp_path, cap
     assert (tmp_path / "preempted").read_text().split() == ["again"]  # preempted: not restarted
 
 
+def test_hosts_that_answer_are_those_whose_probe_succeeds_in_time(monkeypatch):
+    monkeypatch.setattr(launch, "PROBE_S", 1.0)
+    probes = {"up": ["true"], "refuses": ["false"], "hangs": ["sleep", "30"]}
+    started = time.monotonic()
+    assert launch.answering(["up", "refuses", "hangs", "up2"], lambda host: probes.get(host, ["true"])) == ["up", "up2"]
+    assert time.monotonic() - started < 10, "a host that hangs is given up after PROBE_S"
+    assert launch._probe("mpiexec", "openmpi", "x3") == ["mpiexec", "-n", "1", "--host", "x3", "true"]
+    assert launch._probe("srun", "auto", "x3") == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=x3",
+                                                   "true"]
+
+
+def test_a_restart_goes_on_with_the_hosts_that_answer(tmp_path, monkeypatch, capsys):
+    """A PBS job's nodefile is written again with the hosts left (their slots kept) in the job's directory, a SLURM
+    job's node list narrowed; the launcher's command is built for them; none left is one clear error."""
+    monkeypatch.chdir(tmp_path)
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x1\nx1\nx2\nx2\nx3\nx3\n")
+    pbs = {"PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(nodefile)}
+    monkeypatch.setattr(launch, "answering", lambda hosts, probe: [h for h in hosts if h != "x2"])
+    env = launch.on_hosts_that_answer(pbs, "mpiexec", "pals", attempt=1)
+    assert env["PBS_NODEFILE"] == str(tmp_path / ".meshtrain" / "nodefile-9.pbs-attempt1")
+    assert Path(env["PBS_NODEFILE"]).read_text() == "x1\nx1\nx3\nx3\n"
+    assert build_command(USER, environ=env, machine=CPU_BOX, flavor="pals")[:5] == ["mpiexec", "-n", "4", "--ppn", "2"]
+    assert "x2 did not answer mpiexec within 30 s; going on with x1, x3" in capsys.readouterr().out
+    slurm = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "x[1-3]", "SLURM_NODELIST": "x[1-3]"}
+    narrowed = launch.on_hosts_that_answer(slurm, "srun", "auto", attempt=1)
+    assert narrowed["SLURM_JOB_NODELIST"] == "x1,x3" and "SLURM_NODELIST" not in narrowed
+    assert build_command(USER, environ=narrowed, machine=GPU_NODE)[:2] == ["srun", "--nodes=2"]
+    monkeypatch.setattr(launch, "answering", lambda hosts, probe: [])
+    with pytest.raises(LaunchEnvError, match=r"none of the job's hosts \(x1, x2, x3\) runs `true` through mpiexec"):
+        launch.on_hosts_that_answer(pbs, "mpiexec", "pals", attempt=2)
+
+
 def test_fault_specs_parse_and_fire_in_their_attempt_only(monkeypatch):
     assert faults.parse("kill:rank=1:step=13, kill:rank=0:step=27:attempt=1") == [
         faults.Fault("kill", rank=1, step=13), faults.Fault("kill", rank=0, step=27, attempt=1)]
@@ -170,3 +206,18 @@ def test_mpiexec_outside_a_scheduler_puts_every_rank_on_this_node():
     assert argv[:5] == ["mpiexec", "-n", "3", "--map-by", "ppr:3:node:PE=1"]
     assert build_command(USER, launcher="mpiexec", environ={}, machine=CPU_BOX, flavor="mpich")[:5] == \
         ["mpiexec", "-n", "2", "-ppn", "2"]
+
+
+def test_an_elastic_job_is_torchrun_with_c10d_rendezvous_on_every_node():
+    """--nnodes MIN:MAX: the same torchrun command on each node, meeting at --rdzv-endpoint, under the job's id, with
+    a rendezvous that gives up on a silent node after 3 s and waits 10 s for late ones (not torch's 15 s and 30 s),
+    each round with a store of its own (torch's shared one fails a node that joins later)."""
+    env = {"SLURM_JOB_ID": "77"}
+    argv = build_command(USER, ppn=4, launcher="torchrun", environ=env, machine=GPU_NODE, max_restarts=2,
+                         nnodes="1:2", rendezvous="node0:29400")
+    assert argv[:2] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] and argv[2].endswith("torchrun")
+    assert argv[3:] == ["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=77",
+                        "--rdzv-conf=last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3",
+                        "--nproc-per-node=4", "--max-restarts=2", "-m", "meshtrain", "test-dist"]
+    with pytest.raises(LaunchEnvError, match="--nnodes 1:2 needs --rdzv-endpoint HOST:PORT"):
+        build_command(USER, launcher="torchrun", environ=env, machine=GPU_NODE, nnodes="1:2")

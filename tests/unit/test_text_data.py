@@ -160,6 +160,26 @@ def test_shakespeare_bpe_counts(prepared):
     assert tok.decode(val) == corpus[int(len(corpus) * 0.9):]
 
 
+def test_a_long_corpus_is_tokenized_in_pieces_with_the_same_ids_and_told(prepared, tmp_path, monkeypatch):
+    """A corpus longer than a piece is encoded piece by piece (cut after a newline between letters, where
+    GPT-2's pre-tokenizer cuts too), saying what it does and how far along it is: the ids are the whole's."""
+    from meshtrain.runtime import progress
+
+    monkeypatch.setattr(text, "ENCODE_PIECE_CHARS", 20_000)  # ~50 pieces of the 1.1M-character corpus
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
+    monkeypatch.setenv("MESHTRAIN_PROGRESS", "0")
+    corpus = shakespeare_text()
+    pieces = list(text._pieces(corpus, text.ENCODE_PIECE_CHARS))
+    assert "".join(pieces) == corpus and len(pieces) > 40
+    assert all(p[-1] == "\n" and p[-2].isalnum() for p in pieces[:-1])
+    with captured_log() as lines:
+        prepare("shakespeare", tmp_path, force=True)
+    assert contents(tmp_path / "shakespeare") == contents(prepared["shakespeare"][0])
+    assert "tokenizing the train split: 1,003,854 characters with gpt2" in lines
+    told = [line for line in lines if line.startswith("tokenizing train, characters: ")]
+    assert len(told) > 40 and told[-1].startswith("tokenizing train, characters: 1,003,854/1,003,854 (")
+
+
 @pytest.mark.skipif(not (SHARED_GPT2 / "encoder.json").is_file(), reason="original GPT-2 vocab files not here")
 def test_shipped_ranks_equal_the_original_gpt2_vocabulary(monkeypatch):
     import tiktoken.load

@@ -1,5 +1,6 @@
 """`meshtrain launch [options] -- CMD`: print the launcher command this machine wants (runtime/launch.py builds it)
-and hand the process over to it, or run it again while it fails (--max-restarts under mpiexec or srun)."""
+and hand the process over to it, or run it again while it fails (--max-restarts under mpiexec or srun: on the hosts
+that still answer)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shlex
 import shutil
 
 from meshtrain.runtime.env import LaunchEnvError
-from meshtrain.runtime.launch import MPI_FLAVORS, build_command, relaunch
+from meshtrain.runtime.launch import MPI_FLAVORS, build_command, mpi_flavor, program, relaunch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which mpiexec's flags to write (auto: ask `mpiexec --version`; PALS if it cannot tell)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart the whole job up to N times when a rank fails (torchrun's elastic restarts; "
-                             "under mpiexec or srun, launch runs it again); pair with train.init_from=auto")
+                             "under mpiexec or srun, launch runs it again on the hosts that answer); pair with "
+                             "train.init_from=auto")
     parser.add_argument("--nnodes", default=None, metavar="MIN:MAX",
                         help="an elastic torchrun job, run on each node: it goes on with as few as MIN nodes, its "
                              "agents restarting the ranks on the nodes left (with --max-restarts and "
@@ -47,9 +49,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if shutil.which(argv[0]) is None:
         raise LaunchEnvError(f"{argv[0]} is not on PATH here: load the module that provides it, or pick --launcher")
-    if args.max_restarts == 0 or os.path.basename(argv[0]) == "torchrun":  # torchrun restarts by itself
+    if args.max_restarts == 0 or program(argv) == "torchrun":  # torchrun restarts by itself
         os.execvp(argv[0], argv)  # the launcher takes over this process: its exit code and signals are the job's
-    return relaunch(argv, args.max_restarts)
+    flavor = mpi_flavor() if args.flavor == "auto" and program(argv) == "mpiexec" else args.flavor
+    # a restart goes on with the hosts that answer, each with its ranks per node: -n was for the whole job
+    return relaunch(argv, args.max_restarts, flavor=flavor, rebuild=lambda env: build_command(
+        command, ppn=args.ppn, launcher=args.launcher, flavor=flavor, environ=env, max_restarts=args.max_restarts))
 
 
 def check_training_config(command: list[str]) -> None:

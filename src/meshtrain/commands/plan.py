@@ -21,6 +21,7 @@ from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.log import configure_logging, get_logger, print_rich
+from meshtrain.runtime.progress import said_while_quiet
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -188,9 +189,10 @@ def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int) -> int:
     log.info("validating in %s (%s)", cfg.train.dtype, "as set" if "train.dtype=" in " ".join(args.overrides)
              else "what train.dtype=auto picks on this machine")
     overrides = [*args.overrides, f"train.dtype={cfg.train.dtype}"]
-    checks, auto = validate.validate_plan(args.model, overrides, cfg, ranked, args.validate, args.nodes,
-                                          ranks // args.nodes, lambda: machine_of(args), steps=args.steps,
-                                          progress=log.info)
+    with said_while_quiet():  # calibration and each layout's run take seconds to minutes: never a silent wait
+        checks, auto = validate.validate_plan(args.model, overrides, cfg, ranked, args.validate, args.nodes,
+                                              ranks // args.nodes, lambda: machine_of(args), steps=args.steps,
+                                              progress=log.info)
     print_rich(validation_table(checks))
     summary = validate.summary(checks, auto)
     log.info("summary: %s", summary)

@@ -48,11 +48,13 @@ def run(args: argparse.Namespace) -> int:
 
 def summarise(run_dir, page: bool) -> None:
     """The run's totals and text plots of its loss and throughput; its report page when asked for."""
-    from meshtrain.report.page import write_report
     from meshtrain.report.runs import read_run
     from meshtrain.report.summary import summary
 
     run = read_run(run_dir)
-    report = str(write_report([run], run_dir / "report")) if page else \
-        f"meshtrain report {run_dir} (or train.report=true) writes it"
+    report = f"meshtrain report {run_dir} (or train.report=true) writes it"
+    if page:  # matplotlib and the page's parts take 0.4 s to import: only when asked for
+        from meshtrain.report.page import write_report
+
+        report = str(write_report([run], run_dir / "report"))
     log.info("%s", summary(run, report))

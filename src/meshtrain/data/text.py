@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.runtime.log import get_logger
+from meshtrain.runtime.progress import progress_bar
 
 log = get_logger("data")
 
@@ -36,6 +38,7 @@ TOKENIZERS = ("char", "gpt2")
 SPLITS = ("train", "val")
 TOKEN_DTYPE = np.dtype("<u2")  # explicit little-endian, so a .bin reads the same on any machine
 FORMAT_VERSION = 1
+ENCODE_PIECE_CHARS = 1 << 23  # 8 Mi characters, a few seconds of BPE: a long corpus's progress is told between
 
 SHAKESPEARE_ASSET = "tinyshakespeare.txt.gz"
 SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
@@ -260,13 +263,42 @@ def _encode_splits(tok: CharTokenizer | GPT2Tokenizer, text: str, val_fraction: 
     # Split the text, not the tokens: the val text is then the same whatever the tokenizer (as nanoGPT).
     n_train_chars = int(len(text) * (1.0 - val_fraction))
     splits = {"train": text[:n_train_chars], "val": text[n_train_chars:]}
-    ids = {split: np.asarray(tok.encode(part), dtype=TOKEN_DTYPE) for split, part in splits.items()}
+    ids = {split: _encode_told(tok, part, split) for split, part in splits.items()}
     for split in SPLITS:
         log.info("%s has %s tokens", split, f"{len(ids[split]):,}")
         if len(ids[split]) < 2:
             raise DataError(f"{source_label} is too short: its {split} split has {len(ids[split])} tokens, "
                             "and a training window needs at least 2")
     return ids
+
+
+def _encode_told(tok: CharTokenizer | GPT2Tokenizer, text: str, split: str) -> np.ndarray:
+    """`tok.encode(text)` piece by piece, telling how far it is: a corpus of gigabytes takes minutes."""
+    if len(text) <= ENCODE_PIECE_CHARS:
+        return np.asarray(tok.encode(text), dtype=TOKEN_DTYPE)
+    log.info("tokenizing the %s split: %s characters with %s", split, f"{len(text):,}", tok.kind)
+    parts = []
+    with progress_bar(len(text), f"tokenizing {split}, characters") as bar:
+        for piece in _pieces(text, ENCODE_PIECE_CHARS):
+            parts.append(np.asarray(tok.encode(piece), dtype=TOKEN_DTYPE))
+            bar.update(len(piece))
+    return np.concatenate(parts)
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """`text` in pieces of about `size` characters, each cut just after a newline between two letters or digits.
+    GPT-2's pre-tokenizer splits there anyway (the newline is a piece of its own), so the ids of the pieces are
+    the ids of the whole; for characters any cut is."""
+    start = 0
+    while len(text) - start > size:
+        cut = text.find("\n", start + size)
+        while cut != -1 and not (text[cut - 1].isalnum() and text[cut + 1:cut + 2].isalnum()):
+            cut = text.find("\n", cut + 1)
+        if cut == -1:
+            break
+        yield text[start:cut + 1]
+        start = cut + 1
+    yield text[start:]
 
 
 def _up_to_date_meta(out_dir: Path, source_md5: str, kind: str, val_fraction: float) -> dict | None:

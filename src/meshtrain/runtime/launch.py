@@ -12,17 +12,28 @@ themselves from the launcher's variables (env.py), so no wrapper process sits be
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from meshtrain.runtime.env import LaunchEnvError, hostfile_slots, scheduler_info
 from meshtrain.runtime.rundir import PREEMPTED
 
 PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
 MPI_FLAVORS = ("pals", "openmpi", "mpich")
+# An elastic job's rendezvous, tighter than torch's defaults (a 30 s last call, a node dead after 3 × 5 s without a
+# heartbeat), which made a restart on the nodes left wait 46 s here for a few seconds of work. The agents of one job
+# start within seconds of each other, and one that comes later still joins: the agents restart to admit it.
+RENDEZVOUS_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+# torch 2.13's agents share one store between rendezvous rounds, and an agent that stays rank 0 does not publish
+# the new round's address: a node joining later waits for it until it times out, and the job fails (as a job grown
+# by a node in tests/distributed/test_multinode.py did). With this, each round makes a store of its own.
+ELASTIC_ENV = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+PROBE_S = 30.0  # how long a host has to run `true` through the job's launcher before it counts as lost
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,8 @@ def _torchrun(nproc: int, command: list[str], max_restarts: int = 0, nnodes: str
         if not rendezvous:
             raise LaunchEnvError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT: where the nodes' agents meet "
                                  "(a port on the first node, the same on every node)")
-        head += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job_id}"]
+        head = [*ELASTIC_ENV, *head, f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}",
+                f"--rdzv-id={job_id}", f"--rdzv-conf={RENDEZVOUS_CONF}"]
     else:
         head.append("--standalone")
     head.append(f"--nproc-per-node={nproc}")
@@ -170,15 +182,76 @@ def _mpiexec(flavor: str, nproc: int, ppn: int, depth: int, env: Mapping[str, st
     return argv
 
 
-def relaunch(argv: list[str], max_restarts: int) -> int:
+def program(argv: list[str]) -> str:
+    """The launcher `argv` runs (torchrun, mpiexec, srun), past an `env VAR=value` prefix."""
+    words = argv[1:] if argv[0] == "env" else argv
+    return os.path.basename(next(word for word in words if "=" not in word))
+
+
+Rebuild = Callable[[Mapping[str, str]], list[str]]  # the launcher's argv for a job environment
+
+
+def relaunch(argv: list[str], max_restarts: int, rebuild: Rebuild | None = None, flavor: str = "pals") -> int:
     """Run `argv` (mpiexec or srun) again while it fails, up to `max_restarts` more times, telling the ranks which
-    attempt they are (MESHTRAIN_RESTART_COUNT, as torchrun's TORCHELASTIC_RESTART_COUNT). A job stopped by a
-    preemption signal (exit PREEMPTED) is not restarted here: its nodes are going away; the job script re-queues it."""
+    attempt they are (MESHTRAIN_RESTART_COUNT, as torchrun's TORCHELASTIC_RESTART_COUNT). Before each restart of a
+    job over several hosts, each host is asked to run `true` through the launcher, and the job goes on with those
+    that answer (`rebuild` writes the launcher's command for them). A job stopped by a preemption signal (exit
+    PREEMPTED) is not restarted here: its nodes are going away; the job script re-queues it."""
+    env = dict(os.environ)
     for attempt in range(max_restarts + 1):
         started = time.monotonic()
-        code = subprocess.run(argv, env={**os.environ, "MESHTRAIN_RESTART_COUNT": str(attempt)}).returncode
+        code = subprocess.run(argv, env={**env, "MESHTRAIN_RESTART_COUNT": str(attempt)}).returncode
         if code in (0, PREEMPTED) or attempt == max_restarts:
             return code
         print(f"meshtrain launch: attempt {attempt} failed with exit code {code} after "
               f"{time.monotonic() - started:.1f} s; restarting ({max_restarts - attempt} restart(s) left)", flush=True)
+        if rebuild is not None and len(scheduler_info(env)[2]) > 1:
+            env = on_hosts_that_answer(env, program(argv), flavor, attempt + 1)
+            argv = rebuild(env)
+            print(shlex.join(argv), flush=True)
     return code
+
+
+def on_hosts_that_answer(env: Mapping[str, str], launcher: str, flavor: str, attempt: int) -> dict[str, str]:
+    """The job's environment narrowed to the hosts that run `true` through `launcher` within PROBE_S seconds: a PBS
+    job's nodefile written again without the others (in ./.meshtrain/, which the nodes share as they share the job's
+    directory), a SLURM job's node list. The ranks find each other from it as at the start."""
+    scheduler, job_id, hosts = scheduler_info(env)
+    alive = answering(hosts, lambda host: _probe(launcher, flavor, host))
+    lost = [host for host in hosts if host not in alive]
+    if not lost:
+        return dict(env)
+    if not alive:
+        raise LaunchEnvError(f"none of the job's hosts ({', '.join(hosts)}) runs `true` through {launcher} within "
+                             f"{PROBE_S:.0f} s: nothing is left to restart on")
+    print(f"meshtrain launch: {', '.join(lost)} did not answer {launcher} within {PROBE_S:.0f} s; going on with "
+          f"{', '.join(alive)}", flush=True)
+    if scheduler == "pbs":
+        slots = hostfile_slots(env["PBS_NODEFILE"])
+        nodefile = Path(".meshtrain") / f"nodefile-{job_id}-attempt{attempt}"
+        nodefile.parent.mkdir(exist_ok=True)
+        nodefile.write_text("".join(f"{host}\n" * slots[host] for host in alive))
+        return {**env, "PBS_NODEFILE": str(nodefile.resolve())}
+    narrowed = {k: v for k, v in env.items() if k not in ("SLURM_STEP_NODELIST", "SLURM_NODELIST")}
+    return {**narrowed, "SLURM_JOB_NODELIST": ",".join(alive), "SLURM_NNODES": str(len(alive))}
+
+
+def answering(hosts: tuple[str, ...] | list[str], probe: Callable[[str], list[str]]) -> list[str]:
+    """The hosts on which the command `probe(host)` succeeds within PROBE_S seconds, asked all at once."""
+    jobs = {host: subprocess.Popen(probe(host), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for host in hosts}
+    deadline, alive = time.monotonic() + PROBE_S, []
+    for host, job in jobs.items():
+        try:
+            if job.wait(timeout=max(0.0, deadline - time.monotonic())) == 0:
+                alive.append(host)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+    return alive
+
+
+def _probe(launcher: str, flavor: str, host: str) -> list[str]:
+    """One task running `true` on `host`, through the launcher the job uses."""
+    if launcher == "srun":  # --overlap: beside whatever of the failed step is still being cleaned up
+        return ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "true"]
+    return ["mpiexec", "-n", "1", {"openmpi": "--host", "mpich": "-hosts", "pals": "--hosts"}[flavor], host, "true"]

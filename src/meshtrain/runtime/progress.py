@@ -65,8 +65,12 @@ class _Lines(_Bar):
         now = time.monotonic()
         if now - self.last >= LINE_EVERY_S:
             self.last = now
-            of = f"/{self.total:g}" if self.total else ""
-            log.info("%s: %g%s (%.0f s)", description or self.description, self.done, of, now - self.started)
+            of = f"/{_count(self.total)}" if self.total else ""
+            log.info("%s: %s%s (%.0f s)", description or self.description, _count(self.done), of, now - self.started)
+
+
+def _count(x: float) -> str:
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:g}"
 
 
 @contextmanager
@@ -108,7 +112,8 @@ def track(iterable: Iterable, description: str = "", total: int | None = None, *
 
 def doing(where: dict) -> str:
     """What a heartbeat note says a rank is doing, in words: `evaluating at step 200, in all_reduce of the loss`."""
-    text = DOING.get(where["phase"], where["phase"]).format(step=where["step"])
+    phase = where["phase"]  # a training phase, or what a command is doing in words (`plan --validate`'s runs)
+    text = DOING[phase].format(step=where["step"]) if phase in DOING else phase
     return f"{text}, in {where['collective']}" if where.get("collective") else text
 
 

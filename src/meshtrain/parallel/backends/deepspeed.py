@@ -37,6 +37,11 @@ def _import(device: torch.device):
     except ImportError as e:
         raise DeepSpeedUnavailable("train.backend=deepspeed needs DeepSpeed: pip install 'meshtrain[deepspeed]' "
                                    f"({e})") from None
+    if device.type == "cpu":
+        # DeepSpeed's CPU backend compiles a shared-memory all-reduce as it starts (25-30 s of C++ here, again
+        # whenever the environment's paths change, as in a fresh checkout) that only its inference all-reduce
+        # calls; training reduces through torch.distributed. Marked unusable, it is not built.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
 
 

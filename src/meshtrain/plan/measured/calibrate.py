@@ -48,6 +48,7 @@ from meshtrain.plan.measured.fixed_costs import (
 )
 from meshtrain.plan.measured.this_machine import recorded_collectives, this_machine
 from meshtrain.plan.workload import ModelFacts
+from meshtrain.runtime import heartbeat
 from meshtrain.runtime.device import pick_device
 from meshtrain.runtime.results import run_ranks
 
@@ -113,7 +114,9 @@ def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | 
         if spec.text:  # the shipped corpus, which needs no network
             prepare("shakespeare_char", Path(root))
         times = {}
-        for kind in missing:
+        for i, kind in enumerate(missing, 1):
+            heartbeat.note(phase=f"measuring the fixed costs of {fixed_kind(kind, dtype)} on {ranks} ranks ({model}, "
+                                 f"kind {i} of {len(missing)})")
             overrides, _ = runs_of(kind, model)
             runs = [[*spec.tiny, f"data.root={data_root or root}", f"{depth_key}={depth}", *overrides,
                      f"train.dtype={dtype}"] for depth in DEPTHS]
@@ -141,6 +144,7 @@ def _record_collectives(ranks: int, progress) -> None:
     machine, which the cost model reads in place of an assumed link (on a CPU, gloo's latency is hundreds of
     microseconds between ranks that share cores, not the 50 µs a link would take)."""
     progress(f"recording the collectives' times on {ranks} ranks (meshtrain collectives --bench --record)")
+    heartbeat.note(phase=f"recording the collectives' times on {ranks} ranks")
     command = Path(meshtrain.__file__).parent / "__main__.py"  # `python -m meshtrain` as torchrun's script
     job = run_ranks(command, ranks, "collectives", "--bench", "--record", "--ops", COLLECTIVES, "--max-bytes", "16M",
                     "--time-per-size", "0.1", timeout=900)
@@ -157,6 +161,7 @@ def _measure_slowdown(ranks: int, progress, dtype: str = "fp32") -> float:
     reference, ddp_kind = SLOWDOWN_REFERENCE, fixed_kind("backend:ddp", dtype)
     ddp = cached(ranks, reference).get(ddp_kind) or _measure_kinds(
         ranks, reference, ["backend:ddp"], None, cached(ranks, reference), progress, dtype)[ddp_kind]
+    heartbeat.note(phase=f"measuring how much slower {ranks} ranks sharing cores compute")
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
         prepare("shakespeare_char", Path(root))
         overrides = [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]

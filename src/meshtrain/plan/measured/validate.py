@@ -28,6 +28,7 @@ from meshtrain.plan.machines import Machine
 from meshtrain.plan.measured import calibrate, measure
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
+from meshtrain.runtime import heartbeat
 from meshtrain.runtime.results import run_ranks
 
 if TYPE_CHECKING:  # for annotations only
@@ -61,7 +62,8 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
         timeout: float = 600, progress=print) -> list[Check]:
     """Measure each candidate (the run config `overrides` give, with its layout) on `ranks` ranks of this machine."""
     checks = []
-    for candidate in candidates:
+    for i, candidate in enumerate(candidates, 1):
+        heartbeat.note(phase=f"measuring {candidate.label} on {ranks} ranks (layout {i} of {len(candidates)})")
         job = run_ranks(Path(measure.__file__), ranks, model, *overrides, *candidate.overrides, "--steps", str(steps),
                         timeout=timeout)
         rows = [fields for result in job.results.values() for fields in result.values()]
