@@ -26,8 +26,10 @@ train: $(STAMP)
 	$(VENV)/bin/meshtrain prepare shakespeare_char
 	$(VENV)/bin/meshtrain launch -- python -m meshtrain train gpt $(TRAIN_ARGS)
 
+# PYTHONDONTWRITEBYTECODE cleared: where the environment sets it, each of the suite's hundreds of processes would
+# compile meshtrain's sources again (0.25 s a process here).
 test: $(STAMP)
-	$(PY) -m pytest
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
 # The unit tier alone: no test that starts a process (torchrun, mpirun, a subprocess), nothing marked slow.
 test-fast: $(STAMP)

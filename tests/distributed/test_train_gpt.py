@@ -170,7 +170,6 @@ def test_the_report_opens_in_a_headless_browser_with_every_plot_and_table(ddp_ru
     print(f"screenshot of the report: {shot}")
 
 
-@pytest.mark.slow
 def _start_and_wait_for_steps(world: int, data_root: Path, out_dir: Path, steps: int, *overrides: str):
     """A run with no end in sight, once it has logged `steps` iterations."""
     import time
@@ -468,7 +467,7 @@ def test_compile_trains_like_eager(data_root, tmp_path):
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
 
 
-# ddp: the kill, preemption and drill tests above; FSDP2's own checkpoint (fsdp, and zero2, which saves the same
+# ddp: the preemption, fault-drill and failed-start tests above; FSDP2's own checkpoint (fsdp, and zero2, which saves the same
 # sharded state): the offloaded case here, test_train_llama.py (fsdp × tp) and test_resume_anywhere.py
 @pytest.mark.parametrize("backend,world,extra", [
     ("zero1", 2, []),
