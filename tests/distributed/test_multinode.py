@@ -33,6 +33,33 @@ def torchrun_on(cluster: Cluster, node: int, job: str, *args: str):
     return cluster.torchrun(node, job, list(args), clean_env(MESHTRAIN_TIMEOUT="60"), REPO)
 
 
+def pbs_job_env(cluster: Cluster, tmp_path, job_id: str) -> dict[str, str]:
+    """A PBS job of 2 nodes × 2 slots (its nodefile: one line per slot, as PBS writes it with mpiprocs=2), whose
+    Open MPI starts node 1's ranks through its remote agent (here `ip netns exec` in place of ssh)."""
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("node0\nnode0\nnode1\nnode1\n")
+    return clean_env(MESHTRAIN_TIMEOUT="60", PBS_NODEFILE=str(nodefile), PBS_JOBID=job_id,
+                     OMPI_MCA_plm_rsh_agent=str(cluster.remote_shell(tmp_path / "rsh")),
+                     OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
+def elastic_launch(cluster: Cluster, data_root, out_dir) -> list[str]:
+    """`meshtrain launch --nnodes 1:2` of RESUMABLE_GPT, resuming with init_from=auto: the same on each node."""
+    return [sys.executable, "-m", "meshtrain", "launch", "--nnodes", "1:2", "--ppn", "2", "--max-restarts", "1",
+            "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
+            f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={out_dir}"]
+
+
+def lines_until_iteration(job, iteration: int) -> list[str]:
+    """The output of `job` (the one with rank 0) up to the line that logs `iteration`."""
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if f"] step={iteration} " in line:
+            return lines
+    raise AssertionError("".join(lines[-40:]))
+
+
 def test_test_dist_across_two_nodes(cluster):
     jobs = [torchrun_on(cluster, node, "testdist", "test-dist") for node in (0, 1)]
     outs = [job.communicate(timeout=240)[0] for job in jobs]
@@ -44,13 +71,10 @@ def test_test_dist_across_two_nodes(cluster):
 @requires_mpirun
 def test_launch_under_pbs_starts_mpiexec_across_two_nodes(cluster, tmp_path):
     """A PBS job of 2 nodes × 2 slots: `meshtrain launch` reads the nodefile and writes mpiexec's command, Open MPI
-    starts node 1's ranks through its remote agent (here `ip netns exec` in place of ssh), and the ranks meet at the
-    nodefile's first host on a port derived from the job id, without talking first."""
-    nodefile = tmp_path / "nodefile"
-    nodefile.write_text("node0\nnode0\nnode1\nnode1\n")  # one line per slot, as PBS writes it with mpiprocs=2
-    env = clean_env(MESHTRAIN_TIMEOUT="60", PBS_NODEFILE=str(nodefile), PBS_JOBID="4242.pbs01",
-                    OMPI_MCA_plm_rsh_agent=str(cluster.remote_shell(tmp_path / "rsh")),
-                    OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    starts node 1's ranks, and the ranks meet at the nodefile's first host on a port derived from the job id,
+    without talking first."""
+    env = pbs_job_env(cluster, tmp_path, "4242.pbs01")
+    nodefile = env["PBS_NODEFILE"]
     job = cluster.start(0, [sys.executable, "-m", "meshtrain", "launch", "--", "python", "-m", "meshtrain",
                             "test-dist"], env, REPO)
     out = ANSI.sub("", job.communicate(timeout=240)[0])
@@ -90,15 +114,9 @@ def test_an_elastic_job_that_loses_a_node_goes_on_on_the_one_left_as_if_uninterr
     checkpoint of iteration 10 on 2 ranks, with the accumulation doubled (train.global_batch_size). The losses follow
     a 4-rank run that was never interrupted (within 1e-4), and the sample ledger is identical."""
     data_root, uninterrupted = uninterrupted_gpt
-    launch = [sys.executable, "-m", "meshtrain", "launch", "--nnodes", "1:2", "--ppn", "2", "--max-restarts", "1",
-              "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
-              f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={tmp_path}"]
+    launch = elastic_launch(cluster, data_root, tmp_path)
     jobs = [cluster.start(node, launch, clean_env(MESHTRAIN_TIMEOUT="60"), REPO) for node in (0, 1)]
-    lines = []
-    for line in jobs[0].stdout:
-        lines.append(line)
-        if "] step=12 " in line:
-            break
+    lines = lines_until_iteration(jobs[0], 12)
     cluster.kill(1)  # node 1 and every process on it die at once
     lost = time.monotonic()
     lines += jobs[0].stdout.readlines()
@@ -119,16 +137,10 @@ def test_an_elastic_job_grows_when_a_node_joins_later(cluster, uninterrupted_gpt
     job goes on over both nodes from that checkpoint (4 ranks, accumulation 1), following the uninterrupted 4-rank
     run. Rank 1 lags 300 ms an iteration, so that the job is still running when node 1's agent arrives."""
     data_root, uninterrupted = uninterrupted_gpt
-    launch = [sys.executable, "-m", "meshtrain", "launch", "--nnodes", "1:2", "--ppn", "2", "--max-restarts", "1",
-              "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
-              f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={tmp_path}"]
+    launch = elastic_launch(cluster, data_root, tmp_path)
     env = clean_env(MESHTRAIN_TIMEOUT="60", MESHTRAIN_FAULT="slow:rank=1:step=1:phase=data:ms=300")
     first = cluster.start(0, launch, env, REPO)
-    lines = []
-    for line in first.stdout:
-        lines.append(line)
-        if "] step=12 " in line:
-            break
+    lines = lines_until_iteration(first, 12)
     joined = time.monotonic()
     second = cluster.start(1, launch, env, REPO)
     lines += first.stdout.readlines()
@@ -153,19 +165,11 @@ def test_an_mpiexec_job_that_loses_a_node_is_run_again_on_the_one_left(cluster, 
     nodefile again with node 0 alone, and runs the job there: 2 ranks resume the checkpoint of iteration 10 with the
     accumulation doubled, following the uninterrupted 4-rank run. This test's last use of node 1."""
     data_root, uninterrupted = uninterrupted_gpt
-    nodefile = tmp_path / "nodefile"
-    nodefile.write_text("node0\nnode0\nnode1\nnode1\n")
-    env = clean_env(MESHTRAIN_TIMEOUT="60", PBS_NODEFILE=str(nodefile), PBS_JOBID="4343.pbs01",
-                    OMPI_MCA_plm_rsh_agent=str(cluster.remote_shell(tmp_path / "rsh")),
-                    OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = pbs_job_env(cluster, tmp_path, "4343.pbs01")
     job = cluster.start(0, [sys.executable, "-m", "meshtrain", "launch", "--max-restarts", "1", "--", "python", "-m",
                             "meshtrain", *RESUMABLE_GPT, f"data.root={data_root}", "train.init_from=auto",
                             f"train.out_dir={tmp_path}"], env, tmp_path)  # the job's directory: it keeps the nodefile
-    lines = []
-    for line in job.stdout:
-        lines.append(line)
-        if "] step=12 " in line:
-            break
+    lines = lines_until_iteration(job, 12)
     cluster.lose(1)
     lines += job.stdout.readlines()
     job.wait(timeout=300)
