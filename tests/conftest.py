@@ -77,6 +77,30 @@ def uninterrupted_gpt(tmp_path_factory) -> tuple[Path, Path]:
     return data_root, (out_dir / "gpt" / "ddp" / "latest").resolve()
 
 
+def lines_until_iteration(job, iteration: int) -> list[str]:
+    """The output of `job` (the one with rank 0) up to the line that logs `iteration`."""
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if f"] step={iteration} " in line:
+            return lines
+    raise AssertionError("".join(lines[-40:]))
+
+
+def assert_follows_the_uninterrupted_run(out_dir, uninterrupted) -> None:
+    """Every iteration's loss within 1e-4 of the uninterrupted run's (a repeated one: its last), the ledger equal."""
+    from meshtrain.train.ledger import read_ledger
+
+    def losses_and_ledger(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}, read_ledger(run_dir / "ledger.txt")
+
+    (want, want_ledger) = losses_and_ledger(uninterrupted)
+    (got, got_ledger) = losses_and_ledger((out_dir / "gpt" / "ddp" / "latest").resolve())
+    assert sorted(got) == list(range(1, 31)) and got == pytest.approx(want, rel=1e-4)
+    assert got_ledger == want_ledger and sorted(got_ledger) == list(range(30))
+
+
 torchrun_cmd = torchrun_argv  # `torchrun --standalone --nproc-per-node N ARGS` with this interpreter
 
 

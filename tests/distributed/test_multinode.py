@@ -4,13 +4,21 @@ writing mpiexec's command. Skipped, saying why, where namespaces cannot be made 
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
 
 import pytest
-from tests.conftest import ANSI, REPO, RESUMABLE_GPT, clean_env, prepare_data, requires_mpirun
+from tests.conftest import (
+    ANSI,
+    REPO,
+    RESUMABLE_GPT,
+    assert_follows_the_uninterrupted_run,
+    clean_env,
+    lines_until_iteration,
+    prepare_data,
+    requires_mpirun,
+)
 from tests.netns import Cluster, why_not
 
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=f"no network namespaces here: {why_not()}")
@@ -48,16 +56,6 @@ def elastic_launch(cluster: Cluster, data_root, out_dir) -> list[str]:
     return [sys.executable, "-m", "meshtrain", "launch", "--nnodes", "1:2", "--ppn", "2", "--max-restarts", "1",
             "--rdzv-endpoint", f"{cluster.host(0)}:29400", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
             f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={out_dir}"]
-
-
-def lines_until_iteration(job, iteration: int) -> list[str]:
-    """The output of `job` (the one with rank 0) up to the line that logs `iteration`."""
-    lines = []
-    for line in job.stdout:
-        lines.append(line)
-        if f"] step={iteration} " in line:
-            return lines
-    raise AssertionError("".join(lines[-40:]))
 
 
 def test_test_dist_across_two_nodes(cluster):
@@ -180,17 +178,3 @@ def test_an_mpiexec_job_that_loses_a_node_is_run_again_on_the_one_left(cluster, 
     assert rewritten.read_text() == "node0\nnode0\n" and f"--hostfile {rewritten}" in text
     assert "resuming at iteration 10" in text and "× accumulation 2: global batch 16" in text, text[-3000:]
     assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
-
-
-def assert_follows_the_uninterrupted_run(out_dir, uninterrupted) -> None:
-    """Every iteration's loss within 1e-4 of the uninterrupted run's (a repeated one: its last), the ledger equal."""
-    from meshtrain.train.ledger import read_ledger
-
-    def losses_and_ledger(run_dir):
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in rows if "loss" in r}, read_ledger(run_dir / "ledger.txt")
-
-    (want, want_ledger) = losses_and_ledger(uninterrupted)
-    (got, got_ledger) = losses_and_ledger((out_dir / "gpt" / "ddp" / "latest").resolve())
-    assert sorted(got) == list(range(1, 31)) and got == pytest.approx(want, rel=1e-4)
-    assert got_ledger == want_ledger and sorted(got_ledger) == list(range(30))

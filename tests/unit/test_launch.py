@@ -72,7 +72,7 @@ def test_slurm_srun_nodes_tasks_gpus():
     argv = build_command(USER, environ=env, machine=GPU_NODE)
     assert argv == ["srun", "--nodes=3", "--ntasks=12", "--ntasks-per-node=4", "--cpus-per-task=16",
                     "--cpu-bind=cores", "--kill-on-bad-exit=1", "--gpus-per-node=4", PY, "-m", "meshtrain",
-                    "test-dist"]
+                    "test-dist"]  # a first attempt takes its CPUs for itself (no --overlap)
 
 
 def test_slurm_cpu_nodes_take_the_schedulers_tasks_per_node():
@@ -80,6 +80,16 @@ def test_slurm_cpu_nodes_take_the_schedulers_tasks_per_node():
     argv = build_command(USER, environ=env, machine=Machine(accelerators=0, cpus=64))
     assert argv[1:6] == ["--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--cpus-per-task=8", "--cpu-bind=cores"]
     assert not any(a.startswith("--gpus") for a in argv)
+
+
+def test_slurm_ranks_share_the_cpus_the_job_holds_on_a_node_not_all_of_its_cpus():
+    """A job of 2 tasks per node without --exclusive holds 2 CPUs of each node, and srun refuses a step that asks
+    for more: each rank gets 1, not half of the node's 64 (the fewest, where the job's nodes differ)."""
+    env = {"SLURM_JOB_ID": "55", "SLURM_JOB_NODELIST": "cn[1-2]", "SLURM_NTASKS_PER_NODE": "2",
+           "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}
+    assert "--cpus-per-task=1" in build_command(USER, environ=env, machine=Machine(accelerators=0, cpus=64))
+    env.update(SLURM_JOB_NODELIST="cn[1-3]", SLURM_JOB_CPUS_PER_NODE="16,8(x2)")
+    assert "--cpus-per-task=4" in build_command(USER, environ=env, machine=Machine(accelerators=0, cpus=64))
 
 
 def test_slurm_fewer_ranks_than_nodes_uses_fewer_nodes():
@@ -179,10 +189,15 @@ def test_a_restart_goes_on_with_the_hosts_that_answer(tmp_path, monkeypatch, cap
     assert Path(env["PBS_NODEFILE"]).read_text() == "x1\nx1\nx3\nx3\n"
     assert build_command(USER, environ=env, machine=CPU_BOX, flavor="pals")[:5] == ["mpiexec", "-n", "4", "--ppn", "2"]
     assert "x2 did not answer mpiexec within 30 s; going on with x1, x3" in capsys.readouterr().out
-    slurm = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "x[1-3]", "SLURM_NODELIST": "x[1-3]"}
+    slurm = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "x[1-3]", "SLURM_NODELIST": "x[1-3]", "SLURM_NNODES": "3",
+             "SLURM_JOB_NUM_NODES": "3"}
     narrowed = launch.on_hosts_that_answer(slurm, "srun", "auto", attempt=1)
     assert narrowed["SLURM_JOB_NODELIST"] == "x1,x3" and "SLURM_NODELIST" not in narrowed
-    assert build_command(USER, environ=narrowed, machine=GPU_NODE)[:2] == ["srun", "--nodes=2"]
+    assert narrowed["SLURM_NNODES"] == narrowed["SLURM_JOB_NUM_NODES"] == "2"
+    # the restarted step shares the CPUs that the failed step, left RUNNING by the lost node, still holds
+    assert build_command(USER, environ=narrowed, machine=GPU_NODE, restart=True)[:8] == [
+        "srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--cpus-per-task=16", "--cpu-bind=cores",
+        "--kill-on-bad-exit=1", "--overlap"]
     monkeypatch.setattr(launch, "answering", lambda hosts, probe: [])
     with pytest.raises(LaunchEnvError, match=r"none of the job's hosts \(x1, x2, x3\) runs `true` through mpiexec"):
         launch.on_hosts_that_answer(pbs, "mpiexec", "pals", attempt=2)

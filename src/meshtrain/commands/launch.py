@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     flavor = mpi_flavor() if args.flavor == "auto" and program(argv) == "mpiexec" else args.flavor
     # a restart goes on with the hosts that answer, each with its ranks per node: -n was for the whole job
     return relaunch(argv, args.max_restarts, flavor=flavor, rebuild=lambda env: build_command(
-        command, ppn=args.ppn, launcher=args.launcher, flavor=flavor, environ=env, max_restarts=args.max_restarts))
+        command, ppn=args.ppn, launcher=args.launcher, flavor=flavor, environ=env, max_restarts=args.max_restarts,
+        restart=True))
 
 
 def check_training_config(command: list[str]) -> None:

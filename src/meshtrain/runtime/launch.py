@@ -12,6 +12,7 @@ themselves from the launcher's variables (env.py), so no wrapper process sits be
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -105,6 +106,17 @@ def _scheduler_ppn(scheduler: str, env: Mapping[str, str]) -> int | None:
     return None
 
 
+def _cpus_per_node(scheduler: str, env: Mapping[str, str], machine: Machine) -> int:
+    """The CPUs a job's ranks share on each node: under SLURM those the job holds there (the fewest, should its
+    nodes differ: SLURM_JOB_CPUS_PER_NODE reads "2(x2)" or "8,4"), all of the node only with --exclusive; srun
+    refuses a step that asks for more. Elsewhere the node's."""
+    if scheduler == "slurm":
+        held = [int(cpus) for cpus in re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_JOB_CPUS_PER_NODE", ""))]
+        if held:
+            return min(held)
+    return machine.cpus
+
+
 def build_command(
     command: list[str],
     nproc: int | None = None,
@@ -116,8 +128,10 @@ def build_command(
     max_restarts: int = 0,
     nnodes: str | None = None,
     rendezvous: str | None = None,
+    restart: bool = False,
 ) -> list[str]:
-    """The full launcher argv for `command` on this machine (see the module docstring)."""
+    """The full launcher argv for `command` on this machine (see the module docstring); `restart`: for a job run
+    again after it failed (see _srun)."""
     env = os.environ if environ is None else environ
     machine = machine or Machine.probe()
     if not command:
@@ -143,19 +157,22 @@ def build_command(
             "lower -n, raise --ppn, or ask the scheduler for more nodes"
         )
     nodes = -(-nproc // ppn)
-    depth = max(1, machine.cpus // ppn)
+    depth = max(1, _cpus_per_node(scheduler, env, machine) // ppn)
     command = _as_interpreter(command)
 
     if launcher == "srun":
-        return [*_srun(nodes, nproc, ppn, depth, machine), *command]
+        return [*_srun(nodes, nproc, ppn, depth, machine, restart), *command]
     if launcher != "mpiexec":
         raise LaunchEnvError(f"unknown launcher {launcher!r}: choose auto, torchrun, mpiexec or srun")
     return [*_mpiexec(mpi_flavor() if flavor == "auto" else flavor, nproc, ppn, depth, env), *command]
 
 
-def _srun(nodes: int, nproc: int, ppn: int, depth: int, machine: Machine) -> list[str]:
+def _srun(nodes: int, nproc: int, ppn: int, depth: int, machine: Machine, restart: bool = False) -> list[str]:
+    """srun's options; a restart's step shares the CPUs with the failed one (--overlap): a step that ran on a node
+    that died stays RUNNING in slurmctld, holding its CPUs on the nodes left, since the dead node never reports its
+    end; a step without --overlap would wait for those CPUs for ever."""
     argv = ["srun", f"--nodes={nodes}", f"--ntasks={nproc}", f"--ntasks-per-node={ppn}",
-            f"--cpus-per-task={depth}", "--cpu-bind=cores", "--kill-on-bad-exit=1"]
+            f"--cpus-per-task={depth}", "--cpu-bind=cores", "--kill-on-bad-exit=1", *(["--overlap"] if restart else [])]
     if machine.accelerators:
         argv.append(f"--gpus-per-node={min(ppn, machine.accelerators)}")
     return argv
@@ -232,8 +249,11 @@ def on_hosts_that_answer(env: Mapping[str, str], launcher: str, flavor: str, att
         nodefile.parent.mkdir(exist_ok=True)
         nodefile.write_text("".join(f"{host}\n" * slots[host] for host in alive))
         return {**env, "PBS_NODEFILE": str(nodefile.resolve())}
+    # srun rewrites the step's own variables (SLURM_NODELIST, SLURM_NNODES, SLURM_NTASKS, SLURM_TASKS_PER_NODE, ...)
+    # for the ranks, but hands the job's on as it finds them: the ranks' SLURM_JOB_* name the hosts left.
     narrowed = {k: v for k, v in env.items() if k not in ("SLURM_STEP_NODELIST", "SLURM_NODELIST")}
-    return {**narrowed, "SLURM_JOB_NODELIST": ",".join(alive), "SLURM_NNODES": str(len(alive))}
+    return {**narrowed, "SLURM_JOB_NODELIST": ",".join(alive), "SLURM_NNODES": str(len(alive)),
+            "SLURM_JOB_NUM_NODES": str(len(alive))}
 
 
 def answering(hosts: tuple[str, ...] | list[str], probe: Callable[[str], list[str]]) -> list[str]:
