@@ -27,9 +27,11 @@ train: $(STAMP)
 	$(VENV)/bin/meshtrain launch -- python -m meshtrain train gpt $(TRAIN_ARGS)
 
 # PYTHONDONTWRITEBYTECODE cleared: where the environment sets it, each of the suite's hundreds of processes would
-# compile meshtrain's sources again (0.25 s a process here).
+# compile meshtrain's sources again (0.25 s a process here). Two pytest workers: the suite's jobs leave a core idle a
+# third of the time on 2 cores (imports, rendezvous, waits for timeouts), and --dist loadfile keeps each test file on
+# one worker, in its order (the docs' lines build on the ones above them; a multi-node module loses its node last).
 test: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 2 --dist loadfile
 
 # The unit tier alone: no test that starts a process (torchrun, mpirun, a subprocess), nothing marked slow.
 test-fast: $(STAMP)

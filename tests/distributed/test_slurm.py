@@ -30,24 +30,12 @@ def salloc(slurm: Slurm, cwd, *argv: str, options: tuple[str, ...] = ()):
                                slurm.env(MESHTRAIN_TIMEOUT="60"), cwd)
 
 
-def test_launch_under_slurm_starts_srun_across_two_nodes(slurm, tmp_path):
-    """An allocation of 2 nodes × 2 tasks: launch writes srun's command from SLURM's variables, srun starts 2 ranks
-    on each node, and the ranks meet at the allocation's first node on a port derived from the job and step ids."""
-    job = salloc(slurm, tmp_path, *LAUNCH, "--", "python", "-m", "meshtrain", "test-dist")
-    out = ANSI.sub("", job.communicate(timeout=240)[0])
-    assert job.returncode == 0, out[-3000:] + slurm.logs()
-    assert re.search(r"^srun --nodes=2 --ntasks=4 --ntasks-per-node=2 ", out, re.MULTILINE), out[:1000]
-    assert re.search(r"│ num_nodes\s+│ 2 ", out) and re.search(r"│ hosts\s+│ node0, node1 ", out), out[-3000:]
-    assert re.search(r"│ rendezvous\s+│ first host of the slurm job, port derived from job \d+\.0 ", out), out[-3000:]
-    assert "test-dist passed: 4 rank(s) on 2 node(s) hold bit-identical parameters" in out, out[-3000:]
-
-
 def test_an_srun_job_that_loses_a_node_is_run_again_on_the_one_left(slurm, uninterrupted_gpt, tmp_path):
     """An allocation of 2 nodes × 2 tasks kept when a node fails (--no-kill), under `meshtrain launch
-    --max-restarts 1`; node 1 is lost for good at iteration 12 (its slurmd with it). Launch asks each host to run
-    `true` through srun, narrows the job's node list to node 0 and runs srun there: 2 ranks resume the checkpoint of
-    iteration 10 with the accumulation doubled, following the uninterrupted 4-rank run. The module's last use of
-    node 1."""
+    --max-restarts 1`: launch writes srun's command from SLURM's variables and srun starts 2 ranks on each node,
+    which meet at the allocation's first node. Node 1 is lost for good at iteration 12 (its slurmd with it). Launch
+    asks each host to run `true` through srun, narrows the job's node list to node 0 and runs srun there: 2 ranks
+    resume the checkpoint of iteration 10 with the accumulation doubled, following the uninterrupted 4-rank run."""
     data_root, uninterrupted = uninterrupted_gpt
     job = salloc(slurm, tmp_path, *LAUNCH, "--max-restarts", "1", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
                  f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={tmp_path}", options=("--no-kill",))
@@ -58,6 +46,10 @@ def test_an_srun_job_that_loses_a_node_is_run_again_on_the_one_left(slurm, unint
     job.wait(timeout=300)
     text = ANSI.sub("", "".join(lines))
     assert job.returncode == 0, text[-4000:] + slurm.logs()
+    # launch wrote srun's command from SLURM's variables; the ranks met at the allocation's first node
+    assert re.search(r"^srun --nodes=2 --ntasks=4 --ntasks-per-node=2 ", text, re.MULTILINE), text[:1000]
+    assert re.search(r"│ hosts\s+│ node0, node1 ", text), text[:3000]
+    assert re.search(r"│ rendezvous\s+│ first host of the slurm job, port derived from job \d+\.0 ", text), text[:3000]
     assert "meshtrain launch: node1 did not answer srun within 30 s; going on with node0" in text, text[-3000:]
     assert re.search(r"^srun --nodes=1 --ntasks=2 --ntasks-per-node=2 ", text, re.MULTILINE), text[-3000:]
     assert "resuming at iteration 10" in text and "× accumulation 2: global batch 16" in text, text[-3000:]
