@@ -21,7 +21,7 @@ import argparse
 from meshtrain import config as config_mod
 from meshtrain.commands import plan as plan_command
 from meshtrain.plan import search
-from meshtrain.plan.measured import validate
+from meshtrain.plan.measured import fixed_costs, validate
 from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.runtime.log import configure_logging, print_rich
 
@@ -38,9 +38,11 @@ def main() -> None:
     parser.add_argument("--vit", type=int, default=6, help="ViT layouts to run")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dtypes", default="fp32,auto", help="comma-separated: fp32, bf16, auto")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="measure the fixed costs and the slowdown again, not the cached ones (as plan's)")
     args = parser.parse_args()
     configure_logging()
-    summaries = []
+    summaries, recalibrated = [], set()
     for dtype in args.dtypes.split(","):
         resolved = plan_command._auto_dtype() if dtype == "auto" else dtype
         every = []
@@ -49,6 +51,9 @@ def main() -> None:
                 continue
             overrides = [*WORKLOADS[model], f"train.dtype={resolved}"]
             cfg = config_mod.load_config(overrides, model)
+            if args.recalibrate and (model, resolved) not in recalibrated:
+                fixed_costs.forget(args.ranks, model, resolved)
+                recalibrated.add((model, resolved))
             machine = lambda model=model: this_machine(args.ranks, model=model)  # noqa: E731
             ranked, _ = search.search(cfg, 1, args.ranks, machine())
             checks, auto = validate.validate_plan(model, overrides, cfg, ranked, count, 1, args.ranks, machine,

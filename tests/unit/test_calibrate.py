@@ -88,3 +88,61 @@ def test_a_slow_calibration_says_which_kind_it_measures(fake_runs, tmp_path, mon
     kinds = ["still measuring the fixed costs of backend:ddp on 2 ranks (gpt, kind 1 of 2) (",
              "still measuring the fixed costs of cp:ring on 2 ranks (gpt, kind 2 of 2) ("]
     assert [kind for kind in kinds if any(m.startswith(kind) for m in said)] == kinds, said
+
+
+def test_recalibrating_measures_the_model_and_the_slowdown_again_and_keeps_the_rest(fake_runs):
+    """`plan --validate --recalibrate` forgets what a drifting machine's last calibration read: the model's fixed
+    costs, the slowdown in the dtype validated and the reference's own fixed costs it stands on; other rank counts'
+    and dtypes' figures stay. The next calibration then runs the model's kinds again."""
+    calibrate.calibrate(4, ["backend:ddp"], "vit", data_root="unused", progress=lambda _: None)
+    for ranks in (2, 4):
+        for model in ("gpt", "vit"):
+            profile.remember("plan_fixed", fixed_costs.key(ranks, model), {"backend:ddp": [1.0, 2.0]})
+        for dtype in ("fp32", "bf16"):
+            profile.remember("plan_slowdown", fixed_costs.slowdown_key(ranks, dtype), 2.5)
+    fixed_costs.forget(4, "vit", "fp32")
+    kept = profile.read_cache()
+    assert set(kept["plan_fixed"]) == {fixed_costs.key(2, "gpt"), fixed_costs.key(2, "vit")}
+    assert set(kept["plan_slowdown"]) == {fixed_costs.slowdown_key(2, "fp32"), fixed_costs.slowdown_key(2, "bf16"),
+                                          fixed_costs.slowdown_key(4, "bf16")}
+    fake_runs.clear()
+    calibrate.calibrate(4, ["backend:ddp"], "vit", data_root="unused", progress=lambda _: None)
+    assert [model for model, _ in fake_runs] == ["vit", "vit"], "ddp's fixed costs at both depths, measured again"
+
+
+def test_recalibrate_without_validate_is_one_clear_error(capsys):
+    from meshtrain.commands import main
+
+    assert main(["plan", "gpt", "--recalibrate"]) != 0
+    said = capsys.readouterr()
+    assert "--recalibrate measures this machine again for --validate: add --validate N" in said.out + said.err
+
+
+@pytest.mark.parametrize("model", registry.names())
+def test_every_preset_of_every_model_can_be_measured(model, tmp_path):
+    """plan --validate and calibration run each layout through measure.py, which adds its own settings (steps only,
+    iterations counted) to the user's: none of them may refuse a preset (the ViT's counts epochs)."""
+    from meshtrain import config as config_mod
+    from meshtrain.plan.measured import measure
+
+    presets = sorted(path.stem for path in registry.get(model).presets.glob("*.yaml"))
+    assert presets, f"{model} has no presets"
+    for preset in presets:
+        cfg = measure.run_config(model, [f"preset={preset}"], str(tmp_path))
+        assert cfg.train.max_epochs is None and cfg.train.eval_interval == 1000000, preset
+    with pytest.raises(config_mod.ConfigError):  # the settings are checked as train checks them
+        measure.run_config(model, ["train.no_such_key=1"], str(tmp_path))
+
+
+def test_a_layout_that_fails_to_run_is_named_with_its_error_not_torchruns_closing_lines():
+    from meshtrain.plan.measured import validate
+
+    output = """Traceback (most recent call last):
+    raise ConfigError(f"train.eval_interval={t.eval_interval}: with")
+meshtrain.config.ConfigError: train.eval_interval=1000000: with train.max_epochs=30 (from the preset) the run
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================"""
+    assert validate.cause(output).startswith("meshtrain.config.ConfigError: train.eval_interval=1000000")
+    logged = "[2026][ERROR][rank 1/4] data/x not found"
+    assert validate.cause(f"{logged}\nTraceback\nValueError: x") == logged
+    assert validate.cause("") == "no output" and validate.cause("killed\n====") == "===="

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from meshtrain import config as config_mod
 from meshtrain.parallel import backends
 from meshtrain.plan import machines, search, systems
-from meshtrain.plan.measured import validate
+from meshtrain.plan.measured import fixed_costs, validate
 from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate", type=int, default=None, metavar="N",
                         help="run N layouts on this machine (a spread of the ranked ones) and compare")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout with --validate")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --validate: measure this machine's fixed costs and the slowdown of ranks sharing "
+                             "cores again, not the cached ones (a machine's speed drifts)")
 
 
 def machine_of(args) -> machines.Machine:
@@ -62,6 +65,8 @@ def machine_of(args) -> machines.Machine:
 
 def run(args) -> int:
     configure_logging()
+    if args.recalibrate and not args.validate:
+        raise systems.PlanError("--recalibrate measures this machine again for --validate: add --validate N")
     cfg = config_mod.load_config(args.overrides, args.model)
     machine = machine_of(args)
     if cfg.train.dtype == "auto":  # what train.dtype=auto picks there: bf16 on every shipped system
@@ -189,6 +194,8 @@ def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int) -> int:
     log.info("validating in %s (%s)", cfg.train.dtype, "as set" if "train.dtype=" in " ".join(args.overrides)
              else "what train.dtype=auto picks on this machine")
     overrides = [*args.overrides, f"train.dtype={cfg.train.dtype}"]
+    if args.recalibrate:
+        fixed_costs.forget(ranks, args.model, cfg.train.dtype)
     with said_while_quiet():  # calibration and each layout's run take seconds to minutes: never a silent wait
         checks, auto = validate.validate_plan(args.model, overrides, cfg, ranked, args.validate, args.nodes,
                                               ranks // args.nodes, lambda: machine_of(args), steps=args.steps,

@@ -93,6 +93,14 @@ def remember(section: str, key: str, value) -> None:
         _write_cache(data)
 
 
+def forget(section: str, key: str) -> None:
+    """Drop data[section][key], so that its figure is measured again when next asked for."""
+    with _locked():
+        data = read_cache()
+        if data.get(section, {}).pop(key, None) is not None:
+            _write_cache(data)
+
+
 def clear(disk: bool = False) -> None:
     """Forget measured figures in this process (and on disk with disk=True): the next request measures."""
     _MEMO.clear()

@@ -39,3 +39,12 @@ def cached_slowdown(ranks: int, dtype: str = "fp32") -> float | None:
 def slowdown_key(ranks: int, dtype: str) -> str:
     """The slowdown of ranks sharing cores is measured in the dtype they compute in: bf16 kernels contend otherwise."""
     return key(ranks, SLOWDOWN_REFERENCE) + ("" if dtype == "fp32" else f"|{dtype}")
+
+
+def forget(ranks: int, model: str, dtype: str) -> None:
+    """Drop what calibrate.py measured for `model` on `ranks` ranks, and the slowdown of ranks sharing cores in
+    `dtype` with the reference's own fixed costs it stands on: a VM's speed drifts between hours (a slowdown here
+    read 2.07× at one calibration and 2.70× at another), and a calibration is a snapshot of it."""
+    for model_key in {key(ranks, model), key(ranks, SLOWDOWN_REFERENCE)}:
+        profile.forget("plan_fixed", model_key)
+    profile.forget("plan_slowdown", slowdown_key(ranks, dtype))

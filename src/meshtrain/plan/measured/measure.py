@@ -114,13 +114,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
-    spec = registry.get(args.model)
     with tempfile.TemporaryDirectory(prefix="meshtrain-measure-") as scratch:
-        overrides = [*args.overrides, f"train.out_dir={scratch}", "train.save_checkpoints=false",
-                     "train.log_interval=1000000", "train.eval_interval=1000000"]
-        cfg = config_mod.load_config(overrides, spec.name)
+        cfg = run_config(args.model, args.overrides, scratch)
         with distributed() as info:
             record(args.case, **measure(cfg, info, args.warmup, args.steps), rank=info.rank)
+
+
+# Steps alone: nothing saved, logged or evaluated, and iterations counted (a preset's max_epochs, the ViT's, would
+# refuse an eval_interval: it evaluates after each epoch).
+STEPS_ONLY = ["train.save_checkpoints=false", "train.log_interval=1000000", "train.eval_interval=1000000",
+              "train.max_epochs=null"]
+
+
+def run_config(model: str, overrides: list[str], scratch: str) -> RunConfig:
+    """The run `overrides` describe, as measured here: writing only into `scratch`, doing nothing but steps."""
+    return config_mod.load_config([*overrides, f"train.out_dir={scratch}", *STEPS_ONLY], registry.get(model).name)
 
 
 def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:

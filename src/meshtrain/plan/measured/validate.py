@@ -16,6 +16,7 @@ machine alone, never from these runs.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -68,8 +69,7 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
                         timeout=timeout)
         rows = [fields for result in job.results.values() for fields in result.values()]
         if job.returncode or len(rows) != ranks:
-            tail = job.output.strip().splitlines()[-1:] or ["no output"]
-            checks.append(Check(candidate, None, f"exit {job.returncode}: {tail[0][:200]}"))
+            checks.append(Check(candidate, None, f"exit {job.returncode}: {cause(job.output)}"))
         else:
             stage = candidate.cost.memory_stage  # the stage whose states were predicted; peak and time: the worst
             fullest = min((r for r in rows if candidate.dims.coords(r["rank"]).get("pp", 0) == stage),
@@ -78,6 +78,15 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
             checks.append(Check(candidate, fullest))
         progress(checks[-1])
     return checks
+
+
+def cause(output: str) -> str:
+    """The line of a failed run's output that says why: a rank's first logged error or exception, not torchrun's
+    closing rule nor its own ChildFailedError."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    said = [line for line in lines if "[ERROR]" in line] or [
+        line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line) and "ChildFailedError" not in line]
+    return (said or lines[-1:] or ["no output"])[0][:300]
 
 
 def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
@@ -116,7 +125,7 @@ def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list
     if auto.label not in {c.label for c in chosen}:
         chosen.append(auto)
     checks = run(model, overrides, chosen, nodes * per_node, steps=steps,
-                 progress=lambda c: progress(f"measured {c.candidate.label}"))
+                 progress=lambda c: progress(f"measured {c.candidate.label}{': failed, ' + c.error if c.error else ''}"))
     return checks, next(c for c in checks if c.candidate.label == auto.label)
 
 
