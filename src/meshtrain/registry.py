@@ -65,6 +65,9 @@ class ModelShape:
     activations_per_token: int | None = None
     autocast_activations: AutocastActivations | None = None  # the same under autocast, by dtype
     whole_output: bool = False  # its loss reads the whole output on every tp and cp rank (the ViT's whole field)
+    # Replicated parameters added to the token stream as they are (the ViT's pos_embed: name -> its token dim): under
+    # sequence parallel they meet a token-sharded stream, so their gradient arrives holding 1/tp of them
+    token_sharded_grads: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     parallelisms: frozenset[str] = frozenset({"tp", "cp", "pp", "deepspeed"})  # which this model's plan supports
     keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> config key, for messages
 

@@ -254,3 +254,19 @@ def test_without_arguments_only_the_model_is_named_as_required(command, required
     with pytest.raises(SystemExit):
         commands.parse([command])
     assert capsys.readouterr().err.strip().endswith(f"error: the following arguments are required: {required}")
+
+
+@pytest.mark.parametrize("backend,sequence_parallel,held", [("ddp", True, 1 / 4), ("ddp", False, 1), ("fsdp", True, 1)])
+def test_the_vits_position_gradient_is_counted_as_the_token_shard_it_arrives_as(backend, sequence_parallel, held):
+    """Under sequence parallel the ViT's replicated pos_embed meets a token-sharded stream, and its gradient arrives
+    as a Shard(1) DTensor of 1/tp of it (seen in a 4-rank run: [1, 50, 128] of [1, 200, 128]); a backend that shards
+    gradients itself keeps its own shards. Every other gradient is its parameter's size."""
+    from meshtrain.plan.cost import _shares
+
+    cfg = config_mod.load_config(["preset=tiny", f"train.backend={backend}", "parallel.tp=4",
+                       f"parallel.sequence_parallel={str(sequence_parallel).lower()}"], "vit")
+    facts = ModelFacts.of(cfg, {"img_size": [80, 160], "channels": 4})
+    share, = _shares(facts, cfg, ParallelDims.from_config(cfg, 4))
+    pos_embed = facts.model.pos_embed.numel()
+    assert pos_embed == 200 * 128
+    assert share.params - share.grads == round(pos_embed * (1 - held))

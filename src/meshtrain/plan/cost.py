@@ -95,7 +95,8 @@ def predict_peak(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine:
 def _shares(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> list[Share]:
     p = cfg.parallel
     return stage_shares(facts.model, facts.split, dims, cfg.train.backend, schedule=p.pp_schedule,
-                        virtual_stages=p.virtual_stages if dims.pp > 1 else 1)
+                        virtual_stages=p.virtual_stages if dims.pp > 1 else 1,
+                        token_sharded_grads=facts.shape.token_sharded_grads if p.sequence_parallel else {})
 
 
 def predict(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> Cost:

@@ -18,7 +18,9 @@ reports one row per pipeline stage, for the ranks at coordinate 0 of every other
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from torch import nn
 
@@ -95,9 +97,11 @@ def _zero1_partition(groups: list[list[int]], ranks: int) -> int:
 
 
 def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims, backend: str, *,
-                 schedule: str = "1f1b", virtual_stages: int = 1) -> list[Share]:
+                 schedule: str = "1f1b", virtual_stages: int = 1,
+                 token_sharded_grads: Mapping[str, int] = MappingProxyType({})) -> list[Share]:
     """What rank 0 of each pipeline stage holds of `model` (the whole model, built anywhere: the meta device is
-    free) laid out as `dims` with data-parallel `backend`."""
+    free) laid out as `dims` with data-parallel `backend`; `token_sharded_grads`: replicated parameters whose
+    gradient arrives sharded over tokens (ModelShape's, under sequence parallel)."""
     chosen = backends.get(backend)
     shard_ranks = (dims.dp_shard if chosen.replicas else dims.size("dp_shard_cp")) if chosen.sharded else 1
     n_stages = dims.pp * virtual_stages
@@ -118,11 +122,24 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
         count = sum(len(blocks[s]) for s in mine) if blocks else _count_blocks(held, split)
         block_prefix = f"{split.blocks}." if split else None
         per_block = _one_block(numel, block_prefix) if block_prefix else 0
-        shares.append(Share(stage=pp_rank, params=params, grads=params, optimizer=optimizer,
+        grads = params - _token_sharded_surplus(local, token_sharded_grads, dims.tp) \
+            if not chosen.sharded else params  # a sharded backend (FSDP2) keeps gradients shaped as parameters
+        shares.append(Share(stage=pp_rank, params=params, grads=grads, optimizer=optimizer,
                             stage_params=sum(numel.values()), blocks=count, first=0 in mine,
                             last=n_stages - 1 in mine or dims.pp == 1, block_params=per_block,
                             tensors=len(held)))
     return shares
+
+
+def _token_sharded_surplus(local: dict[str, tuple[int, ...]], dims_of: Mapping[str, int], tp: int) -> int:
+    """Elements of the replicated parameters in `dims_of` (name -> token dim) whose gradient a rank does not hold:
+    it arrives as 1/tp of them, sharded over tokens (a DTensor's gradient takes the placement of the stream it met)."""
+    surplus = 0
+    for name, dim in dims_of.items():
+        if tp > 1 and name in local:
+            shape = local[name]
+            surplus += math.prod(shape) - math.prod(shape[:dim] + (chunk(shape[dim], tp),) + shape[dim + 1:])
+    return surplus
 
 
 def _count_blocks(held: dict, split: StageSplit | None) -> int:

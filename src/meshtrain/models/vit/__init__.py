@@ -61,6 +61,7 @@ def _shape(cfg: ViTRunConfig) -> ModelShape:
     return ModelShape(width=m.embed_dim, layers=m.depth, heads=m.num_heads, kv_heads=m.num_heads, mlp_hidden=hidden,
                       tokens=tokens, causal=False, batch_size=cfg.data.batch_size, dropout=m.dropout,
                       parallelisms=frozenset({"tp", "cp"}), keys=_KEYS, whole_output=True,
+                      token_sharded_grads=MappingProxyType({"pos_embed": 1}),
                       activations_per_token=block_activations(m.embed_dim, m.num_heads, hidden),
                       autocast_activations=block_autocast_activations(m.embed_dim, m.num_heads, hidden))
 
