@@ -59,9 +59,12 @@ def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...
     if tp == 1 or suffix is None or (kind == "bias" and suffix not in SHARDED_BIASES):
         return shape
     dim = SHARDED_DIMS[suffix] if kind != "bias" else 0
-    if dim >= len(shape):
-        return shape
-    return shape[:dim] + (chunk(shape[dim], tp),) + shape[dim + 1:]
+    return _shard(shape, dim, tp) if dim < len(shape) else shape
+
+
+def _shard(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
+    """The shape of part 0 when `shape` is chunked `parts` ways along `dim`, as DTensor's Shard(dim) cuts it."""
+    return shape[:dim] + (chunk(shape[dim], parts),) + shape[dim + 1:]
 
 
 def _stage_parameters(model: nn.Module, split: StageSplit | None, dims: ParallelDims, schedule: str,
@@ -134,12 +137,8 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
 def _token_sharded_surplus(local: dict[str, tuple[int, ...]], dims_of: Mapping[str, int], tp: int) -> int:
     """Elements of the replicated parameters in `dims_of` (name -> token dim) whose gradient a rank does not hold:
     it arrives as 1/tp of them, sharded over tokens (a DTensor's gradient takes the placement of the stream it met)."""
-    surplus = 0
-    for name, dim in dims_of.items():
-        if tp > 1 and name in local:
-            shape = local[name]
-            surplus += math.prod(shape) - math.prod(shape[:dim] + (chunk(shape[dim], tp),) + shape[dim + 1:])
-    return surplus
+    return sum(math.prod(local[name]) - math.prod(_shard(local[name], dim, tp))
+               for name, dim in dims_of.items() if name in local)
 
 
 def _count_blocks(held: dict, split: StageSplit | None) -> int:
