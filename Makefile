@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: train test test-fast lint docs venv clean
+.PHONY: train test test-fast test-gpu lint docs venv clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,17 @@ test: $(STAMP)
 # The unit tier alone: no test that starts a process (torchrun, mpirun, a subprocess), nothing marked slow.
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -m "not distributed and not slow"
+
+# On a GPU machine, offline: meshtrain into the python3 that already has a CUDA build of torch (no venv, no download;
+# WHEELS=DIR adds the pure-Python packages that python lacks: omegaconf, antlr4-python3-runtime, torchao), then
+# tests/gpu: the test that times the GPU by itself, then the others side by side in GPU_WORKERS processes (their
+# models are tiny: one GPU runs eight of them at once). docs/gpu.md says how to gather the wheels.
+GPU_WORKERS ?= 8
+test-gpu:
+	$(if $(WHEELS),$(PYTHON) -m pip install -q --no-index --no-deps $(wildcard $(WHEELS)/*.whl))
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation -e .
+	$(PYTHON) -m pytest tests/gpu -m alone; alone=$$?; \
+	$(PYTHON) -m pytest tests/gpu -m "not alone" -n $(GPU_WORKERS) --dist load --durations=10 && exit $$alone
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

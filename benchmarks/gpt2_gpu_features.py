@@ -2,6 +2,7 @@
 
     python benchmarks/gpt2_gpu_features.py                       # every row, 30 iterations each
     python benchmarks/gpt2_gpu_features.py --rows bf16+compile,fp16 --iters 50
+    python benchmarks/gpt2_gpu_features.py --rows bf16+compile --profile     # and the kernels of one iteration
 
 Each row is a fresh `meshtrain train gpt preset=gpt2` process with batch 12 x accumulation --accum, changing one
 thing against the first row: bf16 + compile (the goal: MFU >= 50% on an H100), the same tokens in fewer and larger
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -47,20 +49,64 @@ ROWS = {
 }
 
 
-def run(name: str, overrides: list[str], data_root: Path, iters: int, accum: int) -> dict:
+# Kernel families by name, first match wins: what a profile of one iteration is made of.
+FAMILIES = [("GEMM (cuBLAS/CUTLASS)", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)),
+            ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
+            ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+            ("collectives", re.compile(r"nccl", re.I)),
+            ("inductor (fused by compile)", re.compile(r"^triton_", re.I)),
+            ("other", re.compile(""))]
+
+
+def kernel_profile(trace_path: Path, top: int = 12) -> dict:
+    """One profiled iteration's GPU kernels (a torch.profiler Chrome trace): each family's and the top kernels'
+    share of the kernel time, and the kernel time against the iteration's wall time (the rest: the GPU idle)."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    busy = sum(e["dur"] for e in kernels)
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+    families: dict[str, float] = {}
+    for name, dur in by_name.items():
+        family = next(f for f, pattern in FAMILIES if pattern.search(name))
+        families[family] = families.get(family, 0.0) + dur
+    wall = max((e["dur"] for e in events if str(e.get("name", "")).startswith("iteration ")), default=float("nan"))
+    return {"kernel_ms": busy / 1e3, "iteration_ms": wall / 1e3, "kernels": len(kernels),
+            "families": {f: d / busy for f, d in sorted(families.items(), key=lambda kv: -kv[1])},
+            "top": [(name[:90], d / busy) for name, d in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]}
+
+
+def run(name: str, overrides: list[str], data_root: Path, iters: int, accum: int, profile: bool = False) -> dict:
+    # the profiled iteration is the last but one: compiled and warm, and its own slower time is one logged row
+    traced = ["train.profile=torch", f"train.profile_start={iters - 2}", "train.profile_steps=1"] if profile else []
+    kept = Path(tempfile.mkdtemp(prefix="gpt2-profiled-")) if profile else None
     try:  # FSDP2 wraps one rank only inside a process group: under torchrun
         run = run_train("gpt", 1, ["preset=gpt2", f"data.root={data_root}", f"train.max_iters={iters}",
                                    f"train.grad_accum={accum}", f"train.log_interval={max(1, min(5, iters // 10))}",
                                    f"train.eval_interval={iters}", "train.eval_iters=5", "optimizer.warmup_iters=10",
-                                   "train.sample_tokens=16", *overrides],
-                        torchrun="train.backend=fsdp" in overrides)
+                                   "train.sample_tokens=16", *overrides, *traced],
+                        torchrun="train.backend=fsdp" in overrides, keep=kept)
     except RuntimeError as failure:
         return {"name": name, "error": str(failure)[-1500:]}
     steps, steady = run.steady(0), run.steady(1 / 3)
     return {"name": name, "tps": statistics.median(r["tps"] for r in steady),
             "mfu": statistics.median(r["mfu"] for r in steady), "mem": max(r["mem_gb"] for r in steps),
             "ms": statistics.median(r["dt"] for r in steady) * 1e3, "train_s": steps[-1]["time"] - steps[0]["time"],
-            "loss": steps[-1]["loss"], "val": run.evals()[-1]["val_loss"]}
+            "loss": steps[-1]["loss"], "val": run.evals()[-1]["val_loss"],
+            **({"profile": kernel_profile(kept / "profile" / "trace_rank0.json")} if profile else {})}
+
+
+def print_profile(row: dict) -> None:
+    p = row["profile"]
+    print(f"\nProfile of one iteration of `{row['name']}`: {p['kernels']} kernels, {p['kernel_ms']:.1f} ms of GPU "
+          f"kernel time in a {p['iteration_ms']:.1f} ms iteration (profiled)")
+    print("| kernel family | share of kernel time |\n|---|---|")
+    for family, share in p["families"].items():
+        print(f"| {family} | {share:.1%} |")
+    print("| top kernel | share |\n|---|---|")
+    for name, share in p["top"]:
+        print(f"| `{name}` | {share:.1%} |")
 
 
 def main() -> None:
@@ -68,6 +114,8 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--accum", type=int, default=4, help="micro-steps of 12 x 1024 tokens per iteration")
+    parser.add_argument("--profile", action="store_true", help="trace one iteration of the first row (torch "
+                        "profiler) and print its kernels' shares")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark is for a GPU: GPT-2 124M at block 1024 takes hours per iteration batch on a CPU")
@@ -79,8 +127,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare", "--data-root", data_root],
                        check=True, capture_output=True)
         results = []
-        for name in names:
-            results.append(run(name, ROWS[name], Path(data_root), args.iters, args.accum))
+        for i, name in enumerate(names):
+            results.append(run(name, ROWS[name], Path(data_root), args.iters, args.accum, args.profile and i == 0))
             print(json.dumps(results[-1]), flush=True)
     print(f"\nGPT-2 124M, block 1024, batch 12 x accumulation {args.accum}, {args.iters} iterations, one "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -93,6 +141,9 @@ def main() -> None:
             continue
         print(f"| {r['name']} | {r['ms']:.1f} | {r['tps']:,.0f} | {r['tps'] / first['tps']:.2f}× | {r['mfu']:.1f}% | "
               f"{r['mem']:.2f} GiB | {r['train_s']:.1f} | {r['loss']:.3f} | {r['val']:.4f} |")
+    for r in results:
+        if "profile" in r:
+            print_profile(r)
 
 
 if __name__ == "__main__":

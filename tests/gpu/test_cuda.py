@@ -1,6 +1,13 @@
 """The CUDA paths, each against a reference: fp32 on the GPU against the CPU, bf16/fp16 against fp32, compile, CUDA
-graphs, activation checkpointing, FSDP2 offload and async checkpointing against eager fp32 on the GPU, and the
-profile, MFU and memory figures against the datasheet and the model's size. Skipped without CUDA."""
+graphs, activation checkpointing, FSDP2 offload and async checkpointing against eager fp32 on the GPU, float8
+against bf16, and the profile, MFU and memory figures against the datasheet and the model's size. Skipped without
+CUDA.
+
+`make test-gpu` runs them in parallel processes on the one GPU (each run is a 2-layer model of width 64: the GPU
+is nowhere near full), one test per CUDA path and one training run per test where a reference can be shared: the
+references (eager fp32, bf16, float8, the Llama-style decoder's fp32, the ViT's fp32) are module fixtures, made
+once in each worker that needs them. The test that times the GPU's matmuls is marked `alone` and runs first, by
+itself."""
 
 from __future__ import annotations
 
@@ -21,15 +28,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.distributed,  # each test starts mesh
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.batch_size=8",
         "model.dropout=0.0", "train.eval_iters=2", "train.eval_interval=20", "train.max_iters=20",
         "train.log_interval=1", "optimizer.warmup_iters=5", "train.sample_tokens=8"]
+COMPILED = 600  # seconds a compiled run may take: inductor compiles while other workers do too
 
 
 def env(device: str = "cuda", **extra: str) -> dict[str, str]:
     return {**clean_env(**extra), "MESHTRAIN_DEVICE": device}
 
 
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory) -> Path:
-    return prepare_data(tmp_path_factory.mktemp("data"), env=env())
+def float8_capable() -> None:
+    pytest.importorskip("torchao.float8", reason="torchao (the float8 extra) is not installed")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"{torch.cuda.get_device_name()} has no float8 tensor cores (compute capability 8.9+)")
 
 
 class Run:
@@ -57,17 +66,108 @@ def train(data_root: Path, out_dir: Path, *overrides: str, device: str = "cuda",
     return Run(proc, out_dir, backend, model)
 
 
-@pytest.fixture(scope="module")
-def eager_fp32(data_root, tmp_path_factory) -> Run:
-    return train(data_root, tmp_path_factory.mktemp("eager"), "train.dtype=fp32")
-
-
 def assert_close_losses(run: Run, reference: Run, rel: float) -> None:
     got, want = run.losses(), reference.losses()
     assert sorted(got) == sorted(want) == list(range(1, 21))
     worst = max(abs(got[s] - want[s]) / want[s] for s in want)
     assert worst <= rel, f"largest relative loss difference {worst:.2e} > {rel:.0e}: {got} vs {want}"
 
+
+# ---- the references, made once per worker that needs them -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return prepare_data(tmp_path_factory.mktemp("data"), env=env())
+
+
+@pytest.fixture(scope="module")
+def eager_fp32(data_root, tmp_path_factory) -> Run:
+    return train(data_root, tmp_path_factory.mktemp("eager"), "train.dtype=fp32")
+
+
+@pytest.fixture(scope="module")
+def auto_dtype(data_root, tmp_path_factory) -> Run:
+    """train.dtype=auto: bf16 on compute capability 8.0+ (every GPU float8 needs), fp16 before."""
+    return train(data_root, tmp_path_factory.mktemp("auto"))
+
+
+@pytest.fixture(scope="module")
+def float8_eager(data_root, tmp_path_factory) -> Run:
+    float8_capable()
+    return train(data_root, tmp_path_factory.mktemp("float8"), "train.dtype=bf16", "train.float8=tensorwise")
+
+
+@pytest.fixture(scope="module")
+def llama_fp32(data_root, tmp_path_factory) -> Run:
+    return train(data_root, tmp_path_factory.mktemp("llama"), "train.dtype=fp32", model="llama")
+
+
+@pytest.fixture(scope="module")
+def era5_root(tmp_path_factory) -> Path:
+    from meshtrain.data.era5_synthetic import generate
+
+    root = tmp_path_factory.mktemp("era5")
+    generate(root, years=list(range(2010, 2014)), samples_per_year=16, grid=(34, 66), channels=4, seed=0)
+    return root
+
+
+def train_vit(era5_root: Path, out: Path, dtype: str) -> list[float]:
+    proc = subprocess.run([sys.executable, "-m", "meshtrain", "train", "vit", "preset=tiny", "model.patch_size=4",
+                           "model.embed_dim=32", "model.depth=2", "model.num_heads=4", "data.crop=[32,64]",
+                           f"data.root={era5_root}", f"train.out_dir={out}", f"train.dtype={dtype}",
+                           "train.max_epochs=null", "train.max_iters=30", "train.eval_interval=30",
+                           "train.log_interval=1", "optimizer.warmup_iters=0", "optimizer.lr=3e-3"],
+                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    run_dir = (out / "vit" / "ddp" / "latest").resolve()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), (dtype, losses)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def vit_fp32(era5_root, tmp_path_factory) -> list[float]:
+    return train_vit(era5_root, tmp_path_factory.mktemp("vit-fp32"), "fp32")
+
+
+# ---- compiled paths first: they take longest, so the workers start them before the quick ones --------------------
+
+def test_compile_follows_eager(eager_fp32, data_root, tmp_path):
+    run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=true", "train.cuda_graphs=false",
+                timeout=COMPILED)
+    assert_close_losses(run, eager_fp32, rel=1e-3)  # inductor fuses and reorders fp32 sums
+
+
+def test_auto_captures_cuda_graphs_for_a_small_compiled_model(eager_fp32, data_root, tmp_path):
+    """CUDA graphs through compile (train.cuda_graphs=null picks them for a model this small), against eager."""
+    run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=true", timeout=COMPILED)
+    assert "CUDA graphs: on (train.cuda_graphs=null" in run.text
+    assert_close_losses(run, eager_fp32, rel=1e-3)
+
+
+def test_llama_compiles_in_bf16_and_follows_its_fp32(llama_fp32, data_root, tmp_path):
+    fast = train(data_root, tmp_path, "train.dtype=bf16", "train.compile=true", model="llama", timeout=COMPILED)
+    assert_close_losses(fast, llama_fp32, rel=3e-2)
+
+
+def test_float8_under_fsdp2_and_compile_follows_eager_float8(float8_eager, data_root, tmp_path):
+    """FSDP2 on one NCCL rank gathers the weights in float8 and recomputes their scales after each step; compiled."""
+    fsdp = train(data_root, tmp_path, "train.dtype=bf16", "train.float8=tensorwise", "train.compile=true",
+                 backend="fsdp", timeout=COMPILED)
+    assert "their weights gathered in float8 by FSDP2" in fsdp.text
+    assert_close_losses(fsdp, float8_eager, rel=2e-2)
+
+
+def test_float8_rowwise_compiled_follows_bf16(auto_dtype, data_root, tmp_path):
+    float8_capable()
+    rowwise = train(data_root, tmp_path, "train.dtype=bf16", "train.float8=rowwise", "train.compile=true",
+                    timeout=COMPILED)
+    assert "float8 (rowwise): 12 linears of the blocks" in rowwise.text
+    assert_close_losses(rowwise, auto_dtype, rel=5e-2)
+
+
+# ---- eager paths -------------------------------------------------------------------------------------------------
 
 def test_fp32_on_the_gpu_follows_the_cpu_reference(eager_fp32, data_root, tmp_path):
     cpu = train(data_root, tmp_path, "train.dtype=fp32", device="cpu")
@@ -77,19 +177,15 @@ def test_fp32_on_the_gpu_follows_the_cpu_reference(eager_fp32, data_root, tmp_pa
     assert eager_fp32.losses()[20] < eager_fp32.losses()[1] - 0.5
 
 
-def test_llama_on_the_gpu_follows_the_cpu_and_compiles_in_bf16(data_root, tmp_path):
-    """The Llama-style decoder's CUDA path (RoPE in fp32, GQA, SwiGLU): fp32 against the CPU, bf16 + compile
-    against fp32."""
-    gpu = train(data_root, tmp_path / "gpu", "train.dtype=fp32", model="llama")
-    cpu = train(data_root, tmp_path / "cpu", "train.dtype=fp32", device="cpu", model="llama")
-    assert_close_losses(gpu, cpu, rel=1e-3)
-    fast = train(data_root, tmp_path / "fast", "train.dtype=bf16", "train.compile=true", model="llama")
-    assert_close_losses(fast, gpu, rel=3e-2)
-    assert gpu.losses()[20] < gpu.losses()[1] - 0.5
+def test_llama_on_the_gpu_follows_the_cpu(llama_fp32, data_root, tmp_path):
+    """The Llama-style decoder's CUDA path (RoPE in fp32, GQA, SwiGLU) against the CPU."""
+    cpu = train(data_root, tmp_path, "train.dtype=fp32", device="cpu", model="llama")
+    assert_close_losses(llama_fp32, cpu, rel=1e-3)
+    assert llama_fp32.losses()[20] < llama_fp32.losses()[1] - 0.5
 
 
-def test_auto_picks_bf16_with_mfu_against_the_datasheet_and_memory(eager_fp32, data_root, tmp_path):
-    run = train(data_root, tmp_path)  # train.dtype=auto
+def test_auto_picks_bf16_with_mfu_against_the_datasheet_and_memory(auto_dtype, eager_fp32):
+    run = auto_dtype
     major = torch.cuda.get_device_capability()[0]
     assert f"precision: {'bf16' if major >= 8 else 'fp16'} (auto: " in run.text
     if major >= 8:
@@ -105,6 +201,13 @@ def test_auto_picks_bf16_with_mfu_against_the_datasheet_and_memory(eager_fp32, d
         assert "TFLOP/s per device (datasheet: " in run.text
 
 
+def test_float8_tensorwise_follows_bf16(float8_eager, auto_dtype):
+    assert "precision: bf16" in auto_dtype.text  # float8_capable: compute capability 8.9+, so auto is bf16
+    assert "float8 (tensorwise): 12 linears of the blocks" in float8_eager.text
+    assert_close_losses(float8_eager, auto_dtype, rel=5e-2)  # e4m3's 3 mantissa bits against bf16's 8
+    assert float8_eager.losses() != auto_dtype.losses()  # the blocks really ran in float8
+
+
 def test_fp16_with_a_grad_scaler_follows_fp32(eager_fp32, data_root, tmp_path):
     run = train(data_root, tmp_path, "train.dtype=fp16")
     assert "precision: fp16" in run.text
@@ -113,14 +216,6 @@ def test_fp16_with_a_grad_scaler_follows_fp32(eager_fp32, data_root, tmp_path):
 
     scale = checkpoint.load_trainer_state(checkpoint.latest_checkpoint(run.run_dir))["scaler"]["scale"]
     assert scale > 1 and float(scale).is_integer() and (int(scale) & (int(scale) - 1)) == 0, scale  # a power of 2
-
-
-@pytest.mark.parametrize("flags", [["train.compile=true", "train.cuda_graphs=false"],
-                                   ["train.compile=true", "train.cuda_graphs=true"]],
-                         ids=["compile", "cuda_graphs"])
-def test_compile_and_cuda_graphs_follow_eager(flags, eager_fp32, data_root, tmp_path):
-    run = train(data_root, tmp_path, "train.dtype=fp32", *flags, timeout=600)
-    assert_close_losses(run, eager_fp32, rel=1e-3)  # inductor fuses and reorders fp32 sums
 
 
 def test_activation_checkpointing_recomputes_the_same_step(eager_fp32, data_root, tmp_path):
@@ -159,6 +254,21 @@ def test_nsys_window_brackets_the_asked_iterations(data_root, tmp_path):
     assert "profiling (nsys): iterations 3-4 captured" in run.text
 
 
+def test_test_dist_passes_on_one_nccl_rank():
+    proc = subprocess.run(torchrun_cmd(1, "-m", "meshtrain", "test-dist"), capture_output=True, text=True,
+                          env=env(), cwd=REPO, timeout=300)
+    text = output(proc)
+    assert proc.returncode == 0, text[-3000:]
+    assert "test-dist passed: 1 rank(s)" in text and "nccl" in text
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_vit_trains_on_the_gpu_in_half_precision_as_in_fp32(dtype, vit_fp32, era5_root, tmp_path):
+    losses = train_vit(era5_root, tmp_path, dtype)
+    assert losses[-1] == pytest.approx(vit_fp32[-1], rel=0.1)
+
+
+@pytest.mark.alone  # it times the GPU's matmuls: another process on the GPU would slow them
 def test_machine_profile_measures_the_gpu_below_its_datasheet(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "meshtrain", "machine", "--json"], capture_output=True, text=True,
                           env=env(MESHTRAIN_CACHE_DIR=str(tmp_path)), cwd=REPO, timeout=300)
@@ -176,60 +286,3 @@ def test_machine_profile_measures_the_gpu_below_its_datasheet(tmp_path):
             assert 0.3 * datasheet < measured < 1.1 * datasheet, (dtype, measured, datasheet)
     if major >= 8:
         assert matmul["bf16"]["measured"]["flops"] > 4 * matmul["fp32"]["measured"]["flops"]  # tensor cores
-
-
-def test_test_dist_passes_on_one_nccl_rank():
-    proc = subprocess.run(torchrun_cmd(1, "-m", "meshtrain", "test-dist"), capture_output=True, text=True,
-                          env=env(), cwd=REPO, timeout=300)
-    text = output(proc)
-    assert proc.returncode == 0, text[-3000:]
-    assert "test-dist passed: 1 rank(s)" in text and "nccl" in text
-
-
-def test_vit_trains_on_the_gpu_in_bf16_and_fp16(tmp_path):
-    from meshtrain.data.era5_synthetic import generate
-
-    generate(tmp_path / "era5", years=list(range(2010, 2014)), samples_per_year=16, grid=(34, 66), channels=4,
-             seed=0)
-    finals = {}
-    for dtype in ("fp32", "bf16", "fp16"):
-        out = tmp_path / dtype
-        proc = subprocess.run([sys.executable, "-m", "meshtrain", "train", "vit", "preset=tiny", "model.patch_size=4",
-                               "model.embed_dim=32", "model.depth=2", "model.num_heads=4", "data.crop=[32,64]",
-                               f"data.root={tmp_path / 'era5'}", f"train.out_dir={out}", f"train.dtype={dtype}",
-                               "train.max_epochs=null", "train.max_iters=30", "train.eval_interval=30",
-                               "train.log_interval=1", "optimizer.warmup_iters=0", "optimizer.lr=3e-3"],
-                              capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
-        assert proc.returncode == 0, output(proc)[-3000:]
-        run_dir = (out / "vit" / "ddp" / "latest").resolve()
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        losses = [r["loss"] for r in rows if "loss" in r]
-        assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), (dtype, losses)
-        finals[dtype] = losses[-1]
-    for dtype in ("bf16", "fp16"):
-        assert finals[dtype] == pytest.approx(finals["fp32"], rel=0.1)
-
-
-def test_auto_captures_cuda_graphs_for_a_small_compiled_model(eager_fp32, data_root, tmp_path):
-    run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=true", timeout=600)  # cuda_graphs=null
-    assert "CUDA graphs: on (train.cuda_graphs=null" in run.text
-    assert_close_losses(run, eager_fp32, rel=1e-3)
-
-
-def test_float8_follows_bf16_eager_compiled_and_under_fsdp2(data_root, tmp_path):
-    pytest.importorskip("torchao.float8", reason="torchao (the float8 extra) is not installed")
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip(f"{torch.cuda.get_device_name()} has no float8 tensor cores (compute capability 8.9+)")
-    bf16 = train(data_root, tmp_path / "bf16", "train.dtype=bf16")
-    eager = train(data_root, tmp_path / "eager", "train.dtype=bf16", "train.float8=tensorwise")
-    assert "float8 (tensorwise): 12 linears of the blocks" in eager.text
-    assert_close_losses(eager, bf16, rel=5e-2)  # e4m3's 3 mantissa bits against bf16's 8
-    assert eager.losses() != bf16.losses()  # the blocks really ran in float8
-    # FSDP2 on one NCCL rank gathers the weights in float8 and recomputes their scales after each step; compiled.
-    fsdp = train(data_root, tmp_path / "fsdp", "train.dtype=bf16", "train.float8=tensorwise", "train.compile=true",
-                 backend="fsdp", timeout=600)
-    assert "their weights gathered in float8 by FSDP2" in fsdp.text
-    assert_close_losses(fsdp, eager, rel=2e-2)
-    rowwise = train(data_root, tmp_path / "rowwise", "train.dtype=bf16", "train.float8=rowwise", "train.compile=true",
-                    timeout=600)
-    assert_close_losses(rowwise, bf16, rel=5e-2)

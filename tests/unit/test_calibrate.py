@@ -20,12 +20,13 @@ def fake_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "cached_slowdown", lambda ranks, dtype="fp32": 1.0)  # no slowdown run
     runs = []
 
-    def step_s(ranks, model, overrides):
-        runs.append((model, overrides))
-        depth = next(int(o.split("=")[1]) for o in overrides if o.startswith(("model.n_layer=", "model.depth=")))
-        return 1e-3 * depth + 5e-3
+    def step_times(ranks, model, overrides_of_each):
+        runs.extend((model, overrides) for overrides in overrides_of_each)
+        depths = [next(int(o.split("=")[1]) for o in overrides if o.startswith(("model.n_layer=", "model.depth=")))
+                  for overrides in overrides_of_each]
+        return [1e-3 * depth + 5e-3 for depth in depths]
 
-    monkeypatch.setattr(calibrate, "_step_s", step_s)
+    monkeypatch.setattr(calibrate, "_step_times", step_times)
     monkeypatch.setattr(calibrate, "_modelled_s", lambda ranks, model, overrides: 0.0)
     monkeypatch.setattr(calibrate, "_record_collectives", lambda ranks, progress: runs.append(("collectives", ranks)))
     monkeypatch.setattr(calibrate, "recorded_collectives", lambda hw, device: {("all_reduce", 4): [(8.0, 1e-4)]})
@@ -38,6 +39,27 @@ def test_collectives_are_recorded_first_where_the_profile_has_none_for_these_ran
     assert fake_runs == [], "4 ranks are recorded: nothing to do"
     calibrate.calibrate(2, [], "gpt", progress=lambda _: None)
     assert fake_runs == [("collectives", 2)], "none for 2 ranks: the bench runs once, before any other"
+    calibrate.calibrate(1, [], "gpt", progress=lambda _: None)
+    assert fake_runs == [("collectives", 2)], "one rank has no collective to time"
+
+
+def test_a_failed_calibration_run_names_the_ranks_error_and_the_run(monkeypatch):
+    """What a user sees when a tiny run fails: the rank's own error and the command that shows all, not the tail of
+    torchrun's traceback cut mid-word."""
+    from meshtrain.errors import MeshtrainError
+    from meshtrain.runtime.results import Job
+
+    output = ("run 0 rank 0: step_s=0.01\n[2026-11-26][ERROR][rank 0/1] CUDA out of memory in the tiny run\n"
+              "Traceback (most recent call last):\n  File \"/x/torch/distributed/elastic/...\"\n" + "=" * 60)
+    jobs = []
+    monkeypatch.setattr(calibrate, "run_ranks", lambda *args, **kw: jobs.append(args) or Job(
+        1, output, {0: {"run 0": {"step_s": 0.01}}}))
+    with pytest.raises(MeshtrainError) as failed:
+        calibrate._step_times(1, "gpt", [["model.n_layer=4"], ["model.n_layer=8"]])
+    said = str(failed.value)
+    assert "in the run `model.n_layer=8`: [2026-11-26][ERROR][rank 0/1] CUDA out of memory" in said, said
+    assert said.endswith("torchrun --nproc-per-node 1 -m meshtrain.plan.measured.measure gpt model.n_layer=8")
+    assert len(jobs) == 1 and '"run 1": ["model.n_layer=8"]' in jobs[0][jobs[0].index("--cases") + 1]
 
 
 @pytest.mark.parametrize("model, depth_key", [("gpt", "model.n_layer"), ("llama", "model.n_layer"),
@@ -51,6 +73,9 @@ def test_each_model_is_calibrated_tiny_on_itself(fake_runs, tmp_path, model, dep
     assert [o[:len(tiny)] for _, o in fake_runs] == [list(tiny)] * 2
     assert [o[len(tiny) + 1] for _, o in fake_runs] == [f"{depth_key}=4", f"{depth_key}=8"]
     assert fixed_costs.cached(2, model) == known  # kept under the model's own name
+    roots = {o for _, overrides in fake_runs for o in overrides if o.startswith("data.root=")}
+    # a language model on the shipped corpus prepared aside (the user's data root may hold another corpus or none)
+    assert (roots == {f"data.root={tmp_path}"}) == (model == "vit"), roots
 
 
 def test_a_model_without_a_tiny_configuration_is_not_calibrated(fake_runs, monkeypatch):
@@ -77,17 +102,17 @@ def test_a_slow_calibration_says_which_kind_it_measures(fake_runs, tmp_path, mon
     from meshtrain.runtime import heartbeat, progress
 
     monkeypatch.setattr(progress, "QUIET_S", 0.2)
-    slow = calibrate._step_s
-    monkeypatch.setattr(calibrate, "_step_s", lambda *args: (time.sleep(0.4), slow(*args))[1])
+    slow = calibrate._step_times
+    monkeypatch.setattr(calibrate, "_step_times", lambda *args: (time.sleep(0.4), slow(*args))[1])
     try:
         with caplog.at_level(logging.INFO, logger="meshtrain"), progress.said_while_quiet():
             calibrate.calibrate(2, ["cp:ring"], "gpt", progress=lambda _: None)  # measured against ddp
     finally:
         heartbeat.note(step=0, phase="start-up", collective=None)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still ")]
-    kinds = ["still measuring the fixed costs of backend:ddp on 2 ranks (gpt, kind 1 of 2) (",
-             "still measuring the fixed costs of cp:ring on 2 ranks (gpt, kind 2 of 2) ("]
-    assert [kind for kind in kinds if any(m.startswith(kind) for m in said)] == kinds, said
+    # one job runs the tiny runs of both kinds (ranks started once)
+    assert any(m.startswith("still measuring the fixed costs of backend:ddp, cp:ring on 2 ranks (gpt, 4 tiny runs "
+                            "in one job) (") for m in said), said
 
 
 def test_recalibrating_measures_the_model_and_the_slowdown_again_and_keeps_the_rest(fake_runs):
@@ -135,14 +160,36 @@ def test_every_preset_of_every_model_can_be_measured(model, tmp_path):
 
 
 def test_a_layout_that_fails_to_run_is_named_with_its_error_not_torchruns_closing_lines():
-    from meshtrain.plan.measured import validate
+    from meshtrain.runtime.results import first_error
 
     output = """Traceback (most recent call last):
     raise ConfigError(f"train.eval_interval={t.eval_interval}: with")
 meshtrain.config.ConfigError: train.eval_interval=1000000: with train.max_epochs=30 (from the preset) the run
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================"""
-    assert validate.cause(output).startswith("meshtrain.config.ConfigError: train.eval_interval=1000000")
+    assert first_error(output).startswith("meshtrain.config.ConfigError: train.eval_interval=1000000")
     logged = "[2026][ERROR][rank 1/4] data/x not found"
-    assert validate.cause(f"{logged}\nTraceback\nValueError: x") == logged
-    assert validate.cause("") == "no output" and validate.cause("killed\n====") == "===="
+    assert first_error(f"{logged}\nTraceback\nValueError: x") == logged
+    ranks = "[rank0]: Traceback (most recent call last):\n[rank0]: meshtrain.data.text.DataError: x not found\n" + "=" * 60
+    assert first_error(ranks) == "meshtrain.data.text.DataError: x not found"  # torchrun's prefix of a rank's lines
+    assert first_error("") == "no output" and first_error("killed\n====") == "===="
+
+
+def test_validation_prepares_a_shipped_corpus_and_names_the_command_for_any_other(tmp_path):
+    """`plan --validate` on a machine with no data/ yet: the shipped corpus is prepared where the config looks; a
+    corpus of the user's own is one error saying what to run, before any calibration starts."""
+    from meshtrain import config as config_mod
+    from meshtrain.data import text
+    from meshtrain.plan.measured import validate
+
+    said = []
+    cfg = config_mod.load_config([f"data.root={tmp_path}", "data.name=shakespeare_char"], "gpt")
+    validate.ensure_data("gpt", cfg, said.append)
+    assert text.load_meta(tmp_path / "shakespeare_char")["train_tokens"] == 1_003_854
+    assert "`meshtrain prepare shakespeare_char --data-root" in said[0]
+    validate.ensure_data("gpt", cfg, said.append)
+    assert len(said) == 1, "prepared once"
+    own = config_mod.load_config([f"data.root={tmp_path}", "data.name=my_corpus"], "gpt")
+    with pytest.raises(text.DataError, match=r"--validate trains the layouts on .*my_corpus: .*"
+                                             r"`meshtrain prepare text PATH --name my_corpus --data-root "):
+        validate.ensure_data("gpt", own)

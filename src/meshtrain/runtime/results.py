@@ -61,6 +61,16 @@ def run_ranks(script: str | Path, ranks: int, *args: str, timeout: float = 180, 
         return Job(code, _ANSI.sub("", text), read_results(folder))
 
 
+def first_error(output: str) -> str:
+    """The line of a failed job's output that says why: a rank's first logged error or exception, not torchrun's
+    closing rule nor its own ChildFailedError."""
+    # torchrun prefixes each line of a rank's traceback with "[rankN]: "
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip()) for line in output.strip().splitlines() if line.strip()]
+    said = [line for line in lines if "[ERROR]" in line] or [
+        line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line) and "ChildFailedError" not in line]
+    return (said or lines[-1:] or ["no output"])[0][:300]
+
+
 def record(case: str, **fields) -> None:
     """Merge `fields` (JSON values: numbers, strings, bools, lists, dicts) into this rank's result for `case`."""
     rank = int(os.environ.get("RANK", "0"))

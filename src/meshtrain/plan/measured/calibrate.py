@@ -22,6 +22,7 @@ scored on the layouts' own sizes. Results are cached in the machine profile (~/.
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 from dataclasses import replace
@@ -50,7 +51,7 @@ from meshtrain.plan.measured.this_machine import recorded_collectives, this_mach
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime import heartbeat
 from meshtrain.runtime.device import pick_device
-from meshtrain.runtime.results import run_ranks
+from meshtrain.runtime.results import first_error, run_ranks
 
 DEPTHS = (4, 8)
 # Mostly arithmetic (SLOWDOWN_REFERENCE's), for the slowdown of ranks sharing cores; neither a tiny size nor a
@@ -88,8 +89,10 @@ def calibrate(ranks: int, kinds: list[str], model: str, data_root: str | None = 
     those not cached (and the kinds they are measured against), and the slowdown of ranks sharing cores. A language
     model is calibrated on the shipped corpus; any other reads `data_root` (e.g. the ViT's prepared ERA5). A model
     whose spec gives no tiny configuration is not calibrated (empty)."""
-    # first the collectives and the slowed arithmetic: the fixed costs are what is left beyond them
-    if not any(world == ranks for _, world in recorded_collectives(describe(pick_device(0)), pick_device(0))):
+    # first the collectives and the slowed arithmetic: the fixed costs are what is left beyond them (one rank has no
+    # collective to time: the cost model prices none)
+    if ranks > 1 and not any(world == ranks for _, world in recorded_collectives(describe(pick_device(0)),
+                                                                               pick_device(0))):
         _record_collectives(ranks, progress)
     if pick_device(0).type == "cpu" and cached_slowdown(ranks, dtype) is None:
         _measure_slowdown(ranks, progress, dtype)
@@ -113,17 +116,18 @@ def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | 
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
         if spec.text:  # the shipped corpus, which needs no network
             prepare("shakespeare_char", Path(root))
-        times = {}
-        for i, kind in enumerate(missing, 1):
-            heartbeat.note(phase=f"measuring the fixed costs of {fixed_kind(kind, dtype)} on {ranks} ranks ({model}, "
-                                 f"kind {i} of {len(missing)})")
-            overrides, _ = runs_of(kind, model)
-            runs = [[*spec.tiny, f"data.root={data_root or root}", f"{depth_key}={depth}", *overrides,
-                     f"train.dtype={dtype}"] for depth in DEPTHS]
-            times[kind] = [_step_s(ranks, model, run) - _modelled_s(ranks, model, run) for run in runs]
-            progress(f"fixed costs of {fixed_kind(kind, dtype)} on {ranks} ranks ({model}): "
-                     f"{[f'{s * 1e3:.1f} ms' for s in times[kind]]} beyond the modelled arithmetic and bytes at "
-                     f"{DEPTHS} blocks")
+        runs = {(kind, depth): [*spec.tiny, f"data.root={root if spec.text else data_root}", f"{depth_key}={depth}",
+                                *runs_of(kind, model)[0], f"train.dtype={dtype}"]
+                for kind in missing for depth in DEPTHS}
+        heartbeat.note(phase=f"measuring the fixed costs of {', '.join(fixed_kind(k, dtype) for k in missing)} on "
+                             f"{ranks} ranks ({model}, {len(runs)} tiny runs in one job)")
+        measured = dict(zip(runs, _step_times(ranks, model, list(runs.values())), strict=True))
+    times = {}
+    for kind in missing:
+        times[kind] = [measured[kind, depth] - _modelled_s(ranks, model, runs[kind, depth]) for depth in DEPTHS]
+        progress(f"fixed costs of {fixed_kind(kind, dtype)} on {ranks} ranks ({model}): "
+                 f"{[f'{s * 1e3:.1f} ms' for s in times[kind]]} beyond the modelled arithmetic and bytes at "
+                 f"{DEPTHS} blocks")
     for kind in missing:  # absolute first, then the differences from what each is measured against
         (short, long), base = times[kind], runs_of(kind, model)[1]
         per_block = (long - short) / (DEPTHS[1] - DEPTHS[0])
@@ -166,7 +170,7 @@ def _measure_slowdown(ranks: int, progress, dtype: str = "fp32") -> float:
         prepare("shakespeare_char", Path(root))
         overrides = [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]
         # a step of ranks sharing cores moves by a quarter between runs here: the median of three
-        measured = statistics.median(_step_s(ranks, reference, overrides) for _ in range(3))
+        measured = statistics.median(_step_times(ranks, reference, [overrides] * 3))
         cfg = config_mod.load_config(overrides, reference)
         dims, facts = ParallelDims.from_config(cfg, ranks), ModelFacts.of(cfg)
     machine = replace(this_machine(ranks), fixed={ddp_kind: ddp}, slowdown_under_autocast=None)
@@ -191,10 +195,18 @@ def _modelled_s(ranks: int, model: str, overrides: list[str]) -> float:
     return predict(ModelFacts.of(cfg), cfg, dims, machine).step_s
 
 
-def _step_s(ranks: int, model: str, overrides: list[str]) -> float:
-    job = run_ranks(Path(measure.__file__), ranks, model, *overrides, "--steps", "8", "--warmup", "3", timeout=300)
-    rows = [fields for result in job.results.values() for fields in result.values()]
-    if job.returncode or not rows:
-        raise RuntimeError(f"calibration run {' '.join(overrides)} failed (exit {job.returncode}):\n"
-                           f"{job.output[-1500:]}")
-    return max(r["step_s"] for r in rows)
+def _step_times(ranks: int, model: str, runs: list[list[str]]) -> list[float]:
+    """The step time of each run (overrides of `model`), measured one after another in one job of `ranks` ranks: the
+    slowest rank's median of 8 steps after 3 of warm-up."""
+    cases = {f"run {i}": overrides for i, overrides in enumerate(runs)}
+    job = run_ranks(Path(measure.__file__), ranks, model, "--cases", json.dumps(cases), "--steps", "8", "--warmup", "3",
+                    timeout=120 + 60 * len(runs))
+    times = [[fields["step_s"] for result in job.results.values() if (fields := result.get(case))] for case in cases]
+    incomplete = [i for i, t in enumerate(times) if len(t) < ranks]  # the runs go in order: the first failed
+    if job.returncode or incomplete:
+        failed = runs[incomplete[0] if incomplete else -1]
+        raise MeshtrainError(f"calibration on {ranks} rank(s) failed (exit {job.returncode}) in the run "
+                             f"`{' '.join(failed)}`: {first_error(job.output)}; run it yourself to see all: "
+                             f"torchrun --nproc-per-node {ranks} -m meshtrain.plan.measured.measure {model} "
+                             f"{' '.join(failed)}")
+    return [max(t) for t in times]

@@ -9,12 +9,17 @@ exactly as `train` does (the Trainer, in a scratch directory), steps it, and rec
                                hand (data loading is not part of what the planner predicts)
 
     python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measured.measure gpt preset=cpu train.backend=fsdp
+
+A layout's peak is measured in a job of its own (the CUDA allocator's cache and the counted storages start empty);
+`--cases` runs several in one job where only their times matter (calibration), sparing a start-up of the ranks each.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import json
 import statistics
 import tempfile
 import time
@@ -111,13 +116,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--case", default="layout")
+    parser.add_argument("--cases", type=json.loads, default=None, metavar="JSON",
+                        help='{"case": [overrides], ...}: each run in turn in this one job, after the overrides above '
+                             "(calibration's tiny runs: one start-up of the ranks, not one per run)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="meshtrain-measure-") as scratch:
-        cfg = run_config(args.model, args.overrides, scratch)
-        with distributed() as info:
-            record(args.case, **measure(cfg, info, args.warmup, args.steps), rank=info.rank)
+    cases = args.cases or {args.case: []}
+    with tempfile.TemporaryDirectory(prefix="meshtrain-measure-") as scratch, distributed() as info:
+        for i, (case, own) in enumerate(cases.items()):
+            cfg = run_config(args.model, [*args.overrides, *own], f"{scratch}/{i}")  # run dirs are named by the second
+            record(case, **measure(cfg, info, args.warmup, args.steps), rank=info.rank)
+            gc.collect()  # the last case's Trainer, now garbage: not collected in the middle of the next one's steps
 
 
 # Steps alone: nothing saved, logged or evaluated, and iterations counted (a preset's max_epochs, the ViT's, would

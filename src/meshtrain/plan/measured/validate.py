@@ -16,13 +16,14 @@ machine alone, never from these runs.
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshtrain import registry
+from meshtrain.data import text
 from meshtrain.plan import search
 from meshtrain.plan.cost import fixed_kind, kinds_of, predict
 from meshtrain.plan.machines import Machine
@@ -30,7 +31,7 @@ from meshtrain.plan.measured import calibrate, measure
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime import heartbeat
-from meshtrain.runtime.results import run_ranks
+from meshtrain.runtime.results import first_error, run_ranks
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -69,7 +70,7 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
                         timeout=timeout)
         rows = [fields for result in job.results.values() for fields in result.values()]
         if job.returncode or len(rows) != ranks:
-            checks.append(Check(candidate, None, f"exit {job.returncode}: {cause(job.output)}"))
+            checks.append(Check(candidate, None, f"exit {job.returncode}: {first_error(job.output)}"))
         else:
             stage = candidate.cost.memory_stage  # the stage whose states were predicted; peak and time: the worst
             fullest = min((r for r in rows if candidate.dims.coords(r["rank"]).get("pp", 0) == stage),
@@ -78,15 +79,6 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
             checks.append(Check(candidate, fullest))
         progress(checks[-1])
     return checks
-
-
-def cause(output: str) -> str:
-    """The line of a failed run's output that says why: a rank's first logged error or exception, not torchrun's
-    closing rule nor its own ChildFailedError."""
-    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
-    said = [line for line in lines if "[ERROR]" in line] or [
-        line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line) and "ChildFailedError" not in line]
-    return (said or lines[-1:] or ["no output"])[0][:300]
 
 
 def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
@@ -106,12 +98,28 @@ def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
     return chosen
 
 
+def ensure_data(model: str, cfg: RunConfig, progress=print) -> None:
+    """The measured runs train on the data `cfg` names: a language model's shipped corpus not prepared there is
+    prepared now (offline, seconds); any other dataset missing is one error saying what to run, before calibrating."""
+    if not registry.get(model).text:
+        return
+    data_dir = Path(cfg.data.root) / cfg.data.name
+    try:
+        text.load_meta(data_dir)
+    except text.DataError as missing:
+        if data_dir.name not in text.BUILTIN_TOKENIZER:
+            raise text.DataError(f"--validate trains the layouts on {data_dir}: {missing}") from None
+        progress(f"preparing {data_dir} (the shipped corpus) for the measured runs: `{text.prepare_command(data_dir)}`")
+        text.prepare(data_dir.name, data_dir.parent)
+
+
 def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list[Candidate], count: int, nodes: int,
                   per_node: int, machine: Callable[[], Machine], *, steps: int = 5,
                   progress=print) -> tuple[list[Check], Check]:
     """`meshtrain plan --validate`: calibrate this machine's fixed costs for the kinds a spread of `count` ranked
     layouts needs, predict them again with those (`machine()` builds the machine afresh), add the layout
     parallel.plan=auto would train now if the spread lacks it, and measure each. Returns the checks and auto's."""
+    ensure_data(model, cfg, progress)
     chosen, facts = spread(ranked, count), ModelFacts.of(cfg)
     kinds = sorted({k for c in chosen for k in kinds_of(c.cfg, c.dims)})
     for _ in range(4):  # auto's pick must stand on measured fixed costs too, not on an uncalibrated kind's guess
