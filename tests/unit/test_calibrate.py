@@ -193,3 +193,33 @@ def test_validation_prepares_a_shipped_corpus_and_names_the_command_for_any_othe
     with pytest.raises(text.DataError, match=r"--validate trains the layouts on .*my_corpus: .*"
                                              r"`meshtrain prepare text PATH --name my_corpus --data-root "):
         validate.ensure_data("gpt", own)
+
+
+def test_validation_calibrates_the_kinds_auto_may_pick_with_the_spreads_in_one_go(monkeypatch):
+    """Each calibration call starts the ranks again: the kinds of the first ranked layouts (auto's pick among them)
+    go with the spread's into the first call, so the loop that checks auto's kinds finds none missing."""
+    from meshtrain import config as config_mod
+    from meshtrain.plan import machines, search, systems
+    from meshtrain.plan.cost import fixed_kind, kinds_of
+    from meshtrain.plan.measured import validate
+
+    cfg = config_mod.load_config(["preset=cpu", "train.dtype=fp32"], "gpt")
+    calls, fixed = [], {}
+
+    def calibrated():
+        return dataclasses.replace(machines.from_system(systems.get("polaris")), fixed=dict(fixed))
+
+    def calibrate_kinds(ranks, kinds, model, data_root, progress, dtype):
+        calls.append(sorted(kinds))
+        fixed.update({fixed_kind(k, dtype): [0.0, 0.0] for k in kinds})
+
+    ranked = search.search(cfg, 1, 4, calibrated())[0]
+    monkeypatch.setattr(validate, "ensure_data", lambda *args: None)
+    monkeypatch.setattr(calibrate, "calibrate", calibrate_kinds)
+    monkeypatch.setattr(validate, "run", lambda model, overrides, chosen, ranks, **kw: [
+        validate.Check(c, None, "not run") for c in chosen])
+    checks, auto = validate.validate_plan("gpt", [], cfg, ranked, 1, 1, 4, calibrated, progress=lambda _: None)
+    assert len(calls) == 1, calls
+    wanted = {k for c in [*validate.spread(ranked, 1), *ranked[:validate.AUTO_CANDIDATES]] for k in kinds_of(c.cfg, c.dims)}
+    assert set(calls[0]) == wanted and len(wanted) > len(kinds_of(ranked[0].cfg, ranked[0].dims))
+    assert auto.candidate.label == ranked[0].label

@@ -98,6 +98,9 @@ def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
     return chosen
 
 
+AUTO_CANDIDATES = 8  # ranked layouts whose kinds are calibrated up front (auto's pick is usually among them)
+
+
 def ensure_data(model: str, cfg: RunConfig, progress=print) -> None:
     """The measured runs train on the data `cfg` names: a language model's shipped corpus not prepared there is
     prepared now (offline, seconds); any other dataset missing is one error saying what to run, before calibrating."""
@@ -121,7 +124,9 @@ def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list
     parallel.plan=auto would train now if the spread lacks it, and measure each. Returns the checks and auto's."""
     ensure_data(model, cfg, progress)
     chosen, facts = spread(ranked, count), ModelFacts.of(cfg)
-    kinds = sorted({k for c in chosen for k in kinds_of(c.cfg, c.dims)})
+    # with the kinds of the first ranked layouts, among which auto's pick will be once they are calibrated: in one
+    # calibration job, where each kind found missing later would start the ranks again
+    kinds = sorted({k for c in [*chosen, *ranked[:AUTO_CANDIDATES]] for k in kinds_of(c.cfg, c.dims)})
     for _ in range(4):  # auto's pick must stand on measured fixed costs too, not on an uncalibrated kind's guess
         calibrate.calibrate(nodes * per_node, kinds, model, cfg.data.root, progress=progress, dtype=cfg.train.dtype)
         calibrated = machine()
