@@ -3,6 +3,7 @@ near the tensors' own peak, and parallel.plan=auto trains with the layout it pic
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -80,3 +81,28 @@ def test_auto_plan_trains_with_the_layout_it_chose(data_root, tmp_path):
     assert f"layout: {backend} over 2 rank(s)" in text, output(out)
     config = next(tmp_path.glob("gpt/*/*/*/config.yaml")).read_text()
     assert "plan: manual" in config and f"backend: {backend}" in config
+
+
+def test_a_chunked_loss_holds_one_chunk_of_the_logits_as_predicted(tmp_path):
+    """GPT-2's vocabulary on 512 tokens a micro-batch: the whole-logits loss holds three fp32 [tokens, 50,304]
+    tensors where backward starts; train.loss_chunk_tokens=64 holds one chunk's, beside the gradients its forward
+    made. Both peaks as the planner predicts them (fp32 and bf16), the chunked one a third of the whole's or less."""
+    from meshtrain.plan.measured import measure
+    from meshtrain.runtime.results import run_ranks
+
+    data_root = prepare_data(tmp_path, "shakespeare")
+    base = ["preset=cpu", f"data.root={data_root}", "data.name=shakespeare", "model.dropout=0.0", "model.batch_size=8",
+            "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "train.backend=ddp"]
+    cases = {"fp32 whole": ["train.dtype=fp32"], "fp32 chunks": ["train.dtype=fp32", "train.loss_chunk_tokens=64"],
+             "bf16 chunks": ["train.dtype=bf16", "train.loss_chunk_tokens=64"]}
+    job = run_ranks(measure.__file__, 2, "gpt", *base, "--cases", json.dumps(cases), "--steps", "1", timeout=300)
+    assert job.returncode == 0, job.output[-3000:]
+    machine = replace(machines.from_system(systems.get("polaris")), attention_in_fp32=True)  # the ranks: CPUs
+    peaks = {}
+    for case, overrides in cases.items():
+        cfg = config_mod.load_config([*base, *overrides], "gpt")
+        dims = ParallelDims.from_config(cfg, 2, 2)
+        predicted = predict(ModelFacts.of(cfg), cfg, dims, machine).memory["peak"]
+        peaks[case] = max(job.results[rank][case]["peak"] for rank in (0, 1))
+        assert peaks[case] == pytest.approx(predicted, rel=0.02), (case, predicted, peaks[case])
+    assert peaks["fp32 chunks"] < peaks["fp32 whole"] / 3, peaks

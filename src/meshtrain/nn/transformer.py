@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshtrain.nn.chunked_loss import chunked_cross_entropy
+
 ACTIVATIONS = {
     "gelu": lambda: nn.GELU(),
     "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # HF GPT-2's "gelu_new"
@@ -178,12 +180,16 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.ln_2(x)))
 
 
-def decoder_output(logits, x: torch.Tensor, targets: torch.Tensor | None):
+def decoder_output(logits, x: torch.Tensor, targets: torch.Tensor | None, *, head: nn.Module | None = None,
+                   norm: nn.Module | None = None, chunk_tokens: int | None = None):
     """A decoder's (logits, loss) from its final hidden states x [B, T, C] and `logits(hidden)`: with targets, logits
     [B, T, V] and the mean cross-entropy (targets of -1 ignored); without, the last position's logits only, which
-    is all sampling needs."""
+    is all sampling needs. With chunk_tokens (and the final `norm` and output layer `head` that `logits` applies),
+    the loss is computed that many tokens at a time and no logits are made: (None, loss)."""
     if targets is None:
         return logits(x[:, -1:, :]), None
+    if chunk_tokens:
+        return None, chunked_cross_entropy(norm(x), head.weight, targets, chunk_tokens)
     out = logits(x)
     return out, F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-1)
 

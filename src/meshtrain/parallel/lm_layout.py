@@ -75,7 +75,8 @@ class LanguageModelLayout(Layout):
             return torch.zeros((), device=x.device) if loss is None else loss.detach().float() / accum
         with gradient_sync(self.runnable, sync), self._loss_context():
             with timer("dtf"), autocast:
-                _, loss = self.runnable(x, y, positions) if positions is not None else self.runnable(x, y)
+                # the logits not kept in a name: through backward they would hold a [tokens, vocabulary] tensor
+                loss = (self.runnable(x, y, positions) if positions is not None else self.runnable(x, y))[1]
                 loss = loss / accum  # the sum of micro-steps is the mean over the whole batch
             with timer("dtb"):
                 scaler.scale(loss).backward()

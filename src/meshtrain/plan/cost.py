@@ -226,9 +226,16 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     if facts.shape.whole_output:
         return 4 * micro.samples * facts.tokens * facts.head_features * FP32
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
-    # the logits (16-bit under autocast), the loss's fp32 log-softmax of them and its fp32 gradient
-    per_feature = (2 if _autocast(cfg) else FP32) + 2 * FP32
-    return micro.tokens * facts.head_features / sharded * per_feature
+    chunk = getattr(cfg.train, "loss_chunk_tokens", None)
+    if chunk:  # nn/chunked_loss.py: a chunk's logits and their fp32 log-probabilities (under autocast, the fp32 copy
+        # they are taken from too), beside the fp32 gradients the forward makes for backward (the hidden states' and
+        # the output layer's)
+        per_feature = 2 + 2 * FP32 if _autocast(cfg) else 2 * FP32
+        return (min(chunk, micro.tokens) * facts.head_features * per_feature +
+                (facts.head_features + micro.tokens) * facts.shape.width * FP32)
+    # where backward starts: the loss's fp32 log-softmax (saved), the gradient of it and the one it makes of the
+    # logits, all fp32 (the logits themselves are gone: the loss kept its fp32 copy's log-softmax, not them)
+    return micro.tokens * facts.head_features / sharded * 3 * FP32
 
 
 def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,

@@ -59,7 +59,8 @@ def build_model(cfg: GPTRunConfig, data_facts: dict):
             model.crop_block_size(m.block_size)
         return model
     return GPT(GPTConfig(block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer,
-                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, activation=m.activation))
+                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, activation=m.activation,
+                         loss_chunk_tokens=t.loss_chunk_tokens))
 
 
 SPEC = model_spec(__file__, language_model=True, name="gpt",

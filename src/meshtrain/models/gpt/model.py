@@ -40,6 +40,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm; False is slightly faster and no worse
     activation: str = "gelu"
+    loss_chunk_tokens: int | None = None  # the head and loss over this many tokens at a time (nn/chunked_loss.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -108,7 +109,8 @@ class GPT(nn.Module):
         x = self.embed(idx, positions)
         for block in self.transformer.h.values():
             x = block(x)
-        return decoder_output(self.logits, x, targets)
+        return decoder_output(self.logits, x, targets, head=self.lm_head, norm=self.transformer.ln_f,
+                              chunk_tokens=self.config.loss_chunk_tokens)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count, the tied embedding counted once.

@@ -58,7 +58,7 @@ def build_model(cfg: LlamaRunConfig, data_facts: dict):
     m = cfg.model
     return Llama(LlamaConfig(block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer,
                              n_head=m.n_head, n_kv_head=m.n_kv_head, n_embd=m.n_embd, ffn_hidden=ffn_hidden(m),
-                             rope_theta=m.rope_theta, dropout=m.dropout))
+                             rope_theta=m.rope_theta, dropout=m.dropout, loss_chunk_tokens=cfg.train.loss_chunk_tokens))
 
 
 def _workload(cfg: RunConfig, info, dims):

@@ -37,6 +37,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
+    loss_chunk_tokens: int | None = None  # the head and loss over this many tokens at a time (nn/chunked_loss.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden"):
@@ -125,7 +126,8 @@ class Llama(nn.Module):
         kwargs = self.block_kwargs(positions)
         for block in self.transformer.h.values():
             x = block(x, **kwargs)
-        return decoder_output(self.logits, x, targets)
+        return decoder_output(self.logits, x, targets, head=self.lm_head, norm=self.transformer.ln_f,
+                              chunk_tokens=self.config.loss_chunk_tokens)
 
     # ---- counts, optimizer groups, sampling --------------------------------------------------------------------
     def num_params(self, non_embedding: bool = True) -> int:

@@ -102,7 +102,7 @@ class EngineLayout(LanguageModelLayout):
 
     def train_micro_step(self, x, y, *, accum: int, sync: bool, autocast, scaler, timer) -> torch.Tensor:
         with timer("dtf"), autocast:
-            _, loss = self.engine(x, y)
+            loss = self.engine(x, y)[1]  # the logits not kept through backward
         with timer("dtb"):
             self.engine.backward(loss)  # scales by 1 / accumulation itself
             self.engine.step()  # a real step only at the accumulation boundary
