@@ -61,7 +61,7 @@ def test_predicted_peak_under_bf16_autocast_is_the_ranks_peak(data_root):
     linear's input, or 16-bit gathered weights whose linears share inputs (FSDP2's mixed precision); attention on a
     CPU keeps fp32. Pricing activations at 16 bits, as the planner once did, misses these peaks by 21-29%."""
     base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=bf16", "model.batch_size=8"]
-    machine = replace(machines.from_system(systems.get("polaris")), attention_in_fp32=True)  # the ranks: CPUs
+    machine = replace(machines.from_system(systems.get("polaris")), cpu=True)  # the ranks: CPUs
     layouts = {"ddp": LAYOUTS["ddp"], "fsdp tp2": LAYOUTS["fsdp tp2"]}
     for name, check in measured(base, layouts, machine).items():
         assert check.measured, f"{name}: {check.error}"
@@ -97,7 +97,7 @@ def test_a_chunked_loss_holds_one_chunk_of_the_logits_as_predicted(tmp_path):
              "bf16 chunks": ["train.dtype=bf16", "train.loss_chunk_tokens=64"]}
     job = run_ranks(measure.__file__, 2, "gpt", *base, "--cases", json.dumps(cases), "--steps", "1", timeout=300)
     assert job.returncode == 0, job.output[-3000:]
-    machine = replace(machines.from_system(systems.get("polaris")), attention_in_fp32=True)  # the ranks: CPUs
+    machine = replace(machines.from_system(systems.get("polaris")), cpu=True)  # the ranks: CPUs
     peaks = {}
     for case, overrides in cases.items():
         cfg = config_mod.load_config([*base, *overrides], "gpt")

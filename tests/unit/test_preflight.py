@@ -23,7 +23,7 @@ def test_a_run_that_cannot_fit_stops_with_both_figures_and_what_fits(monkeypatch
     cfg = load_config(SEED_RUN)
     facts = ModelFacts.of(cfg)
     assert facts.head_features == 50257  # the vocabulary, from the GPT-2 tokenizer: data/shakespeare is not here
-    machine = Machine("this", 1, 0.0, {}, 0.0, 0.0, 0.0, 0.0, 0.0, overlap=False, attention_in_fp32=True)
+    machine = Machine("this", 1, 0.0, {}, 0.0, 0.0, 0.0, 0.0, 0.0, overlap=False, cpu=True)
     need = predict_peak(facts, cfg, ParallelDims.resolve(1), machine)
     assert need > 3 * 64 * 1024 * 50304 * 4  # the logits, what the loss keeps of them, and their gradient
     monkeypatch.setattr(preflight, "available_bytes", lambda device, ranks: 8 * GIB)

@@ -192,7 +192,7 @@ def _autocast_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims,
     whole = sum(column_inputs.values())
     low_local = whole + (low - whole) / dims.tp
     fp32_local = fp32 / dims.tp if sp else fp32
-    attention_bytes = FP32 if machine.attention_in_fp32 else 2
+    attention_bytes = FP32 if machine.cpu else 2
     return fp32_local * FP32 + low_local * 2 + saved.attention / dims.tp * attention_bytes
 
 
@@ -219,7 +219,7 @@ def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share:
     return 2.0 * total
 
 
-def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro) -> float:
+def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro, cpu: bool) -> float:
     """The output layer's output, what the loss saves of it and its gradient, for one micro-batch: a decoder's logits
     on this rank's tokens (vocabulary-sharded under loss parallel), or the ViT's whole field on every rank, which
     is also copied once when its patches are put back together into the field."""
@@ -233,9 +233,11 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
         per_feature = 2 + 2 * FP32 if _autocast(cfg) else 2 * FP32
         return (min(chunk, micro.tokens) * facts.head_features * per_feature +
                 (facts.head_features + micro.tokens) * facts.shape.width * FP32)
-    # where backward starts: the loss's fp32 log-softmax (saved), the gradient of it and the one it makes of the
-    # logits, all fp32 (the logits themselves are gone: the loss kept its fp32 copy's log-softmax, not them)
-    return micro.tokens * facts.head_features / sharded * 3 * FP32
+    # where backward starts: the loss's fp32 log-softmax (saved) and its gradient, and the logits' gradient: fp32 on
+    # a CPU, 16-bit under autocast on a GPU (measured: docs/plan.md). The logits themselves are gone: the loss kept
+    # the log-softmax of its fp32 copy, not them.
+    per_feature = 2 * FP32 + (2 if _autocast(cfg) and not cpu else FP32)
+    return micro.tokens * facts.head_features / sharded * per_feature
 
 
 def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
@@ -251,7 +253,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     kept += virtual * block_input
     if share.first and facts.split:
         kept += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
-    head = _head_bytes(facts, cfg, dims, micro) if share.last else 0.0
+    head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
     first, later = held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under

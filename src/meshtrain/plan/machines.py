@@ -115,7 +115,9 @@ class Machine:
     overlap: bool  # data-parallel traffic can hide behind backward (an accelerator's own copy engines and streams)
     slowdown: float = 1.0  # ranks sharing cores: compute runs this many times slower
     slowdown_under_autocast: float | None = None  # the same for bf16 compute, where calibrated apart
-    attention_in_fp32: bool = False  # a CPU: under autocast meshtrain runs attention (and keeps q, k, v) in fp32
+    # the ranks are CPUs: under autocast meshtrain runs attention (and keeps q, k, v) in fp32, and the loss's backward
+    # holds three fp32 tensors the size of the logits where a GPU's holds two beside the 16-bit gradient
+    cpu: bool = False
     block_overhead_s: float = 0.0  # fixed cost of one block's forward and backward (operator dispatch)
     optimizer_tensor_s: float = 0.0  # fixed cost per parameter tensor of an optimizer step
     fixed: dict[str, list[float]] = field(default_factory=dict)  # calibrate.py: kind -> [per block, per step] s

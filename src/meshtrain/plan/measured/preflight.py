@@ -69,7 +69,7 @@ def _verdict(cfg: RunConfig, dims: ParallelDims, info: DistInfo) -> str | None:
         log.info("memory check skipped: %s", e)  # say why, with the fix, as it starts
         return None
     machine = Machine("this", info.local_world_size, 0.0, {}, 0.0, 0.0, 0.0, 0.0, 0.0, overlap=False,
-                      attention_in_fp32=device.type == "cpu")
+                      cpu=device.type == "cpu")
     # What the rank holds already (the runtime, on a CPU) plus the predicted peak of its tensors, against the
     # share of the memory that fits as plan=auto counts it (search.HEADROOM: allocator slack).
     have = HEADROOM * available_bytes(device, info.local_world_size)

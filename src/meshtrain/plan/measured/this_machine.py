@@ -51,7 +51,7 @@ def this_machine(ranks_per_node: int, device: str | None = None, model: str | No
                    peak={label: max(r for _, r in points) for label, points in curve.items()} or
                    {label: max(table.rates.values()) for label, table in gemm.items()}, memory_bps=memory,
                    intra_bps=intra, inter_bps=intra, intra_latency_s=50e-6, inter_latency_s=50e-6,
-                   overlap=dev.type != "cpu", slowdown=slowdown, attention_in_fp32=dev.type == "cpu",
+                   overlap=dev.type != "cpu", slowdown=slowdown, cpu=dev.type == "cpu",
                    slowdown_under_autocast=fixed_costs.cached_slowdown(ranks_per_node, "bf16") if cores else None,
                    block_overhead_s=block_s,
                    optimizer_tensor_s=tensor_s, curve=curve, gemm=gemm, sdpa=sdpa, collectives=collectives,
