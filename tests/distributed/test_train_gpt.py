@@ -207,6 +207,10 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_exit_code_75(data_root,
                      r"iteration took [\d.]+ s\): the run stops after this iteration, with a checkpoint", text), text
     last = metrics_of(run_dir_of(tmp_path))[-1]
     assert last["step"] == stopped_at and "avg_loss" in last and "val_loss" not in last
+    first = next(r for r in metrics_of(run_dir_of(tmp_path)) if "val_loss" in r)  # the one evaluation: iteration 0
+    assert (f"done: {stopped_at} iterations; iteration {stopped_at} was not evaluated (stopped by a signal: no time "
+            f"for an evaluation): the last evaluation, at iteration 0: train loss {first['train_loss']:.4f}, val loss "
+            f"{first['val_loss']:.4f}\n") in text, text[-2000:]
 
 
 def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, ddp_reference, tmp_path):
