@@ -107,7 +107,7 @@ class Trainer:
             if info.is_main and not self.resumed:  # a run that never started leaves nothing behind
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
-        if info.is_main and not self.resumed:  # only now is it the run `train.init_from=resume` should find
+        if info.is_main:  # only now is it the run that `latest` names: the one that trains, new or resumed
             rundir.record_run(self.cfg.train.out_dir, self.spec.name, self.cfg.train.backend, self.run_dir)
 
     # ---- set-up ------------------------------------------------------------------------------------------------
