@@ -30,7 +30,9 @@ class TrainResult:
     def outcome(self) -> str:
         """`30 iterations, train loss 3.6912, val loss 3.7056`, or what stands in for it and why."""
         done = f"{self.iterations} iterations"
-        if self.resumed_at is not None and self.resumed_at == self.iterations:
+        if self.resumed_at == self.iterations and self.preempted:
+            done += ", all of them before this start (stopped by a signal before its first iteration)"
+        elif self.resumed_at == self.iterations:
             done += (f", all of them before this start (it resumed the checkpoint of iteration {self.iterations}, "
                      "the run's last: nothing was left to train)")
         if self.evaluated_at is None:
