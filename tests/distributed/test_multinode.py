@@ -130,10 +130,13 @@ def test_an_elastic_job_that_loses_a_node_goes_on_on_the_one_left_as_if_uninterr
 
 
 def time_to_rendezvous(cluster: Cluster, node: int, launch: list[str], env: dict[str, str]) -> float:
-    """Seconds `launch` takes on `node` before its agent can knock at the rendezvous, measured here and now: the
-    launcher's own start (`--dry-run`: its imports and config check) and then torchrun's (its imports)."""
+    """Seconds `launch` takes on `node` to start, rendezvous and start its ranks, measured here and now: the
+    launcher's own start (`--dry-run`: its imports and config check), then a torchrun of its own on that node (its
+    imports, a rendezvous round, a worker that does nothing, the agent's exit)."""
     started = time.monotonic()
-    for argv in ([*launch[:4], "--dry-run", *launch[4:]], [sys.executable, "-m", "torch.distributed.run", "--help"]):
+    for argv in ([*launch[:4], "--dry-run", *launch[4:]],
+                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--no-python",
+                  "true"]):
         probe = cluster.start(node, argv, env, REPO)
         out = probe.communicate(timeout=120)[0]
         assert probe.returncode == 0, out[-2000:]
@@ -144,13 +147,13 @@ def test_an_elastic_job_grows_when_a_node_joins_later(cluster, uninterrupted_gpt
     """Node 0 starts an elastic job alone (2 ranks, accumulation 2); node 1 joins at iteration 12: the agents restart
     the ranks to admit it (torchrun stops them with SIGTERM, so they checkpoint the iteration they are in), and the
     job goes on over both nodes from that checkpoint (4 ranks, accumulation 1), following the uninterrupted 4-rank
-    run. Rank 1 lags an iteration by a delay derived from how long node 1 takes, on this machine now, to get to the
-    rendezvous: the 18 iterations left after the join last 4 × that (300 ms a batch at least), so that node 1 is
+    run. Rank 1 lags an iteration by a delay derived from how long node 1 takes, on this machine now, to get through
+    a rendezvous: the 18 iterations left after the join last 3 × that (300 ms a batch at least), so that node 1 is
     admitted while the job still runs, on a fast box or a slow, loaded one."""
     data_root, uninterrupted = uninterrupted_gpt
     launch = elastic_launch(cluster, data_root, tmp_path)
     arrival = time_to_rendezvous(cluster, 1, launch, clean_env())
-    lag_ms = max(300, round(1000 * 4 * arrival / (18 * 2)))  # 2 batches an iteration on rank 1 (accumulation 2)
+    lag_ms = max(300, round(1000 * 3 * arrival / (18 * 2)))  # 2 batches an iteration on rank 1 (accumulation 2)
     env = clean_env(MESHTRAIN_TIMEOUT="60", MESHTRAIN_FAULT=f"slow:rank=1:step=1:phase=data:ms={lag_ms}")
     first = cluster.start(0, launch, env, REPO)
     lines = lines_until_iteration(first, 12)
@@ -160,7 +163,7 @@ def test_an_elastic_job_grows_when_a_node_joins_later(cluster, uninterrupted_gpt
     first.wait(timeout=300)
     second_text = second.communicate(timeout=60)[0]
     text = ANSI.sub("", "".join(lines))
-    timing = f"node 1 needs {arrival:.1f} s to reach the rendezvous here; rank 1 lagged {lag_ms} ms a batch"
+    timing = f"node 1 needs {arrival:.1f} s to get through a rendezvous here; rank 1 lagged {lag_ms} ms a batch"
     assert [first.returncode, second.returncode] == [0, 0], text[-3000:] + second_text[-2000:]
     layouts = re.findall(r"layout: ddp over (\d) rank\(s\)", text)
     stopped = re.search(r"stopped by a signal \(SIGTERM on this rank\) after iteration (\d+), with a checkpoint", text)
