@@ -207,6 +207,10 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_exit_code_75(data_root,
                      r"iteration took [\d.]+ s\): the run stops after this iteration, with a checkpoint", text), text
     last = metrics_of(run_dir_of(tmp_path))[-1]
     assert last["step"] == stopped_at and "avg_loss" in last and "val_loss" not in last
+    first = next(r for r in metrics_of(run_dir_of(tmp_path)) if "val_loss" in r)  # the one evaluation: iteration 0
+    assert (f"done: {stopped_at} iterations; iteration {stopped_at} was not evaluated (stopped by a signal: no time "
+            f"for an evaluation): the last evaluation, at iteration 0: train loss {first['train_loss']:.4f}, val loss "
+            f"{first['val_loss']:.4f}\n") in text, text[-2000:]
 
 
 def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, ddp_reference, tmp_path):
@@ -292,8 +296,9 @@ def test_missing_data_names_the_path_and_the_command(tmp_path):
 
 def test_a_failed_start_leaves_latest_at_the_good_run_and_auto_resumes_it(data_root, tmp_path):
     """Runs that fail as they are built leave nothing behind; one killed (SIGKILL) after its start, before its first
-    checkpoint, is passed over: train.init_from=auto resumes the earlier run's checkpoint, says which run it passed
-    over, and goes on exactly as a run that was never interrupted."""
+    checkpoint, is passed over: sample, export and report given `latest` (the dead start) say so in one line, naming
+    the run to use; train.init_from=auto resumes the earlier run's checkpoint, says which run it passed over, moves
+    `latest` back to it, and goes on exactly as a run that was never interrupted."""
     import signal
     import time
 
@@ -316,7 +321,18 @@ def test_a_failed_start_leaves_latest_at_the_good_run_and_auto_resumes_it(data_r
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=30)
-    assert run_dir_of(tmp_path) != good_run and not (run_dir_of(tmp_path) / "checkpoints").exists()
+    dead = run_dir_of(tmp_path)
+    assert dead != good_run and not (dead / "checkpoints").exists()
+    latest = tmp_path / "gpt" / "ddp" / "latest"
+    for command, error in (("sample --run", f"no checkpoint in {latest} (which names {dead}): "),
+                           ("export --run", f"no checkpoint in {latest} (which names {dead}): "),
+                           ("report", f"nothing to report in {latest} (which names {dead}): ")):
+        said = subprocess.run([sys.executable, "-m", "meshtrain", *command.split(), str(latest)], capture_output=True,
+                              text=True, env=clean_env(), cwd=REPO, timeout=120)
+        lines = output(said).strip().splitlines()
+        assert said.returncode != 0 and len(lines) == 1 and error in lines[0], output(said)[-2000:]
+        assert lines[0].endswith(f"the newest run {'that did' if command == 'report' else 'with one'} is {good_run}: "
+                                 f"meshtrain {command} {good_run}"), lines[0]
 
     resumed = train(1, data_root, tmp_path, "train.max_iters=6", "train.init_from=auto", *common,
                     "model.n_layer=3")  # a re-queued job, with a model key that the saved run's replaces, saying so
@@ -324,7 +340,7 @@ def test_a_failed_start_leaves_latest_at_the_good_run_and_auto_resumes_it(data_r
     text = output(resumed)
     assert "resuming at iteration 4" in text and f"saved no checkpoint; resuming {good_run}" in text, text[-3000:]
     assert f"resuming {good_run}: its saved model replaces what was given here: model.n_layer=3 (saved: 2)" in text
-    assert saved_iteration(good_run) == 6
+    assert saved_iteration(good_run) == 6 and run_dir_of(tmp_path) == good_run  # `latest` follows the run resumed
     whole = train(1, data_root, tmp_path / "whole", "train.max_iters=6", *common)
     assert whole.returncode == 0, output(whole)[-2000:]
     losses = [{r["step"]: r["loss"] for r in metrics_of(run) if "loss" in r} for run in (good_run, run_dir_of(

@@ -83,6 +83,39 @@ def test_auto_resumes_only_a_run_with_a_complete_checkpoint(tmp_path):
         checkpoint.resumable_run(tmp_path, "gpt", "ddp")
 
 
+def test_a_run_with_nothing_in_it_names_the_newest_run_that_has_it(tmp_path):
+    """sample/export (no checkpoint) and report (no iteration logged) given `latest` that names a dead start: one
+    line each, naming the newest run beside it that has what they need, as the command to run."""
+    from meshtrain.report.runs import ReportError, check_not_empty, read_run
+
+    saved, trained, same_second, dead = (rundir.new_run_dir(tmp_path, "gpt", "ddp", now=t) for t in (0, 60, 120, 120))
+    assert same_second.name + "-1" == dead.name  # a second run in the same second: the newer, by its suffix
+    for run in (saved, trained, same_second):
+        (run / "metrics.jsonl").write_text('{"step": 0, "val_loss": 4.2}\n{"step": 1, "loss": 4.1}\n')
+    (saved / "checkpoints").mkdir()
+    (saved / "checkpoints" / "latest").write_text("step-0000010\n")
+    (dead / "metrics.jsonl").write_text('{"step": 0, "val_loss": 4.2, "train_loss": 4.2}\n')  # killed after it
+    for run in (saved, trained, same_second, dead):
+        rundir.record_run(tmp_path, "gpt", "ddp", run)
+    latest = tmp_path / "gpt" / "ddp" / "latest"
+    with pytest.raises(checkpoint.CheckpointError) as said:
+        checkpoint.load_language_model(latest, torch.device("cpu"))
+    assert str(said.value) == (f"no checkpoint in {latest} (which names {dead}): it saved none (a start stopped before "
+                               "its first checkpoint, or one with train.save_checkpoints=false); the newest run with "
+                               f"one is {saved}: meshtrain sample --run {saved}")
+    with pytest.raises(checkpoint.CheckpointError, match=f"the newest run with one is {saved}: meshtrain export"):
+        checkpoint.export_model(latest)
+    with pytest.raises(ReportError) as said:
+        check_not_empty(read_run(latest), latest)
+    assert str(said.value) == (f"nothing to report in {latest} (which names {dead}): it logged no iteration (a start "
+                               f"stopped before its first); the newest run that did is {same_second}: meshtrain "
+                               f"report {same_second}")
+    check_not_empty(read_run(trained), trained)  # a run with iterations is reported
+    assert rundir.runs(tmp_path, "gpt", "ddp")[:2] == [dead, same_second]
+    rundir.record_run(tmp_path, "gpt", "ddp", saved)  # resumed: `latest` again, and first among the runs
+    assert rundir.last_run(tmp_path, "gpt", "ddp") == saved and rundir.runs(tmp_path, "gpt", "ddp")[0] == saved
+
+
 def _model_and_optimizer(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
@@ -134,7 +167,7 @@ def test_a_save_killed_halfway_leaves_the_last_checkpoint_current(one_rank, tmp_
 
 
 def test_missing_or_broken_checkpoints_are_named(tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in .*checkpoints/latest does not exist"):
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in .*: it saved none"):
         checkpoint.latest_checkpoint(tmp_path)
     step = tmp_path / "checkpoints" / "step-0000005"
     step.mkdir(parents=True)

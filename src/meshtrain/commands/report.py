@@ -19,10 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here: matplotlib, which `meshtrain report --help` does without.
     from meshtrain.report.page import write_report
-    from meshtrain.report.runs import ReportError, read_run
+    from meshtrain.report.runs import ReportError, check_not_empty, read_run
 
     try:
         runs = [read_run(path) for path in args.runs]
+        for run, given in zip(runs, args.runs, strict=True):
+            check_not_empty(run, given)
     except ReportError as e:
         log.error("%s", e)
         return 2

@@ -38,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
         result = train(cfg, info)
         if info.is_main:
             summarise(result.run_dir, page=cfg.train.report)
-            log.info("done: %d iterations, train loss %.4f, val loss %.4f", result.iterations, result.train_loss,
-                     result.val_loss)
+            log.info("done: %s", result.outcome())
             sample = (f"; sample from it with `meshtrain sample --run {result.run_dir}`"
                       if registry.get(args.workload).text else "")
             log.info("run directory %s: config.yaml, checkpoints/, metrics.jsonl%s", result.run_dir, sample)

@@ -73,6 +73,18 @@ def read_run(path: str | Path) -> Run:
                checkpoints=checkpoints, facts=rundir.read_facts(path))
 
 
+def check_not_empty(run: Run, given: str | Path) -> None:
+    """A ReportError for a run that logged no iteration (a start killed before its first, whose `latest` a report
+    would otherwise draw as a page of nothing), naming the newest run beside it that did."""
+    if run.last_step > 0:
+        return
+    named = f"{given} (which names {run.path})" if Path(given) != run.path else str(run.path)
+    other = rundir.newest_run_with(run.path, rundir.has_iterations)
+    instead = f"; the newest run that did is {other}: meshtrain report {other}" if other else ""
+    raise ReportError(f"nothing to report in {named}: it logged no iteration (a start stopped before its first)"
+                      f"{instead}")
+
+
 def _is_eval(row: dict) -> bool:
     return "loss" not in row and "tag" not in row and any(k.endswith("_loss") for k in row)
 

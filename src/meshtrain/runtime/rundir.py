@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
 
 CONFIG, METRICS, FACTS, CHECKPOINTS, LATEST, RUNS_LOG = (
     "config.yaml", "metrics.jsonl", "run.json", "checkpoints", "latest", "checkpoints.log")
+
+DAY = re.compile(r"\d{4}-\d{2}-\d{2}")  # a run's date directory, as new_run_dir names it
 
 # The exit code of a run stopped by a preemption signal with a checkpoint (sysexits' EX_TEMPFAIL: a temporary failure,
 # try again later): a job script re-queues on it, the relaunch loop does not restart it.
@@ -75,13 +79,13 @@ def named_run(path: str | Path) -> Path:
 
 
 def runs(out_dir: str | Path, model: str, backend: str) -> list[Path]:
-    """The runs of this model and backend that checkpoints.log lists, the newest first."""
+    """The runs of this model and backend that checkpoints.log lists, the one started or resumed last first."""
     log = Path(out_dir) / RUNS_LOG
     if not log.is_file():
         return []
     found = [Path(fields[4]) for fields in (line.split(" ", 4) for line in log.read_text().splitlines())
              if len(fields) == 5 and fields[2:4] == [model, backend]]
-    return list(reversed(dict.fromkeys(found)))
+    return list(dict.fromkeys(reversed(found)))  # a resumed run is listed again: its last line counts
 
 
 def latest_run(out_dir: str | Path, model: str, backend: str) -> Path:
@@ -92,6 +96,36 @@ def latest_run(out_dir: str | Path, model: str, backend: str) -> Path:
                           "does not exist. Start one with train.init_from=scratch, or name the run with "
                           "train.run_dir=DIR")
     return run
+
+
+def newest_run_with(run: Path, has: Callable[[Path], bool]) -> Path | None:
+    """The newest run beside `run` (in its <out_dir>/<model>/<backend>/, by date and time) other than `run` for which
+    `has(run_dir)` is true; None where there is none, or `run` is not in such a tree."""
+    run = Path(run).resolve()
+    if not DAY.fullmatch(run.parent.name):  # a run directory given by train.run_dir=DIR
+        return None
+    days = [day for day in run.parent.parent.iterdir() if DAY.fullmatch(day.name)]  # not `latest`
+    siblings = sorted((p for day in days for p in day.iterdir() if p.is_dir()), key=_started, reverse=True)
+    return next((p for p in siblings if p != run and has(p)), None)
+
+
+def _started(run: Path) -> tuple[str, str, int]:
+    """A run directory's place in time from its names: YYYY-MM-DD/HH-MM-SS, or HH-MM-SS-N for the N-th other run
+    started in the same second (new_run_dir)."""
+    clock, _, nth = run.name[:8], run.name[8:9], run.name[9:]
+    return run.parent.name, clock, int(nth) if nth.isdigit() else 0
+
+
+def has_checkpoint(run: Path) -> bool:
+    """Whether `run` has published a checkpoint (its checkpoints/latest pointer)."""
+    return (Path(run) / CHECKPOINTS / LATEST).is_file()
+
+
+def has_iterations(run: Path) -> bool:
+    """Whether `run` logged any training: a metrics row after iteration 0 (a start killed before its first logged
+    iteration has at most the evaluation of iteration 0)."""
+    metrics = Path(run) / METRICS
+    return metrics.is_file() and any(row["step"] > 0 for row in read_jsonl(metrics))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -167,17 +167,28 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def latest_checkpoint(run_dir: Path) -> Path:
-    """The last complete checkpoint directory of a run."""
+def latest_checkpoint(run_dir: Path, given: Path | None = None, retry: str = "train.run_dir={run}") -> Path:
+    """The last complete checkpoint directory of a run (`given`: the path the user named, a `latest` say; `retry`:
+    how the error says to use another run)."""
     pointer = Path(run_dir) / CHECKPOINTS / LATEST
     if not pointer.is_file():
-        raise CheckpointError(f"no checkpoint in {run_dir}: {pointer} does not exist (the run saved none yet: see "
-                              "train.save_checkpoints and train.eval_interval), or the path is wrong")
+        raise CheckpointError(no_checkpoint(Path(run_dir), given, retry))
     path = pointer.parent / pointer.read_text().strip()
     if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(f"{pointer} names {path.name}, which is missing or incomplete: delete {pointer} to "
                               "fall back to an earlier step directory by hand, or start again")
     return path
+
+
+def no_checkpoint(run_dir: Path, given: Path | None, retry: str) -> str:
+    """One line: `run_dir` has no checkpoint, and the newest run beside it that has one, as `retry` uses it."""
+    named = f"{given} (which names {run_dir})" if given is not None and Path(given) != run_dir else str(run_dir)
+    if not run_dir.is_dir():
+        return f"no run directory at {named}: the path is wrong"
+    other = rundir.newest_run_with(run_dir, rundir.has_checkpoint)
+    instead = f"; the newest run with one is {other}: {retry.format(run=other)}" if other else ""
+    return (f"no checkpoint in {named}: it saved none (a start stopped before its first checkpoint, or one with "
+            f"train.save_checkpoints=false){instead}")
 
 
 def load_trainer_state(checkpoint_dir: Path) -> dict[str, Any]:
@@ -204,8 +215,8 @@ def dcp_loader(checkpoint_dir: Path):
 def export_model(run_dir: Path, out: Path | None = None) -> Path:
     """Consolidate the run's latest checkpoint into one file: {"model": full state dict, "config", "workload",
     "data_facts", "iteration"}, loadable by torch.load(weights_only=True) on one process and by `meshtrain sample`."""
-    run_dir = rundir.named_run(run_dir)
-    checkpoint_dir = latest_checkpoint(run_dir)
+    given, run_dir = Path(run_dir), rundir.named_run(run_dir)
+    checkpoint_dir = latest_checkpoint(run_dir, given, retry="meshtrain export --run {run}")
     trainer_state = load_trainer_state(checkpoint_dir)
     model, facts = rebuild_model(trainer_state)
     load_whole_model(model, checkpoint_dir)
@@ -219,7 +230,7 @@ def export_model(run_dir: Path, out: Path | None = None) -> Path:
 def load_language_model(run: Path, device: torch.device) -> tuple[torch.nn.Module, dict]:
     """(the language model of a run's latest checkpoint, whatever layout wrote it, or of an exported file, in eval
     mode on `device`; its tokenizer description), for `meshtrain sample`."""
-    run = rundir.named_run(run)
+    given, run = Path(run), rundir.named_run(run)
     if run.is_file():
         try:
             saved = torch.load(run, map_location="cpu", weights_only=True)
@@ -229,7 +240,7 @@ def load_language_model(run: Path, device: torch.device) -> tuple[torch.nn.Modul
         model, facts = rebuild_model(saved)
         model.load_state_dict(weights)
     else:
-        checkpoint_dir = latest_checkpoint(run)
+        checkpoint_dir = latest_checkpoint(run, given, retry="meshtrain sample --run {run}")
         model, facts = rebuild_model(load_trainer_state(checkpoint_dir))
         load_whole_model(model, checkpoint_dir)
     if "meta" not in facts or not hasattr(model, "generate"):

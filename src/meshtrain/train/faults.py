@@ -13,7 +13,8 @@ can be tested and rehearsed on a real job:
                                                               iteration 5 on: a straggler (a slow disk, say)
 
 Phases are the heartbeat's (runtime/heartbeat.py): data, forward, backward, forward_backward (a pipeline schedule),
-optimizer.
+optimizer; and finish, once the loop has ended after iteration `step` (before the last checkpoint, written in the
+background, is published): `slow:rank=0:step=30:phase=finish:ms=5000` holds a run there, for a signal to meet it.
 
 A fault fires in one attempt of the job only (`attempt`, 0 by default: the first launch), so that the restarted job,
 which replays the iterations since its checkpoint, does not meet it again. The attempt is torchrun's
@@ -45,6 +46,7 @@ class FaultSpecError(MeshtrainError, ValueError):
 
 KINDS = ("kill", "stop", "hang", "slow")
 IN_STEP = ("data", "forward", "forward_backward", "backward", "optimizer")  # heartbeat phases inside an iteration
+PHASES = (*IN_STEP, "finish")  # and the one after the last iteration
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,9 @@ def parse(text: str) -> list[Fault]:
         except (ValueError, TypeError):
             fault = None
         if (kind not in KINDS or fault is None or (kind == "kill") != (fault.phase is None)
-                or fault.phase not in (None, *IN_STEP) or (kind == "slow") != (fault.ms > 0)):
+                or fault.phase not in (None, *PHASES) or (kind == "slow") != (fault.ms > 0)):
             raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A], "
-                                 f"stop|hang:rank=R:step=S:phase={'|'.join(IN_STEP)}[:attempt=A] or "
+                                 f"stop|hang:rank=R:step=S:phase={'|'.join(PHASES)}[:attempt=A] or "
                                  f"slow:rank=R:step=S:phase=P:ms=M[:attempt=A] (comma-separated), not {item!r}")
         faults.append(fault)
     return faults

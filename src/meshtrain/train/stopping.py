@@ -12,7 +12,10 @@ rank noted one, or has run out of time: one all-reduce of a flag, so that all ra
 The flag travels on a CPU (gloo) group, so that asking never waits for a GPU's queue to drain.
 The run then saves a checkpoint (after a signal, without the evaluation of a regular stop; the interval's figures
 are logged), and `meshtrain train` exits with PREEMPTED (75), a code a job script tests to re-queue itself; the
-re-queued job continues with train.init_from=auto:
+re-queued job continues with train.init_from=auto. A signal in the run's last iteration, or after it (as torchrun
+restarts the ranks to admit a node that joined late), stops nothing: the run completes (its last iteration
+evaluated, its checkpoint published: the handler stays until then), says so and exits 0, as there is nothing left
+to re-queue:
 
     meshtrain train gpt train.init_from=auto ...; [ $? -eq 75 ] && sbatch "$0"   # mpiexec and srun pass it on
 
@@ -39,8 +42,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Stopping:
     """`with Stopping(max_minutes, info) as stopping:` ... `reason = stopping.check()` after each iteration."""
 
-    def __init__(self, max_minutes: float | None, info: DistInfo):
-        self.max_minutes, self.info = max_minutes, info
+    def __init__(self, max_minutes: float | None, info: DistInfo, last_iteration: int | None = None):
+        self.max_minutes, self.info, self.last_iteration = max_minutes, info, last_iteration
         self.received: str | None = None  # the signal this rank got, by name
         self.reason: str | None = None  # why every rank stopped: "signal" or "time"; None while running
         self._previous: dict[int, object] = {}
@@ -75,10 +78,35 @@ class Stopping:
         where, _ = heartbeat.where()
         under_way = time.perf_counter() - self._checked
         last = f"; an iteration took {self.last_iteration_s:.1f} s" if self.last_iteration_s else ""
+        if self._in_last_iteration(where):
+            log.warning("%s received while %s (for %.1f s%s): this is the run's last iteration (%d), so the run "
+                        "completes it, evaluates and saves it, and exits 0", self.received, doing(where), under_way,
+                        last, self.last_iteration)
+            return
         log.warning("%s received while %s (for %.1f s%s): the run stops after this iteration, with a checkpoint, and "
                     "exits %d. A launcher kills after its grace period (SLURM's KillWait and torchrun: 30 s by "
                     "default): where an iteration and a checkpoint take longer, ask the scheduler for an earlier "
                     "signal (#SBATCH --signal=USR1@120)", self.received, doing(where), under_way, last, PREEMPTED)
+
+    def _in_last_iteration(self, where: dict) -> bool:
+        """Whether a rank noted at `where` (its heartbeat) is in the run's last iteration, its evaluation, or past."""
+        return where.get("phase") == "finish" or (self.last_iteration is not None
+                                                  and (where.get("step") or 0) >= self.last_iteration)
+
+    def say_how_it_ended(self, iteration: int, complete: bool) -> bool:
+        """The run's last words about a signal, once it has left the loop after `iteration` (`complete`: it did all
+        its iterations); True where it was stopped short by one (preempted: exit 75)."""
+        if (self.reason == "signal" or self.received) and not complete:  # the checkpoint is there: re-queue goes on
+            log.warning("stopped by a signal (%s) after iteration %d, with a checkpoint: exiting with %d so that a job "
+                        "script can re-queue; train.init_from=auto continues from here",
+                        f"{self.received} on this rank" if self.received else "on another rank", iteration, PREEMPTED)
+            return True
+        if self.received or self.reason == "signal":  # it came too late to stop anything
+            log.warning("%s, in or after the run's last iteration (%d): the run is complete (that iteration evaluated, "
+                        "its checkpoint published); exiting 0, nothing is left to re-queue",
+                        f"{self.received} received on this rank" if self.received else "a signal on another rank",
+                        iteration)
+        return False
 
     def check(self) -> str | None:
         """"signal" if any rank got one, "time" if any rank's clock passed max_minutes, else None: the same answer

@@ -20,11 +20,10 @@ never asks which model it drives.
 from __future__ import annotations
 
 import contextlib
-import math
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +42,7 @@ from meshtrain.train import checkpoint, faults, metrics, profiling
 from meshtrain.train.ledger import SampleLedger
 from meshtrain.train.optim import build_optimizer, learning_rate, scaled_learning_rates
 from meshtrain.train.recorder import MetricsRecorder, check_finite
+from meshtrain.train.result import TrainResult
 from meshtrain.train.sinks import build_sinks
 from meshtrain.train.stopping import Stopping
 
@@ -57,16 +57,6 @@ COMPILED_ON_CPU = (". This model is compiled on CPU (train.compile=true), where 
                    "that can produce NaN (pytorch/pytorch#196681): run once with train.compile=false to tell the two "
                    "apart")
 RANGES = {"dtf": "forward", "dtb": "backward", "dtfb": "forward_backward"}  # timer section -> profiler range
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    iterations: int
-    train_loss: float = math.nan
-    val_loss: float = math.nan
-    samples: list[str] = field(default_factory=list)  # a language model's text samples
-    preempted: bool = False  # stopped by a signal (SIGTERM, SIGUSR1), with a checkpoint
 
 
 def train(cfg: RunConfig, info: DistInfo) -> TrainResult:
@@ -117,7 +107,7 @@ class Trainer:
             if info.is_main and not self.resumed:  # a run that never started leaves nothing behind
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
-        if info.is_main and not self.resumed:  # only now is it the run `train.init_from=resume` should find
+        if info.is_main:  # only now is it the run that `latest` names: the one that trains, new or resumed
             rundir.record_run(self.cfg.train.out_dir, self.spec.name, self.cfg.train.backend, self.run_dir)
 
     # ---- set-up ------------------------------------------------------------------------------------------------
@@ -259,39 +249,48 @@ class Trainer:
     def run(self) -> TrainResult:
         t = self.cfg.train
         self.result = result = TrainResult(run_dir=self.run_dir, iterations=self.start_iter)
-        it = self.start_iter
-        with progress_bar(self.max_iters - it, "train", is_main=self.info.is_main) as bar, \
-                contextlib.closing(self.profiler), Stopping(t.max_minutes, self.info) as stopping:
-            while True:
-                stop = it >= self.max_iters or stopping.check() is not None
-                if it % self.eval_interval == 0 or stop:
-                    if not (self.resumed and it == self.start_iter):  # done before that checkpoint was written
-                        self._where = {"step": it, "micro": None}
-                        if stopping.reason == "signal" and it % self.eval_interval:
-                            self.save_before_leaving(it)  # a scheduler's grace is short: no evaluation
-                        else:
-                            self._phase("evaluate")
-                            self.evaluate(it)
-                    self.interval.restart()
-                if stop:
-                    break
-                self.step(it)
-                it += 1
-                self.drill.after(it)
-                result.iterations = it
-                bar.update()
-        heartbeat.note(phase="finish")
-        self.checkpointer.wait()
-        self.batches.close()  # loader workers
-        if self.ledger:
-            self.ledger.close()
-        self.sinks.close()
-        if stopping.reason == "signal":
-            result.preempted = True
-            log.warning("stopped by a signal (%s) after iteration %d, with a checkpoint: exiting with %d so that a job "
-                        "script can re-queue; train.init_from=auto continues from here",
-                        f"{stopping.received} on this rank" if stopping.received else "on another rank", it, rundir.PREEMPTED)
+        if self.resumed:  # what the checkpoint's run had evaluated stands until this one evaluates
+            result.resumed_at = self.start_iter
+            if "val_loss" in self.resumed:
+                result.evaluated(self.start_iter, self.resumed)
+        with progress_bar(self.max_iters - self.start_iter, "train", is_main=self.info.is_main) as bar, \
+                contextlib.closing(self.profiler), Stopping(t.max_minutes, self.info, self.max_iters) as stopping:
+            it = self._loop(bar, stopping)
+            # Still under Stopping's handler: a signal now (torchrun's, as it restarts the ranks to admit a node) is
+            # noted, not fatal, so that the last checkpoint, written in the background, is published before exit.
+            self._where = {"step": it, "micro": None}
+            self._phase("finish")
+            self.checkpointer.wait()
+            self.batches.close()  # loader workers
+            if self.ledger:
+                self.ledger.close()
+            self.sinks.close()
+        result.preempted = stopping.say_how_it_ended(it, complete=it >= self.max_iters)
         return result
+
+    def _loop(self, bar, stopping: Stopping) -> int:
+        """The iterations from start_iter, each evaluation and checkpoint; returns the iteration it stopped after."""
+        it = self.start_iter
+        while True:
+            # Asked at every iteration, the last included (a collective: every rank asks as often), so that a signal
+            # in the last iteration is known: the run completes then, and says so.
+            stop = stopping.check() is not None or it >= self.max_iters
+            if it % self.eval_interval == 0 or stop:
+                if not (self.resumed and it == self.start_iter):  # done before that checkpoint was written
+                    self._where = {"step": it, "micro": None}
+                    if stopping.reason == "signal" and it < self.max_iters and it % self.eval_interval:
+                        self.save_before_leaving(it)  # a scheduler's grace is short: no evaluation
+                    else:
+                        self._phase("evaluate")
+                        self.evaluate(it)
+                self.interval.restart()
+            if stop:
+                return it
+            self.step(it)
+            it += 1
+            self.drill.after(it)
+            self.result.iterations = it
+            bar.update()
 
     def step(self, it: int) -> None:
         """Iteration `it`: its micro-steps, the optimizer step, and its log line if it is a logged one."""
@@ -342,8 +341,7 @@ class Trainer:
         if self.epochs:
             row["epoch"] = it / self.epochs
         check_finite(row, it, self.run_dir, self.recorder.divergence_suspect)
-        self.result.train_loss = row.get("train_loss", row.get("avg_loss", math.nan))
-        self.result.val_loss = row.get("val_loss", math.nan)
+        self.result.evaluated(it, row)
         self.sinks.log(it, row)
         self.workload.after_eval(it, self.layout, self.autocast, self.sinks, self.result)
         if t.save_checkpoints and it > self.start_iter:
