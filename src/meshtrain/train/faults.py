@@ -97,11 +97,12 @@ class Drill:
         self.rank = rank
         self.faults = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and f.attempt == now]
         self.started: dict[int, float] = {}  # iteration -> when this rank entered it: the steps of `steps=K`
+        self.timed_until = max((f.step for f in self.faults if f.steps), default=0)  # none kept past the need
         self.sleep_s: dict[Fault, float] = {}
 
     def during(self, iteration: int, phase: str) -> None:
         """Called as iteration `iteration` (counting from 1) enters `phase`, once the heartbeat has noted it."""
-        if iteration not in self.started:
+        if iteration <= self.timed_until and iteration not in self.started:
             self.started[iteration] = time.monotonic()
         for fault in self.faults:
             if fault.kind == "slow" and fault.phase == phase and iteration >= fault.step:
