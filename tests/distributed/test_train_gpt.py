@@ -130,6 +130,8 @@ def test_ddp_run_learns_and_leaves_a_complete_run_dir(world, request):
         assert len(waits) == world and all(w >= 0 for w in waits), waits
         if world == 4 and r["step"] >= 50:
             assert min(waits[:3]) > 2 / 3 * delay > waits[3], (delay, waits)
+            print(f"straggler drill: {delay:.4f} s; at step {r['step']} the others waited {min(waits[:3]):.4f} s "
+                  f"or more, rank 3 {waits[3]:.4f} s")
     assert "ranks=" not in text, "the console line keeps its columns"
     named = [line for line in text.splitlines() if "straggler: rank" in line]
     assert len(named) == (world == 4), named  # after three intervals (40, 50, 60), once
