@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,18 @@ def torchrun(nproc: int, *args: str, timeout: float = 120, env: dict[str, str] |
     """`torchrun --standalone --nproc-per-node nproc -m meshtrain ARGS`; returns the CompletedProcess."""
     return subprocess.run(torchrun_cmd(nproc, "-m", "meshtrain", *args), capture_output=True, text=True,
                           timeout=timeout, env=env or clean_env(), cwd=REPO)
+
+
+def launch_seconds(nproc: int) -> float:
+    """The wall time of `torchrun --nproc-per-node nproc -m meshtrain test-dist --iters 1` here and now: what starting
+    `nproc` ranks costs this machine under its present load (the interpreter, torch and meshtrain on every rank,
+    the rendezvous, a process group, one DDP iteration). A reference for a limit that a job's start-up must fit in,
+    measured rather than tuned on one box: it follows the CPU's speed, the cores per rank and the load together."""
+    __tracebackhide__ = True
+    started = time.monotonic()
+    out = torchrun(nproc, "test-dist", "--iters", "1", timeout=300)
+    assert out.returncode == 0, output(out)[-3000:]
+    return time.monotonic() - started
 
 
 def mpirun_cmd(nproc: int, *argv: str) -> list[str]:

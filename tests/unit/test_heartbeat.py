@@ -105,10 +105,31 @@ def test_fault_specs_for_stops_and_hangs():
         faults.Fault("stop", rank=2, step=3, phase="backward"), faults.Fault("hang", 1, 3, attempt=1, phase="data")]
     assert faults.parse("slow:rank=1:step=5:phase=data:ms=200") == [
         faults.Fault("slow", rank=1, step=5, phase="data", ms=200)]
+    assert faults.parse("slow:rank=3:step=31:phase=data:steps=3") == [
+        faults.Fault("slow", rank=3, step=31, phase="data", steps=3)]
     for bad in ("stop:rank=2:step=3", "kill:rank=1:step=3:phase=data", "stop:rank=1:step=3:phase=lunch",
-                "slow:rank=1:step=5:phase=data", "hang:rank=1:step=3:phase=data:ms=5"):
+                "slow:rank=1:step=5:phase=data", "hang:rank=1:step=3:phase=data:ms=5",
+                "slow:rank=1:step=5:phase=data:ms=5:steps=2", "slow:rank=1:step=2:phase=data:steps=2"):
         with pytest.raises(faults.FaultSpecError, match="stop\\|hang:rank=R:step=S:phase="):
             faults.parse(bad)
+
+
+def test_a_straggler_in_steps_sleeps_that_many_of_its_median_iterations(monkeypatch):
+    """steps=K: the delay is K of the rank's own median iterations before the fault (one slow iteration, an
+    evaluation, does not move it), so a drilled straggler is as late relative to the job on any machine."""
+    monkeypatch.setenv(faults.ENV, "slow:rank=1:step=5:phase=data:steps=3")
+    clock, slept, said = iter([0.0, 0.1, 0.2, 0.9, 1.0]), [], []
+    monkeypatch.setattr(faults.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr(faults.log, "warning", lambda fmt, *args: said.append(fmt % args))
+    drill = faults.Drill(rank=1)
+    for iteration in range(1, 6):
+        drill.during(iteration, "data")
+        drill.during(iteration, "forward")  # later phases of an iteration do not restart its clock
+    drill.during(6, "data")  # measured once: no clock read (the clock above has no more), nothing kept, past step 5
+    assert slept == pytest.approx([0.3, 0.3]), slept  # iterations 0.1, 0.1, 0.7, 0.1 s: median 0.1
+    assert said == ["fault drill: rank 1 sleeps 0.300000 s in data at every iteration from 5: 3 × its median "
+                    "iteration before it (0.100000 s)"]
 
 
 def test_a_lost_connection_names_the_peer_that_is_gone_and_the_oom_killer(monkeypatch):

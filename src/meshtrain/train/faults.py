@@ -11,6 +11,9 @@ can be tested and rehearsed on a real job:
                                                               batch: a stuck loop in a process that still runs
     MESHTRAIN_FAULT=slow:rank=1:step=5:phase=data:ms=200      rank 1 sleeps 200 ms as it fetches each batch from
                                                               iteration 5 on: a straggler (a slow disk, say)
+    MESHTRAIN_FAULT=slow:rank=3:step=31:phase=data:steps=3    rank 3 sleeps 3 of its own median iterations (those
+                                                              before 31) at every batch from 31 on: a straggler as
+                                                              late relative to the job on any machine
 
 Phases are the heartbeat's (runtime/heartbeat.py): data, forward, backward, forward_backward (a pipeline schedule),
 optimizer; and finish, once the loop has ended after iteration `step` (before the last checkpoint, written in the
@@ -29,15 +32,18 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.runtime import heartbeat
+from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.rundir import read_jsonl
 
 ENV = "MESHTRAIN_FAULT"
+log = get_logger("faults")
 
 
 class FaultSpecError(MeshtrainError, ValueError):
@@ -57,6 +63,7 @@ class Fault:
     attempt: int = 0
     phase: str | None = None  # stop, hang and slow: where in the iteration; kill: after it
     ms: int = 0  # slow: the sleep, in every iteration from `step` on
+    steps: int = 0  # slow, in place of ms: the sleep as this many of the rank's median iterations before `step`
 
 
 def attempt() -> int:
@@ -74,10 +81,12 @@ def parse(text: str) -> list[Fault]:
         except (ValueError, TypeError):
             fault = None
         if (kind not in KINDS or fault is None or (kind == "kill") != (fault.phase is None)
-                or fault.phase not in (None, *PHASES) or (kind == "slow") != (fault.ms > 0)):
+                or fault.phase not in (None, *PHASES) or (kind == "slow") != ((fault.ms > 0) != (fault.steps > 0))
+                or (fault.steps > 0 and fault.step < 3)):  # a median needs iterations before the fault
             raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A], "
                                  f"stop|hang:rank=R:step=S:phase={'|'.join(PHASES)}[:attempt=A] or "
-                                 f"slow:rank=R:step=S:phase=P:ms=M[:attempt=A] (comma-separated), not {item!r}")
+                                 f"slow:rank=R:step=S:phase=P:ms=M|steps=K[:attempt=A] (steps: S >= 3; "
+                                 f"comma-separated), not {item!r}")
         faults.append(fault)
     return faults
 
@@ -87,19 +96,40 @@ class Drill:
 
     def __init__(self, rank: int):
         now = attempt()
+        self.rank = rank
         self.faults = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank and f.attempt == now]
+        self.started: dict[int, float] = {}  # iteration -> when this rank entered it: the steps of `steps=K`
+        self.timed_until = max((f.step for f in self.faults if f.steps), default=0)  # none kept past the need
+        self.sleep_s: dict[Fault, float] = {}
 
     def during(self, iteration: int, phase: str) -> None:
         """Called as iteration `iteration` (counting from 1) enters `phase`, once the heartbeat has noted it."""
+        if iteration <= self.timed_until and iteration not in self.started:
+            self.started[iteration] = time.monotonic()
         for fault in self.faults:
             if fault.kind == "slow" and fault.phase == phase and iteration >= fault.step:
-                time.sleep(fault.ms / 1000)
+                time.sleep(self._sleep_s(fault))
             elif (fault.step, fault.phase) == (iteration, phase):
                 heartbeat.flush()  # what the others read of this rank: where it stopped
                 if fault.kind == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)  # frozen, threads and all, until SIGCONT or SIGKILL
                 while fault.kind == "hang":
                     time.sleep(3600)
+
+    def _sleep_s(self, fault: Fault) -> float:
+        """A slow fault's sleep: its ms, or `steps` × this rank's median iteration before the fault's step (said
+        once, on the rank's log, so that a test or a drill knows the delay it asked for)."""
+        if fault not in self.sleep_s:
+            if fault.steps:
+                ends = [self.started[i] for i in range(1, fault.step + 1) if i in self.started]
+                median = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+                self.sleep_s[fault] = fault.steps * median
+                log.warning("fault drill: rank %d sleeps %.6f s in %s at every iteration from %d: %d × its median "
+                            "iteration before it (%.6f s)", self.rank, self.sleep_s[fault], fault.phase, fault.step,
+                            fault.steps, median)
+            else:
+                self.sleep_s[fault] = fault.ms / 1000
+        return self.sleep_s[fault]
 
     def after(self, iteration: int) -> None:
         """Called once iteration `iteration` (counting from 1) is done."""
