@@ -279,7 +279,8 @@ def test_a_real_cpu_measurement_is_quick_large_enough_and_positive():
     assert torch.equal(torch.get_rng_state(), rng)  # measuring inside a run must not shift its dropout masks
     assert record["flops"] > 1e8 and record["n"] >= 256 and record["threads"] == torch.get_num_threads()
     assert record["best_s"] * record["flops"] == pytest.approx(2 * record["n"] ** 3)
-    assert record["n"] == 4096 or record["best_s"] >= 0.01  # big enough to time the units, not the call
+    # big enough to time the units, not the call, even where another process slowed the calls that chose the size
+    assert record["n"] == 4096 or record["best_s"] >= 0.01
     bandwidth = measure.memory_bandwidth("cpu", nbytes=16 << 20)
     assert bandwidth["gbs"] > 0.1 and bandwidth["bytes"] == 16 << 20
 
