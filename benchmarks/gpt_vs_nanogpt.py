@@ -45,34 +45,43 @@ def baby_gpt_flops_per_token(n_layer=6, n_head=6, n_embd=384, block=256, vocab=6
     return 6 * params + 12 * n_layer * n_head * (n_embd // n_head) * block
 
 
-def run_nanogpt(root: Path, iters: int, target: float, stop_at_target: bool = False) -> dict:
+def run_nanogpt(root: Path, args: list[str], tokens_per_iter: int, eval_interval: int, target: float,
+                stop_at_target: bool = False) -> dict:
+    """nanoGPT's train.py in the checkout `root` with these command-line arguments, on its shakespeare_char data
+    prepared offline from the Shakespeare meshtrain ships. Its speed is the median of its logged iteration times
+    after the first tenth, the iterations that ran an evaluation left out (one every `eval_interval`)."""
     data = root / "data" / "shakespeare_char"
     text = gzip.decompress(resources.files("meshtrain.data.assets").joinpath("tinyshakespeare.txt.gz").read_bytes())
     (data / "input.txt").write_bytes(text)
     subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
-    cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", f"--max_iters={iters}",
-           f"--lr_decay_iters={iters}", "--always_save_checkpoint=False", "--out_dir=/tmp/nanogpt-out"]
+    cmd = [sys.executable, "train.py", *args, "--always_save_checkpoint=False", "--out_dir=/tmp/nanogpt-out"]
     started, ms, evals, reached = time.time(), [], [], None
     with subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
         for line in proc.stdout:
             if m := NANO_ITER.match(line):
-                if int(m[1]) % 250:  # an iteration that evaluated is timed with its evaluation
+                if int(m[1]) % eval_interval:  # an iteration that evaluated is timed with its evaluation
                     ms.append(float(m[2]))
             elif m := NANO_EVAL.match(line):
-                evals.append(float(m[2]))
-                if reached is None and evals[-1] <= target:
-                    reached = time.time() - started
+                evals.append((int(m[1]), time.time() - started, float(m[2])))
+                if reached is None and evals[-1][2] <= target:
+                    reached = evals[-1][1]
                     if stop_at_target:
                         proc.terminate()
                         break
     if proc.returncode and not (stop_at_target and reached):
         sys.exit(f"nanoGPT failed (exit {proc.returncode}): {' '.join(cmd)}")
     steady = statistics.median(ms[len(ms) // 10:])
-    tps = 64 * 256 / (steady / 1e3)
     name = "nanoGPT train.py" + (f", stopped at val {target}" if stop_at_target and reached else "")
-    return {"name": name, "ms": steady, "tps": tps, "flops": tps * baby_gpt_flops_per_token(),
-            "reached": reached, "val": evals[-1], "best": min(evals), "wall": time.time() - started}
+    return {"name": name, "ms": steady, "tps": tokens_per_iter / (steady / 1e3), "reached": reached,
+            "val": evals[-1][2], "best": min(v for _, _, v in evals), "steps": evals[-1][0], "evals": evals,
+            "wall": time.time() - started}
+
+
+def run_baby_gpt_nanogpt(root: Path, iters: int, target: float, stop_at_target: bool) -> dict:
+    run = run_nanogpt(root, ["config/train_shakespeare_char.py", f"--max_iters={iters}", f"--lr_decay_iters={iters}"],
+                      64 * 256, 250, target, stop_at_target)
+    return {**run, "flops": run["tps"] * baby_gpt_flops_per_token()}
 
 
 def run_meshtrain(iters: int, target: float, overrides: list[str], name: str = "meshtrain") -> dict:
@@ -112,7 +121,7 @@ def main() -> None:
 
     entry = match_device(torch.cuda.get_device_name())
     peak = entry.flops["bf16"] if entry else None
-    runs = [run_nanogpt(args.nanogpt.expanduser(), args.iters, args.target, args.stop_nanogpt)] if args.nanogpt else []
+    runs = [run_baby_gpt_nanogpt(args.nanogpt.expanduser(), args.iters, args.target, args.stop_nanogpt)] if args.nanogpt else []
     print(json.dumps(runs), flush=True)  # each row as it is measured: a GPU lease may end before the table
     runs.append(run_meshtrain(args.iters, args.target, args.overrides,
                               f"meshtrain {' '.join(args.overrides)}".strip()))

@@ -107,7 +107,8 @@ def test_fault_specs_for_stops_and_hangs():
         faults.Fault("slow", rank=1, step=5, phase="data", ms=200)]
     assert faults.parse("slow:rank=3:step=31:phase=data:steps=3") == [
         faults.Fault("slow", rank=3, step=31, phase="data", steps=3)]
-    for bad in ("stop:rank=2:step=3", "kill:rank=1:step=3:phase=data", "stop:rank=1:step=3:phase=lunch",
+    assert faults.parse("signal:rank=1:step=5") == [faults.Fault("signal", rank=1, step=5)]
+    for bad in ("stop:rank=2:step=3", "kill:rank=1:step=3:phase=data", "signal:rank=1:step=5:phase=data", "stop:rank=1:step=3:phase=lunch",
                 "slow:rank=1:step=5:phase=data", "hang:rank=1:step=3:phase=data:ms=5",
                 "slow:rank=1:step=5:phase=data:ms=5:steps=2", "slow:rank=1:step=2:phase=data:steps=2"):
         with pytest.raises(faults.FaultSpecError, match="stop\\|hang:rank=R:step=S:phase="):

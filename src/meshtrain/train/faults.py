@@ -1,10 +1,13 @@
 """Fault drills and what a restart cost.
 
-MESHTRAIN_FAULT makes chosen ranks die or hang at chosen iterations, so that restarts, resumes and hang reports
-can be tested and rehearsed on a real job:
+MESHTRAIN_FAULT makes chosen ranks die, hang or get a scheduler's signal at chosen iterations, so that restarts,
+resumes, preemption and hang reports can be tested and rehearsed on a real job:
 
     MESHTRAIN_FAULT=kill:rank=1:step=37                       rank 1 kills itself (SIGKILL) once iteration 37 is done
     MESHTRAIN_FAULT=kill:rank=1:step=13,kill:rank=0:step=27:attempt=1
+    MESHTRAIN_FAULT=signal:rank=1:step=5                      rank 1 sends itself SIGUSR1 once iteration 5 is done:
+                                                              SLURM's --signal warning of a preemption, met by
+                                                              one rank at a known iteration (the job stops after 5)
     MESHTRAIN_FAULT=stop:rank=2:step=3:phase=backward         rank 2 stops itself (SIGSTOP) as iteration 3's
                                                               backward begins: a frozen process, silent
     MESHTRAIN_FAULT=hang:rank=1:step=3:phase=data             rank 1 sleeps for ever as iteration 3 fetches its
@@ -50,7 +53,8 @@ class FaultSpecError(MeshtrainError, ValueError):
     """MESHTRAIN_FAULT does not parse."""
 
 
-KINDS = ("kill", "stop", "hang", "slow")
+KINDS = ("kill", "signal", "stop", "hang", "slow")
+AFTER = ("kill", "signal")  # carried out once the iteration is done, not in a phase of it
 IN_STEP = ("data", "forward", "forward_backward", "backward", "optimizer")  # heartbeat phases inside an iteration
 PHASES = (*IN_STEP, "finish")  # and the one after the last iteration
 
@@ -61,7 +65,7 @@ class Fault:
     rank: int
     step: int
     attempt: int = 0
-    phase: str | None = None  # stop, hang and slow: where in the iteration; kill: after it
+    phase: str | None = None  # stop, hang and slow: where in the iteration; kill and signal: after it
     ms: int = 0  # slow: the sleep, in every iteration from `step` on
     steps: int = 0  # slow, in place of ms: the sleep as this many of the rank's median iterations before `step`
 
@@ -80,10 +84,10 @@ def parse(text: str) -> list[Fault]:
             fault = Fault(kind, **{key: value if key == "phase" else int(value) for key, value in values.items()})
         except (ValueError, TypeError):
             fault = None
-        if (kind not in KINDS or fault is None or (kind == "kill") != (fault.phase is None)
+        if (kind not in KINDS or fault is None or (kind in AFTER) != (fault.phase is None)
                 or fault.phase not in (None, *PHASES) or (kind == "slow") != ((fault.ms > 0) != (fault.steps > 0))
                 or (fault.steps > 0 and fault.step < 3)):  # a median needs iterations before the fault
-            raise FaultSpecError(f"{ENV}={text!r}: each fault is kill:rank=R:step=S[:attempt=A], "
+            raise FaultSpecError(f"{ENV}={text!r}: each fault is kill|signal:rank=R:step=S[:attempt=A], "
                                  f"stop|hang:rank=R:step=S:phase={'|'.join(PHASES)}[:attempt=A] or "
                                  f"slow:rank=R:step=S:phase=P:ms=M|steps=K[:attempt=A] (steps: S >= 3; "
                                  f"comma-separated), not {item!r}")
@@ -133,7 +137,10 @@ class Drill:
 
     def after(self, iteration: int) -> None:
         """Called once iteration `iteration` (counting from 1) is done."""
-        if any(f.kind == "kill" and f.step == iteration for f in self.faults):
+        kinds = {f.kind for f in self.faults if f.step == iteration}
+        if "signal" in kinds:
+            os.kill(os.getpid(), signal.SIGUSR1)  # the handler notes it; the next iteration's check stops every rank
+        if "kill" in kinds:
             os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no last words: as a node that dies
 
 
