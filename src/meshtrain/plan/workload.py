@@ -42,8 +42,8 @@ class ModelFacts:
         spec = registry.spec_of(cfg)
         shape = spec.shape(cfg)
         if shape.experts:  # its experts' matmuls are not nn.Linears: it would be priced as a much smaller dense model
-            raise PlanError(f"model {spec.name!r}: planning a mixture of experts is not supported yet; set the layout "
-                            "yourself (parallel.plan=manual, the default) and train.memory_check=off or warn")
+            raise PlanError(f"model {spec.name!r}: planning a mixture of experts is not supported yet; choose its "
+                            "layout yourself (parallel.plan=manual, the default)")
         if spec.build_model is None or spec.data_facts is None:
             raise registry.RegistryError(f"model {spec.name!r} gives no build_model or data_facts in its ModelSpec: "
                                          "the planner builds the model from them (see docs/models.md)")

@@ -108,8 +108,10 @@ class MoE(nn.Module):
         keep = self.kept(routing.experts)
         routed = self.combine(flat, routing.experts, routing.gates, keep)
         out = routed if self.shared is None else routed + self.shared(flat)
+        # Computed in a recomputation too (activation checkpointing checks that it saves what the forward saved);
+        # only the forward keeps it and counts.
+        aux = balance_loss(routing.scores, routing.experts, self.router.score)
         if not in_backward():
-            aux = balance_loss(routing.scores, routing.experts, self.router.score)
             self.balance_loss = aux if self.training else None
             dropped = (~keep).sum() if keep is not None else torch.zeros((), dtype=torch.int64, device=x.device)
             self.tally.add(routing_counts(routing.experts, self.router.n_experts), dropped, aux, flat.shape[0])
