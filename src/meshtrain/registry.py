@@ -1,6 +1,6 @@
 """The models meshtrain can train, each described by one ModelSpec; nothing outside a model's folder names it.
 
-    spec = registry.get("gpt")          # built in: gpt, vit, llama; or an installed plugin; or "package.module:NAME"
+    spec = registry.get("gpt")          # built in: gpt, vit, llama, moe; or an installed plugin; or "package.module:NAME"
     spec.run_config                     # the dataclass of a whole run (model, data, optimizer, train, parallel)
     spec.workload(cfg, info, dims)      # what the training loop drives: model, layout, batches, evaluation
 
@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # for annotations only
     from meshtrain.nn.transformer import AutocastActivations
 
 ENTRY_POINTS = "meshtrain.models"
-BUILT_IN = {"gpt": "meshtrain.models.gpt:SPEC", "vit": "meshtrain.models.vit:SPEC", "llama": "meshtrain.models.llama:SPEC"}
+BUILT_IN = {"gpt": "meshtrain.models.gpt:SPEC", "vit": "meshtrain.models.vit:SPEC", "llama": "meshtrain.models.llama:SPEC",
+            "moe": "meshtrain.models.moe:SPEC"}
 
 
 class RegistryError(MeshtrainError, ValueError):
@@ -69,6 +70,9 @@ class ModelShape:
     # sequence parallel they meet a token-sharded stream, so their gradient arrives holding 1/tp of them
     token_sharded_grads: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     parallelisms: frozenset[str] = frozenset({"tp", "cp", "pp", "deepspeed"})  # which this model's plan supports
+    # Routed experts per mixture-of-experts layer (models/moe); 0: a dense model. The planner prices dense models
+    # only, and refuses a model with experts rather than price it as dense.
+    experts: int = 0
     keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> config key, for messages
 
 

@@ -42,6 +42,7 @@ TINY_MODEL = {
     "gpt": ["model.n_layer=4", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=4"],
     "llama": ["model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32", "model.block_size=32",
               "model.batch_size=2"],
+    "moe": ["model.n_layer=2", "model.n_embd=32", "model.block_size=32", "model.batch_size=2", "model.expert_hidden=32"],
     "vit": ["model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=4", "data.crop=[32,64]",
             "data.batch_size=2", "data.global_batch_size=null", "data.limit_train=16"],
 }
@@ -54,7 +55,7 @@ NOT_HERE = re.compile(r"--rdzv-endpoint node\d")  # hosts of a cluster: the laun
 # A line of the output that says the command did its job, by what the command is.
 SAID = [(r"--dry-run", r"^(env (\S+=\S+ )+)?(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
         r"test-dist passed: \d+ rank\(s\) on 1 node\(s\) hold bit-identical parameters"),
-        (r"\btrain (gpt|vit|llama)\b", r"done: \d+ iterations"), (r"\bprepare\b", r"wrote data/|is up to date"),
+        (r"\btrain (gpt|vit|llama|moe)\b", r"done: \d+ iterations"), (r"\bprepare\b", r"wrote data/|is up to date"),
         (r"\bsample\b", r"^What is an LLM\?"), (r"\bexport\b", r"^wrote \S+\.pt"), (r"\bmachine\b", r"matmul"),
         (r"\bplan\b.*--json", r'"layout":'), (r"\bplan\b.*--validate", r"regret"),
         (r"\bplan\b", r"train the first with: meshtrain train"), (r"\breport\b", r"report of \d+ run\(s\)"),

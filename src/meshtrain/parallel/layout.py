@@ -8,12 +8,13 @@ ViT. The trainer calls
 
     optimizer = layout.attach_optimizer(optimizer)
     loss = layout.train_micro_step(x, y, accum=, sync=, autocast=, scaler=, timer=)   # per micro-batch
-    layout.finish_backward(); norm = layout.optimizer_step(optimizer, scaler, max_norm)
+    layout.finish_backward(); norm = layout.optimizer_step(optimizer, scaler, max_norm)   # then its after_step hooks
     layout.save_checkpoint(checkpointer, it, optimizer, trainer_state) / layout.load_checkpoint(dir, optimizer, load)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ class Layout:
     runnable: nn.Module | None = None  # what a forward calls (wrapped by DDP / compile)
     parts: list[nn.Module] = field(default_factory=list)  # the modules data parallelism wrapped
     aliases: dict[str, str] = field(default_factory=dict)  # see parallel.state_dict
+    # What a model's workload runs after every optimizer step, in order (the MoE routers' bias update)
+    after_step: list[Callable[[], None]] = field(default_factory=list)
 
     # ---- the optimizer and checkpoints ---------------------------------------------------------------------
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -50,6 +53,8 @@ class Layout:
         scaler.update()
         if float8.gathers_in_float8(self.model):  # the weights' scales for the next forward's float8 gathers
             float8.after_optimizer_step(self.model)
+        for hook in self.after_step:
+            hook()
         return norm
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from meshtrain import registry
 from meshtrain.parallel.pipeline_schedules import StageSplit, split_layers, stage_ids
+from meshtrain.plan.systems import PlanError
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -40,6 +41,9 @@ class ModelFacts:
         own when planning for data that is not on this machine."""
         spec = registry.spec_of(cfg)
         shape = spec.shape(cfg)
+        if shape.experts:  # its experts' matmuls are not nn.Linears: it would be priced as a much smaller dense model
+            raise PlanError(f"model {spec.name!r}: planning a mixture of experts is not supported yet; choose its "
+                            "layout yourself (parallel.plan=manual, the default)")
         if spec.build_model is None or spec.data_facts is None:
             raise registry.RegistryError(f"model {spec.name!r} gives no build_model or data_facts in its ModelSpec: "
                                          "the planner builds the model from them (see docs/models.md)")

@@ -24,7 +24,7 @@ def figures(runs: list[Run]) -> dict[str, Figure]:
     made = {"loss": loss_by_iteration(runs), "loss_time": loss_by_time(runs), "lr": _line(runs, "lr", "learning rate"),
             "grad_norm": _line(runs, "grad_norm", "gradient norm", log=True), "throughput": throughput(runs),
             "step_breakdown": step_breakdown(runs), "memory": memory_per_rank(runs), "rank_spread": rank_spread(runs),
-            "skill": skill(runs)}
+            "skill": skill(runs), "experts": experts(runs)}
     return {name: fig for name, fig in made.items() if fig is not None}
 
 
@@ -143,6 +143,31 @@ def skill(runs: list[Run]) -> Figure | None:
         ax.plot(*_xy(run.evals, "persistence_rmse_u10"), color=colour, ls="--", label=f"{run.name}: persistence")
     ax.set(xlabel="iteration", ylabel="RMSE u10", title="forecast against persistence (validation)")
     ax.legend(fontsize=7)
+    return _done(fig)
+
+
+def experts(runs: list[Run]) -> Figure | None:
+    """A mixture of experts' routing at each evaluation (models/moe/workload.py): the smallest and largest share of a
+    layer's assignments one expert took against the even share, and the load's normalised entropy; then each
+    layer × expert share at the last evaluation of the first run that has them, as a heatmap."""
+    have = [run for run in runs if any("expert_share" in r for r in run.evals)]
+    if not have:
+        return None
+    fig, (shares, heat) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for colour, run in _coloured(have):
+        shares.plot(*_xy(run.evals, "expert_share_max"), color=colour, marker="o", label=f"{run.name}: max")
+        shares.plot(*_xy(run.evals, "expert_share_min"), color=colour, marker="v", ls="--", label=f"{run.name}: min")
+        shares.plot(*_xy(run.evals, "expert_entropy"), color=colour, ls=":", label=f"{run.name}: entropy")
+    last = [r for r in have[0].evals if "expert_share" in r][-1]
+    table = last["expert_share"]
+    shares.axhline(1 / len(table["share"][0]), color="grey", lw=0.8, label="even share")
+    shares.set(xlabel="iteration", ylabel="share of assignments", title="expert load at evaluation")
+    shares.legend(fontsize=7)
+    image = heat.imshow(table["share"], aspect="auto", cmap="viridis", vmin=0)
+    heat.set_yticks(range(len(table["layers"])), [str(i) for i in table["layers"]], fontsize=7)
+    heat.set(xlabel="expert", ylabel="layer", title=f"share per layer and expert, iteration {last['step']}"
+             + (f" ({have[0].name})" if len(runs) > 1 else ""))
+    fig.colorbar(image, ax=heat)
     return _done(fig)
 
 

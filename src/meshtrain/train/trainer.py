@@ -145,6 +145,8 @@ class Trainer:
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         model = self.workload.build_model().to(device)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
+        # A model whose tokens each use part of it (a mixture of experts) says how much: its FLOPs count only that.
+        self.active_params = model.num_active_params() if hasattr(model, "num_active_params") else None
         self.batches = self.workload.batches
         self.autocast = (torch.autocast(device_type=device.type, dtype=AUTOCAST[t.dtype]) if AUTOCAST[t.dtype]
                          else nullcontext())
@@ -231,8 +233,9 @@ class Trainer:
         log.info("precision: %s (%s)", t.dtype, self.precision.reason)
         if self.precision.warning:
             log.warning("%s", self.precision.warning)
-        log.info("model: %.2fM parameters, %.3g FLOPs per token; peak %.4g TFLOP/s per device (%s)",
-                 self.num_params / 1e6, self.flops_per_token, peak.flops / 1e12, peak.source)
+        active = "" if self.active_params is None else f" ({self.active_params / 1e6:.2f}M active per token)"
+        log.info("model: %.2fM parameters%s, %.3g FLOPs per token; peak %.4g TFLOP/s per device (%s)",
+                 self.num_params / 1e6, active, self.flops_per_token, peak.flops / 1e12, peak.source)
         log.info("layout: %s over %d rank(s) (%s); %s; %d data-parallel rank(s) × accumulation %d: global batch %d "
                  "samples (%d tokens) per iteration", t.backend, self.info.world_size, _describe(dims),
                  workload.describe(), dims.dp_size, t.grad_accum, self.samples_per_iter,

@@ -72,12 +72,13 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(rmsnorm(x), rope), then x + swiglu(rmsnorm(x))."""
 
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, mlp: nn.Module | None = None):
+        """`mlp`: the feed-forward branch, when not the dense SwiGLU (the mixture of experts, models/moe)."""
         super().__init__()
         self.ln_1 = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
         self.attn = Attention(c.n_embd, c.n_head, n_kv_head=c.n_kv_head, causal=True, dropout=c.dropout, bias=False)
         self.ln_2 = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
-        self.mlp = SwiGLU(c.n_embd, c.ffn_hidden, c.dropout)
+        self.mlp = mlp if mlp is not None else SwiGLU(c.n_embd, c.ffn_hidden, c.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope=rope)
@@ -92,11 +93,15 @@ class Llama(nn.Module):
             wte=nn.Embedding(c.vocab_size, c.n_embd),
             drop=nn.Dropout(c.dropout),
             # "0".."L-1": a ModuleList's names, but a pipeline stage can drop blocks and keep the others' names.
-            h=nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)}),
+            h=nn.ModuleDict({str(i): self.make_block(i) for i in range(c.n_layer)}),
             ln_f=nn.RMSNorm(c.n_embd, eps=c.norm_eps),
         ))
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.init_weights()
+
+    def make_block(self, layer: int) -> nn.Module:
+        """Block `layer` (0-based); a decoder built on this one (models/moe) chooses its feed-forward per layer."""
+        return Block(self.config)
 
     def init_weights(self) -> None:
         """GPT-2's init (nn/transformer.init_gpt2_style), norms at 1. Public for meta-device builds."""

@@ -1,0 +1,77 @@
+"""A mixture-of-experts decoder on text: the Llama-style decoder whose feed-forward in every (or every k-th) layer is
+a router over E SwiGLU experts, top-k, with optional shared experts.
+
+    model.py        the decoder (no distributed code): MoE layers in the Llama's blocks
+    router.py       routing (softmax or sigmoid, top-k, the tie rule), balance loss, bias update, capacity
+    experts.py      the routed experts' stacked weights; their matmuls as one grouped GEMM or a loop
+    workload.py     the language model's workload, plus the routing's counts summed over the data-parallel ranks:
+                    the bias update after each optimizer step, and the routing figures of each evaluation
+    parallelize.py  its layout: every language model's (parallel/lm_layout.py), data parallelism only for now
+    config.py       its run config and rules; presets/ the YAML presets (cpu, shakespeare, published shapes)
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from meshtrain.models import model_spec
+from meshtrain.models.llama import SPLIT
+from meshtrain.models.llama.config import ffn_hidden
+from meshtrain.models.moe.config import MoERunConfig, expert_hidden, moe_layers, validate
+from meshtrain.registry import ModelShape
+
+if TYPE_CHECKING:  # for annotations only
+    from meshtrain.config import RunConfig
+
+_KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "kv_heads": "model.n_kv_head",
+                          "mlp_hidden": "model.expert_hidden", "tokens": "model.block_size",
+                          "batch_size": "model.batch_size", "dropout": "model.dropout"})
+
+
+def _shape(cfg: MoERunConfig) -> ModelShape:
+    m = cfg.model
+    # No activation figures: the planner does not price a mixture of experts yet (it refuses, plan/workload.py).
+    return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head,
+                      mlp_hidden=expert_hidden(m), tokens=m.block_size, causal=True, batch_size=m.batch_size,
+                      dropout=m.dropout, keys=_KEYS, parallelisms=frozenset(), experts=m.n_experts)
+
+
+def build_model(cfg: MoERunConfig, data_facts: dict):
+    """The decoder of a run config; the vocabulary comes from the data's meta.json (data_facts["meta"])."""
+    from meshtrain.models.moe.model import MoEConfig, MoEDecoder
+
+    m = cfg.model
+    return MoEDecoder(MoEConfig(
+        block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer, n_head=m.n_head,
+        n_kv_head=m.n_kv_head, n_embd=m.n_embd, ffn_hidden=ffn_hidden(m), rope_theta=m.rope_theta, dropout=m.dropout,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens, n_experts=m.n_experts, top_k=m.top_k,
+        expert_hidden=expert_hidden(m), n_shared_experts=m.n_shared_experts, moe_layers=tuple(moe_layers(m)),
+        score=m.score, norm_topk=m.norm_topk, route_scale=m.route_scale, balance_coef=m.balance_coef,
+        capacity_factor=m.capacity_factor, expert_matmul=m.expert_matmul))
+
+
+def _workload(cfg: RunConfig, info, dims):
+    from meshtrain.models.moe.parallelize import build_moe_layout
+    from meshtrain.models.moe.workload import MoEWorkload
+
+    return MoEWorkload(cfg, info, dims, build_model=build_model, build_layout=build_moe_layout)
+
+
+SPEC = model_spec(__file__, language_model=True, name="moe",
+                  summary="a mixture-of-experts decoder on text (Llama-style, top-k routed SwiGLU experts)",
+                  run_config=MoERunConfig, workload=_workload, shape=_shape, validate=validate,
+                  build_model=build_model, stage_split=SPLIT,
+                  tiny=(),  # not calibrated: the planner does not price a mixture of experts yet
+                  legend=MappingProxyType({
+                      "balance_loss": "the routers' balance loss E·Σ f_i·P_i (1: even), mean over MoE layers, at "
+                                      "evaluation",
+                      "expert_share_min": "the smallest share of a layer's token assignments one expert took "
+                                          "(even: 1/n_experts), over every MoE layer, at evaluation",
+                      "expert_share_max": "the largest such share",
+                      "expert_entropy": "the entropy of each layer's expert shares / log(n_experts), mean over "
+                                        "layers (1: even load, 0: one expert takes all)",
+                      "dropped_tokens": "token assignments dropped by model.capacity_factor at evaluation (0: "
+                                        "dropless)",
+                      "dropped_frac": "dropped_tokens / all assignments (tokens × top_k × MoE layers)",
+                  }))

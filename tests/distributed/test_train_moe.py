@@ -1,0 +1,76 @@
+"""The mixture-of-experts decoder end to end through `meshtrain train moe`: one process whose metrics hold the
+routing figures (shares that sum to 1, nothing dropped when dropless) and whose report draws them; and two DDP ranks
+against one process with the same global batch (accumulation 2): the same losses and the same routing, so the
+balance loss and the bias update see the whole step's tokens on every rank."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.conftest import REPO, clean_env, output, prepare_data, torchrun
+
+# The cpu preset made smaller (2 MoE layers after 1 dense), with a bias update fast enough to change routing within
+# the run, so that a wrongly summed load would show in the losses and shares.
+TINY = ["preset=cpu", "model.n_layer=3", "model.block_size=32", "model.batch_size=4", "train.eval_iters=2",
+        "train.dtype=fp32", "train.log_interval=1", "train.eval_interval=6", "train.max_iters=6",
+        "train.sample_tokens=8", "optimizer.warmup_iters=2", "optimizer.lr=1e-2", "model.bias_update_rate=0.05",
+        "train.save_checkpoints=false"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return prepare_data(tmp_path_factory.mktemp("data"))
+
+
+def rows_of(out_dir: Path, backend: str = "ddp") -> list[dict]:
+    from meshtrain.runtime.rundir import read_jsonl
+
+    return read_jsonl((out_dir / "moe" / backend / "latest").resolve() / "metrics.jsonl")
+
+
+def one_process(data_root: Path, out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain", "train", "moe", *TINY, f"data.root={data_root}",
+                           f"train.out_dir={out_dir}", *overrides], capture_output=True, text=True, env=clean_env(),
+                          cwd=REPO, timeout=180)
+
+
+def test_one_process_logs_the_routing_and_its_report_draws_it(data_root, tmp_path):
+    run = one_process(data_root, tmp_path, "train.report=true")
+    said = output(run)
+    assert run.returncode == 0, said[-3000:]
+    assert "M parameters (" in said and "M active per token)" in said
+    evals = [r for r in rows_of(tmp_path) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 6]
+    for row in evals:
+        shares = row["expert_share"]["share"]
+        assert row["expert_share"]["layers"] == [1, 2] and len(shares) == 2 and all(len(s) == 8 for s in shares)
+        assert all(sum(s) == pytest.approx(1.0) for s in shares)  # every assignment reached one of the experts
+        assert row["dropped_tokens"] == 0 and row["dropped_frac"] == 0  # dropless
+        assert row["expert_share_min"] == min(map(min, shares)) and row["expert_share_max"] == max(map(max, shares))
+        assert 0 < row["expert_entropy"] <= 1 and row["balance_loss"] >= 1 - 1e-6  # E·Σ f·P is at least 1
+    report = (tmp_path / "moe" / "ddp" / "latest").resolve() / "report"
+    assert (report / "experts.png").is_file() and 'alt="experts"' in (report / "report.html").read_text()
+
+
+def test_two_ddp_ranks_route_and_learn_as_one_process_with_the_whole_batch(data_root, tmp_path):
+    ranks = torchrun(2, "train", "moe", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path / 'ddp'}",
+                     timeout=180)
+    assert ranks.returncode == 0, output(ranks)[-3000:]
+    one = one_process(data_root, tmp_path / "one", "train.grad_accum=2")
+    assert one.returncode == 0, output(one)[-3000:]
+    got, want = rows_of(tmp_path / "ddp"), rows_of(tmp_path / "one")
+    losses = lambda rows: {r["step"]: r["loss"] for r in rows if "loss" in r}  # noqa: E731
+    assert sorted(losses(got)) == list(range(1, 7))
+    assert losses(got) == pytest.approx(losses(want), rel=1e-5)
+    last = lambda rows: [r for r in rows if "val_loss" in r][-1]  # noqa: E731
+    for key in ("val_loss", "balance_loss", "expert_share_min", "expert_share_max"):
+        assert last(got)[key] == pytest.approx(last(want)[key], rel=1e-5), key
+    assert np_close(last(got)["expert_share"]["share"], last(want)["expert_share"]["share"])
+
+
+def np_close(a: list[list[float]], b: list[list[float]]) -> bool:
+    return all(x == pytest.approx(y, abs=1e-6) for row_a, row_b in zip(a, b, strict=True)
+               for x, y in zip(row_a, row_b, strict=True))
