@@ -108,11 +108,35 @@ def test_fault_specs_for_stops_and_hangs():
     assert faults.parse("slow:rank=3:step=31:phase=data:steps=3") == [
         faults.Fault("slow", rank=3, step=31, phase="data", steps=3)]
     assert faults.parse("signal:rank=1:step=5") == [faults.Fault("signal", rank=1, step=5)]
-    for bad in ("stop:rank=2:step=3", "kill:rank=1:step=3:phase=data", "signal:rank=1:step=5:phase=data", "stop:rank=1:step=3:phase=lunch",
+    assert faults.parse("hold:rank=1:step=8:phase=data") == [faults.Fault("hold", rank=1, step=8, phase="data")]
+    for bad in ("stop:rank=2:step=3", "kill:rank=1:step=3:phase=data", "signal:rank=1:step=5:phase=data",
+                "hold:rank=1:step=8", "stop:rank=1:step=3:phase=lunch",
                 "slow:rank=1:step=5:phase=data", "hang:rank=1:step=3:phase=data:ms=5",
                 "slow:rank=1:step=5:phase=data:ms=5:steps=2", "slow:rank=1:step=2:phase=data:steps=2"):
-        with pytest.raises(faults.FaultSpecError, match="stop\\|hang:rank=R:step=S:phase="):
+        with pytest.raises(faults.FaultSpecError, match="stop\\|hang\\|hold:rank=R:step=S:phase="):
             faults.parse(bad)
+
+
+def test_a_held_rank_waits_in_its_phase_until_it_is_signalled(monkeypatch):
+    """hold: the rank stays in iteration 8's data phase, however long, until its signal handler (train.stopping)
+    notes SIGTERM or SIGUSR1; then the iteration goes on."""
+    import signal
+    import threading
+
+    from meshtrain.train import stopping
+
+    monkeypatch.setenv(faults.ENV, "hold:rank=1:step=8:phase=data")
+    monkeypatch.setattr(stopping, "SIGNALLED", threading.Event())
+    monkeypatch.setattr(faults.heartbeat, "flush", lambda: None)
+    drill = faults.Drill(rank=1)
+    drill.during(7, "data")  # not its iteration: returns at once
+    held = threading.Thread(target=drill.during, args=(8, "data"))
+    held.start()
+    held.join(0.3)
+    assert held.is_alive()
+    stopping.Stopping(None, info=None)._note(signal.SIGTERM, None)
+    held.join(2)
+    assert not held.is_alive()
 
 
 def test_a_straggler_in_steps_sleeps_that_many_of_its_median_iterations(monkeypatch):

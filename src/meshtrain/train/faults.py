@@ -12,6 +12,11 @@ resumes, preemption and hang reports can be tested and rehearsed on a real job:
                                                               backward begins: a frozen process, silent
     MESHTRAIN_FAULT=hang:rank=1:step=3:phase=data             rank 1 sleeps for ever as iteration 3 fetches its
                                                               batch: a stuck loop in a process that still runs
+    MESHTRAIN_FAULT=hold:rank=1:step=8:phase=data             rank 1 waits as iteration 8 fetches its batch until
+                                                              the rank is signalled (SIGTERM, SIGUSR1): a job held
+                                                              at a known iteration until its launcher restarts it
+                                                              (torchrun admitting a node that joined), however long
+                                                              that takes on this machine
     MESHTRAIN_FAULT=slow:rank=1:step=5:phase=data:ms=200      rank 1 sleeps 200 ms as it fetches each batch from
                                                               iteration 5 on: a straggler (a slow disk, say)
     MESHTRAIN_FAULT=slow:rank=3:step=31:phase=data:steps=3    rank 3 sleeps 3 of its own median iterations (those
@@ -44,6 +49,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.runtime import heartbeat
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.rundir import read_jsonl
+from meshtrain.train import stopping
 
 ENV = "MESHTRAIN_FAULT"
 log = get_logger("faults")
@@ -53,7 +59,7 @@ class FaultSpecError(MeshtrainError, ValueError):
     """MESHTRAIN_FAULT does not parse."""
 
 
-KINDS = ("kill", "signal", "stop", "hang", "slow")
+KINDS = ("kill", "signal", "stop", "hang", "hold", "slow")
 AFTER = ("kill", "signal")  # carried out once the iteration is done, not in a phase of it
 IN_STEP = ("data", "forward", "forward_backward", "backward", "optimizer")  # heartbeat phases inside an iteration
 PHASES = (*IN_STEP, "finish")  # and the one after the last iteration
@@ -65,7 +71,7 @@ class Fault:
     rank: int
     step: int
     attempt: int = 0
-    phase: str | None = None  # stop, hang and slow: where in the iteration; kill and signal: after it
+    phase: str | None = None  # stop, hang, hold and slow: where in the iteration; kill and signal: after it
     ms: int = 0  # slow: the sleep, in every iteration from `step` on
     steps: int = 0  # slow, in place of ms: the sleep as this many of the rank's median iterations before `step`
 
@@ -88,7 +94,7 @@ def parse(text: str) -> list[Fault]:
                 or fault.phase not in (None, *PHASES) or (kind == "slow") != ((fault.ms > 0) != (fault.steps > 0))
                 or (fault.steps > 0 and fault.step < 3)):  # a median needs iterations before the fault
             raise FaultSpecError(f"{ENV}={text!r}: each fault is kill|signal:rank=R:step=S[:attempt=A], "
-                                 f"stop|hang:rank=R:step=S:phase={'|'.join(PHASES)}[:attempt=A] or "
+                                 f"stop|hang|hold:rank=R:step=S:phase={'|'.join(PHASES)}[:attempt=A] or "
                                  f"slow:rank=R:step=S:phase=P:ms=M|steps=K[:attempt=A] (steps: S >= 3; "
                                  f"comma-separated), not {item!r}")
         faults.append(fault)
@@ -119,6 +125,8 @@ class Drill:
                     os.kill(os.getpid(), signal.SIGSTOP)  # frozen, threads and all, until SIGCONT or SIGKILL
                 while fault.kind == "hang":
                     time.sleep(3600)
+                while fault.kind == "hold" and not stopping.SIGNALLED.is_set():
+                    time.sleep(0.05)
 
     def _sleep_s(self, fault: Fault) -> float:
         """A slow fault's sleep: its ms, or `steps` × this rank's median iteration before the fault's step (said

@@ -37,6 +37,7 @@ from meshtrain.runtime.setup import DistInfo, cpu_group, reduce_scalar
 log = get_logger("train")
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALLED = threading.Event()  # set once this process has noted one of SIGNALS (a fault drill's `hold` waits on it)
 
 
 class Stopping:
@@ -69,6 +70,7 @@ class Stopping:
     def _note(self, signum: int, _frame) -> None:
         self.received = signal.Signals(signum).name
         self._arrived.set()
+        SIGNALLED.set()
 
     def _say_what_follows(self) -> None:
         """Rank 0, the moment a signal arrives: what the run waits for before it can leave, and for how long."""
