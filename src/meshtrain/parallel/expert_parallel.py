@@ -100,6 +100,10 @@ def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, 
     weights = [scale_grad(_local(p), 1.0 / ep) for p in experts.parameters(recurse=False)]
     local_rows, local_counts, route = dispatch(rows, counts, group, ep)
     out = experts.compute(local_rows, local_counts, *weights)
+    if local_rows.shape[0] == 0:
+        # No row reached this rank's experts: join the weights to the graph anyway (a gradient of zeros), or this
+        # rank would have no gradient where its edp peers have one, and their reductions would not line up.
+        out = out + sum(w.reshape(-1)[:1].sum() for w in weights) * 0
     return combine(out, route, rows.shape[0])
 
 
