@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.config import ConfigError, load_config
-from meshtrain.parallel.expert_parallel import scale_grad
+from meshtrain.parallel.expert_parallel import arrival_order, scale_grad
 from meshtrain.parallel.mesh import MeshError, ParallelDims
 
 
@@ -131,3 +131,11 @@ def test_scale_grad_is_the_identity_forward_and_scales_the_gradient():
     assert torch.equal(out, w)
     out.sum().backward()
     assert torch.equal(w.grad, torch.full_like(w, 0.25))
+
+
+def test_arrived_rows_are_put_in_expert_major_order_keeping_each_sources_order():
+    # 2 sources × 2 local experts: source 0 sends 1 row to expert 0 and 2 to expert 1, source 1 sends 3 to expert 0
+    incoming = torch.tensor([[1, 2], [3, 0]])
+    # arrived: [s0e0, s0e1, s0e1, s1e0, s1e0, s1e0] -> expert 0's rows (source 0's, then source 1's), then expert 1's
+    assert arrival_order(incoming).tolist() == [0, 3, 4, 5, 1, 2]
+    assert arrival_order(torch.zeros(4, 2, dtype=torch.int64)).numel() == 0

@@ -134,11 +134,18 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, group, ep: int):
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     arrived = all_to_all_single_autograd(rows[:sum(sent)].contiguous(), received, sent, group)
-    # What arrived is source-major (rank s's rows for local experts 0, 1, ...); the experts want expert-major.
-    segment = torch.repeat_interleave(torch.arange(incoming.numel(), device=rows.device), incoming.flatten())
-    source, expert = segment // local_experts, segment % local_experts
-    order = torch.argsort(expert * ep + source, stable=True)
+    order = arrival_order(incoming)
     return arrived[order], incoming.sum(0), Route(group, sent, received, order)
+
+
+def arrival_order(incoming: torch.Tensor) -> torch.Tensor:
+    """What arrives is source-major (rank 0's rows for local experts 0, 1, ..., then rank 1's, ...), as counted by
+    incoming [ep, E/ep]; the experts want it expert-major: the permutation that sorts it so (stable, so each
+    source's rows keep their order)."""
+    ep, local_experts = incoming.shape
+    segment = torch.repeat_interleave(torch.arange(incoming.numel(), device=incoming.device), incoming.flatten())
+    source, expert = segment // local_experts, segment % local_experts
+    return torch.argsort(expert * ep + source, stable=True)
 
 
 def combine(out: torch.Tensor, route: Route, rows: int) -> torch.Tensor:
