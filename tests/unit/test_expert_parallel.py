@@ -139,3 +139,26 @@ def test_arrived_rows_are_put_in_expert_major_order_keeping_each_sources_order()
     # arrived: [s0e0, s0e1, s0e1, s1e0, s1e0, s1e0] -> expert 0's rows (source 0's, then source 1's), then expert 1's
     assert arrival_order(incoming).tolist() == [0, 3, 4, 5, 1, 2]
     assert arrival_order(torch.zeros(4, 2, dtype=torch.int64)).numel() == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(world_size=4, ep=2), dict(world_size=4, ep=4), dict(world_size=8, ep=4),
+                                    dict(world_size=8, dp_replicate=2, ep=2)])
+def test_the_real_meshs_expert_view_has_the_groups_the_arithmetic_says(kwargs):
+    """build_mesh as each rank under torch's fake process group (one process, no communication): the DeviceMesh's ep
+    and edp dims hold exactly the ranks group_of computes."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtrain.parallel.mesh import submesh
+
+    dims = ParallelDims(**kwargs)
+    for rank in range(dims.world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+        try:
+            mesh = dims.build_mesh("cpu")
+            for dim in ("ep", "edp"):
+                sub = submesh(mesh, dim)
+                ranks = sorted(sub.mesh.flatten().tolist()) if sub is not None else [rank]
+                assert ranks == dims.group_of(rank, dim), (rank, dim)
+        finally:
+            dist.destroy_process_group()
