@@ -182,13 +182,10 @@ class ParallelDims:
     def group_of(self, rank: int, dim: str) -> list[int]:
         """The global ranks that share every coordinate of `rank` except those of `dim` (sorted); `dim` may be an
         expert dim ("ep", "efsdp", "edp")."""
-        parts = _parts(dim)
-        strides = self._strides()
-        offset = rank
-        ranks = [0]
-        for part in parts:
-            offset -= self.expert_coords(rank)[part] * strides[part] if part in EXPERT_DIMS else \
-                self.coords(rank)[part] * strides[part]
+        strides, coords = self._strides(), self.coords(rank) | self.expert_coords(rank)
+        offset, ranks = rank, [0]
+        for part in _parts(dim):  # the rank with coordinate 0 along `dim`, then every step along its parts
+            offset -= coords[part] * strides[part]
             ranks = [r + i * strides[part] for r in ranks for i in range(getattr(self, part))]
         return sorted(offset + r for r in ranks)
 
