@@ -70,6 +70,8 @@ def parse(case: str):
         if key == "ac":  # train.activation_checkpointing, which composes with every layout
             cfg.train.activation_checkpointing = value
             continue
+        if key == "idle":  # the moe: no token routed to the upper half of the experts (run_case)
+            continue
         value = int(value) if key in INTS else (value == "true" if value in ("true", "false") else value)
         setattr(cfg.parallel, key, value)
     return cfg
@@ -88,7 +90,16 @@ def model_of(cfg) -> tuple:
     return next(entry for entry in MODELS.values() if isinstance(cfg, entry[2]))
 
 
-def build(cfg, info):
+def idle_upper_experts(model, idle: bool):
+    """With idle: every router's bias keeps the upper half of the experts from being chosen, so that under ep the ranks
+    holding them receive no rows at all (their backward must still join every all-to-all and reduction)."""
+    if idle:
+        for moe in model.moe_layers():
+            moe.router.expert_bias[moe.router.n_experts // 2:] = -1e3
+    return model
+
+
+def build(cfg, info, case: str = ""):
     cfg.optimizer.grad_clip, cfg.model.batch_size, cfg.train.grad_accum = 1.0, MICRO, ACCUM  # DeepSpeed's config
     m = cfg.model
     model_class, config, _, build_layout = model_of(cfg)
@@ -99,7 +110,8 @@ def build(cfg, info):
     torch.manual_seed(0)
     dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
     mesh = dims.build_mesh(info.torch_device.type) if info.world_size > 1 else None
-    layout = build_layout(model_class(config), cfg, dims, mesh, info.torch_device, info.rank)
+    layout = build_layout(idle_upper_experts(model_class(config), "idle=true" in case), cfg, dims, mesh,
+                          info.torch_device, info.rank)
     optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device,
                                                         cfg.train.backend, info.world_size, **SGD))
     return dims, layout, optimizer
@@ -140,10 +152,10 @@ def whole_parameters(layout) -> dict:
 
 def run_case(case: str, info) -> tuple:
     cfg = parse(case)
-    dims, layout, optimizer = build(cfg, info)
+    dims, layout, optimizer = build(cfg, info, case)
     torch.manual_seed(0)
     model_class, config, *_ = model_of(cfg)
-    reference = model_class(config)
+    reference = idle_upper_experts(model_class(config), "idle=true" in case)
     ref_opt = build_optimizer(reference.configure_optimizer_groups(0.1), torch.device("cpu"), **SGD)
     scaler, timer = torch.amp.GradScaler("cpu", enabled=False), StepTimer(info.torch_device)
     dp_rank, rows = dims.dp_rank(info.rank), ACCUM * MICRO

@@ -47,10 +47,11 @@ LAYOUTS = {
         "fsdp:pp=2,pp_schedule=1f1b,model=llama",  # the Llama-style decoder: fsdp 2 x pp 2
         "fsdp:tp=2,cp=2,cp_impl=ulysses,model=llama",  # tp 2 x cp 2
         # the mixture of experts: ep 2 (2 ranks hold each expert: their gradients averaged over that pair) and ep 4
-        # (each rank alone holds its experts), under DDP and under FSDP2 (the experts sharded over their own pair)
+        # (each rank alone holds its experts), under DDP and under FSDP2 (the experts sharded over their own pair);
+        # idle: the upper half of the experts is never chosen, so their ranks receive no rows (and must not hang)
         "ddp:ep=2,model=moe",
-        "ddp:ep=4,model=moe",
-        "fsdp:ep=2,model=moe",
+        "ddp:ep=4,model=moe,idle=true",
+        "fsdp:ep=2,model=moe,idle=true",
         "fsdp:ep=4,model=moe",
         "fsdp:tp=2"],  # fsdp 2 x tp 2, last: the launch saves its checkpoint for the resharding test
     8: ["fsdp:tp=2,pp=2,pp_schedule=1f1b",  # 3-D: fsdp 2 x tp 2 x pp 2

@@ -101,9 +101,10 @@ def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, 
     local_rows, local_counts, route = dispatch(rows, counts, group, ep)
     out = experts.compute(local_rows, local_counts, *weights)
     if local_rows.shape[0] == 0:
-        # No row reached this rank's experts: join the weights to the graph anyway (a gradient of zeros), or this
-        # rank would have no gradient where its edp peers have one, and their reductions would not line up.
-        out = out + sum(w.reshape(-1)[:1].sum() for w in weights) * 0
+        # No row reached this rank's experts. Keep what arrived (nothing) and the weights in the graph anyway: else
+        # this rank's backward would skip the dispatch's all-to-all that its ep peers wait in, and leave no gradient
+        # where its edp peers have one (their reductions would not line up).
+        out = out + (local_rows.sum() + sum(w.reshape(-1)[:1].sum() for w in weights)) * 0
     return combine(out, route, rows.shape[0])
 
 
