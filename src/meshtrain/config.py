@@ -125,6 +125,7 @@ class ParallelSection:
     dp_replicate: int = 1  # hsdp: replicas, each sharded over dp_shard ranks
     dp_shard: int = -1  # data-parallel ranks (hsdp: within a replica); -1: the ranks left over
     tp: int = 1  # tensor parallel: heads and MLP columns sharded; keep it within a node
+    ep: int = 1  # expert parallel (models with experts): routed experts sharded over ep of the dp_shard ranks
     sequence_parallel: bool = True  # tp: norms and dropout on sequence shards (activations / tp)
     loss_parallel: bool = True  # tp: cross-entropy on vocabulary shards, the logits never gathered
     cp: int = 1  # context parallel: the sequence sharded
@@ -378,13 +379,14 @@ def _validate_layout(cfg: RunConfig) -> None:
         raise ConfigError(f"train.float8={t.float8} with {'parallel.tp=' + str(p.tp) if p.tp > 1 else 'deepspeed'}: "
                           "float8 linears are not composed with tensor parallelism or DeepSpeed in this version; "
                           "use data parallelism (ddp, fsdp, zero2, hsdp) or set train.float8=off")
-    for key in ("tp", "cp", "pp", "virtual_stages", "dp_replicate"):
+    for key in ("tp", "cp", "pp", "ep", "virtual_stages", "dp_replicate"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: must be at least 1")
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"parallel.microbatches={p.microbatches}: must be at least 1 (or null for the default)")
-    if any(getattr(p, dim) > 1 and dim not in chosen.composes_with for dim in ("tp", "cp", "pp")):
-        raise ConfigError(f"train.backend={t.backend} with tp={p.tp} cp={p.cp} pp={p.pp}: {chosen.alone_because}")
+    if any(getattr(p, dim) > 1 and dim not in chosen.composes_with for dim in ("tp", "cp", "pp", "ep")):
+        raise ConfigError(f"train.backend={t.backend} with tp={p.tp} cp={p.cp} pp={p.pp}"
+                          + (f" ep={p.ep}" if p.ep > 1 else "") + f": {chosen.alone_because}")
     if p.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO stages are 1, 2 and 3")
     if p.pp > 1 and t.compile:

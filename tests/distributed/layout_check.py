@@ -31,6 +31,9 @@ from meshtrain.models.gpt.parallelize import build_gpt_layout
 from meshtrain.models.llama.config import LlamaRunConfig
 from meshtrain.models.llama.model import Llama, LlamaConfig
 from meshtrain.models.llama.parallelize import build_llama_layout
+from meshtrain.models.moe.config import MoERunConfig
+from meshtrain.models.moe.model import MoEConfig, MoEDecoder
+from meshtrain.models.moe.parallelize import build_moe_layout
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.state_dict import (
     full_model_state,
@@ -45,9 +48,13 @@ ACCUM, MICRO, STEPS, TOL = 2, 4, 2, 1e-5
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=True)
 # The Llama-style decoder at the same size: 4 query heads over 2 key/value heads, SwiGLU 64 wide, untied head.
 LLAMA = LlamaConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64)
-MODELS = {"gpt": (GPT, CONFIG, GPTRunConfig, build_gpt_layout), "llama": (Llama, LLAMA, LlamaRunConfig, build_llama_layout)}
+# The mixture of experts on the Llama's parts: 2 MoE layers of 8 experts, top 2, with the balance loss in the gradient.
+MOE = MoEConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, n_experts=8,
+                top_k=2, expert_hidden=32, expert_matmul="loop")
+MODELS = {"gpt": (GPT, CONFIG, GPTRunConfig, build_gpt_layout), "llama": (Llama, LLAMA, LlamaRunConfig, build_llama_layout),
+          "moe": (MoEDecoder, MOE, MoERunConfig, build_moe_layout)}
 SGD = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
-INTS = {"tp", "cp", "pp", "dp_replicate", "dp_shard", "microbatches", "virtual_stages", "zero_stage"}
+INTS = {"tp", "cp", "pp", "ep", "dp_replicate", "dp_shard", "microbatches", "virtual_stages", "zero_stage"}
 
 
 def parse(case: str):
@@ -62,6 +69,8 @@ def parse(case: str):
             continue
         if key == "ac":  # train.activation_checkpointing, which composes with every layout
             cfg.train.activation_checkpointing = value
+            continue
+        if key == "idle":  # the moe: no token routed to the upper half of the experts (run_case)
             continue
         value = int(value) if key in INTS else (value == "true" if value in ("true", "false") else value)
         setattr(cfg.parallel, key, value)
@@ -81,20 +90,48 @@ def model_of(cfg) -> tuple:
     return next(entry for entry in MODELS.values() if isinstance(cfg, entry[2]))
 
 
-def build(cfg, info):
+def idle_upper_experts(model, idle: bool):
+    """With idle: every router's bias keeps the upper half of the experts from being chosen, so that under ep the ranks
+    holding them receive no rows at all (their backward must still join every all-to-all and reduction)."""
+    if idle:
+        for moe in model.moe_layers():
+            moe.router.expert_bias[moe.router.n_experts // 2:] = -1e3
+    return model
+
+
+def build(cfg, info, case: str = ""):
     cfg.optimizer.grad_clip, cfg.model.batch_size, cfg.train.grad_accum = 1.0, MICRO, ACCUM  # DeepSpeed's config
     m = cfg.model
     model_class, config, _, build_layout = model_of(cfg)
-    for key in ("block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden"):
+    for key in ("block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden", "n_experts", "top_k",
+                "expert_hidden"):
         if hasattr(m, key):
             setattr(m, key, getattr(config, key))
     torch.manual_seed(0)
     dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
     mesh = dims.build_mesh(info.torch_device.type) if info.world_size > 1 else None
-    layout = build_layout(model_class(config), cfg, dims, mesh, info.torch_device, info.rank)
+    layout = build_layout(idle_upper_experts(model_class(config), "idle=true" in case), cfg, dims, mesh,
+                          info.torch_device, info.rank)
     optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device,
                                                         cfg.train.backend, info.world_size, **SGD))
     return dims, layout, optimizer
+
+
+def reference_backward(reference, x, y, dp_size: int) -> torch.Tensor:
+    """One process's loss and gradients on the whole batch. A mixture of experts routes and balances per forward, so
+    it runs each rank's micro-batches as they do (its balance loss is a mean over each forward's tokens, not the
+    whole batch's); the language-model loss is the same mean either way."""
+    if not isinstance(reference, MoEDecoder):
+        _, loss = reference(x, y)
+        loss.backward()
+        return loss
+    chunks = dp_size * ACCUM
+    losses = []
+    for i in range(chunks):
+        _, loss = reference(x[i * MICRO:(i + 1) * MICRO], y[i * MICRO:(i + 1) * MICRO])
+        (loss / chunks).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
 
 
 def engine_of(layout):
@@ -115,10 +152,10 @@ def whole_parameters(layout) -> dict:
 
 def run_case(case: str, info) -> tuple:
     cfg = parse(case)
-    dims, layout, optimizer = build(cfg, info)
+    dims, layout, optimizer = build(cfg, info, case)
     torch.manual_seed(0)
     model_class, config, *_ = model_of(cfg)
-    reference = model_class(config)
+    reference = idle_upper_experts(model_class(config), "idle=true" in case)
     ref_opt = build_optimizer(reference.configure_optimizer_groups(0.1), torch.device("cpu"), **SGD)
     scaler, timer = torch.amp.GradScaler("cpu", enabled=False), StepTimer(info.torch_device)
     dp_rank, rows = dims.dp_rank(info.rank), ACCUM * MICRO
@@ -135,8 +172,7 @@ def run_case(case: str, info) -> tuple:
                                         for r in range(dims.dp_size)]).mean()
             diffs["eval"] = abs(loss.item() / layout.loss_ranks - ref_eval.item())
             break
-        _, ref_loss = reference(x, y)
-        ref_loss.backward()
+        ref_loss = reference_backward(reference, x, y, dims.dp_size)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         loss = torch.zeros(())
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)

@@ -36,7 +36,8 @@ LAYOUTS = {
         "fsdp:tp=2,model=llama",
         "ddp:pp=2,pp_schedule=1f1b,model=llama",
         "ddp:cp=2,cp_impl=ring,model=llama",
-        "ddp:cp=2,cp_impl=ulysses,model=llama"],
+        "ddp:cp=2,cp_impl=ulysses,model=llama",
+        "ddp:ep=2,model=moe"],  # the mixture of experts, each rank holding half of the experts
     4: ["ddp:pp=2,pp_schedule=gpipe",  # dp 2 x pp 2
         "fsdp:pp=2,pp_schedule=1f1b",  # fsdp 2 x pp 2
         "ddp:tp=2,pp=2,pp_schedule=1f1b",  # tp 2 x pp 2
@@ -45,10 +46,18 @@ LAYOUTS = {
         "fsdp:tp=2,cp=2,cp_impl=ring,ac=selective",  # tp 2 x cp 2, activation checkpointing
         "fsdp:pp=2,pp_schedule=1f1b,model=llama",  # the Llama-style decoder: fsdp 2 x pp 2
         "fsdp:tp=2,cp=2,cp_impl=ulysses,model=llama",  # tp 2 x cp 2
+        # the mixture of experts: ep 2 (2 ranks hold each expert: their gradients averaged over that pair) and ep 4
+        # (each rank alone holds its experts), under DDP and under FSDP2 (the experts sharded over their own pair);
+        # idle: the upper half of the experts is never chosen, so their ranks receive no rows (and must not hang)
+        "ddp:ep=2,model=moe",
+        "ddp:ep=4,model=moe,idle=true",
+        "fsdp:ep=2,model=moe,idle=true",
+        "fsdp:ep=4,model=moe",
         "fsdp:tp=2"],  # fsdp 2 x tp 2, last: the launch saves its checkpoint for the resharding test
     8: ["fsdp:tp=2,pp=2,pp_schedule=1f1b",  # 3-D: fsdp 2 x tp 2 x pp 2
         "hsdp:dp_replicate=2,tp=2",  # 3-D: replicate 2 x shard 2 x tp 2
-        "fsdp:tp=2,cp=2,pp=2,pp_schedule=gpipe"],  # 4-D: tp 2 x cp 2 x pp 2 (dp 1)
+        "fsdp:tp=2,cp=2,pp=2,pp_schedule=gpipe",  # 4-D: tp 2 x cp 2 x pp 2 (dp 1)
+        "hsdp:dp_replicate=2,ep=2,model=moe"],  # 2 replicas x 4 shards, ep pairs within a replica
 }
 
 

@@ -5,6 +5,7 @@ balance loss and the bias update see the whole step's tokens on every rank."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,36 @@ def test_two_ddp_ranks_route_and_learn_as_one_process_with_the_whole_batch(data_
 def np_close(a: list[list[float]], b: list[list[float]]) -> bool:
     return all(x == pytest.approx(y, abs=1e-6) for row_a, row_b in zip(a, b, strict=True)
                for x, y in zip(row_a, row_b, strict=True))
+
+
+# Expert parallelism's checkpoints reshard: a run saved under fsdp × ep2 on 4 ranks (each expert tensor a DTensor over
+# the efsdp × ep view) resumed at iteration 6 under ddp on 2 ranks (ep1: every rank holds every expert, the
+# accumulation doubled by train.global_batch_size) and under ddp × ep4 on 4 ranks follows the uninterrupted run.
+RESUMABLE = [*TINY, "model.dropout=0.0", "train.max_iters=12", "train.global_batch_size=16", "train.sample_ledger=true",
+             "train.save_checkpoints=true", "train.keep_checkpoints=0", "optimizer.lr_decay_iters=12"]
+RESUMED_INTO = [(2, ["train.backend=ddp", "parallel.ep=1"]), (4, ["train.backend=ddp", "parallel.ep=4"])]
+
+
+@pytest.mark.slow  # three 4-rank-sized CLI runs, ~1 min on 2 cores
+def test_a_run_saved_under_ep2_resumes_under_ep1_and_ep4_as_if_uninterrupted(data_root, tmp_path):
+    from tests.conftest import rewound_copy
+
+    from meshtrain.train.ledger import read_ledger
+
+    full = torchrun(4, "train", "moe", *RESUMABLE, f"data.root={data_root}", f"train.out_dir={tmp_path / 'full'}",
+                    "train.backend=fsdp", "parallel.ep=2", timeout=240)
+    assert full.returncode == 0, output(full)[-3000:]
+    full_dir = (tmp_path / "full" / "moe" / "fsdp" / "latest").resolve()
+    want, want_ledger = rows_of(tmp_path / "full", "fsdp"), read_ledger(full_dir / "ledger.txt")
+    assert sorted(want_ledger) == list(range(12))
+    for number, (ranks, layout) in enumerate(RESUMED_INTO):
+        split = rewound_copy(full_dir, tmp_path / f"split{number}", 6)
+        run = torchrun(ranks, "train", "moe", *RESUMABLE, f"data.root={data_root}", f"train.out_dir={tmp_path / 'r'}",
+                       *layout, "train.init_from=resume", f"train.run_dir={split}", timeout=240)
+        assert run.returncode == 0 and "resuming at iteration 6" in output(run), output(run)[-3000:]
+        got = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+        for step, key in [(s, "loss") for s in range(7, 13)] + [(12, "val_loss"), (12, "balance_loss")]:
+            mine = next(r[key] for r in got if r["step"] == step and key in r)
+            expected = next(r[key] for r in want if r["step"] == step and key in r)
+            assert mine == pytest.approx(expected, rel=1e-4), (layout, step, key, mine, expected)
+        assert read_ledger(split / "ledger.txt") == want_ledger, layout

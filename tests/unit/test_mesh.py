@@ -124,8 +124,8 @@ def test_hsdp_replicates_outside_shards():
 
 def test_unknown_dim_and_rank():
     dims = ParallelDims(world_size=4)
-    with pytest.raises(MeshError, match="unknown mesh dim 'ep'"):
-        dims.group_of(0, "ep")
+    with pytest.raises(MeshError, match="unknown mesh dim 'xp'"):
+        dims.group_of(0, "xp")
     with pytest.raises(MeshError, match="rank 4 is outside the job's 4 ranks"):
         dims.coords(4)
     assert parse_order("pp-dp-cp-tp") == ("pp", "dp", "cp", "tp")

@@ -270,7 +270,7 @@ def test_registered_with_its_presets_and_refused_by_the_planner():
     assert presets == {"cpu", "shakespeare", "mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3"}
     cfg = load_config(["preset=cpu"], "moe")
     shape = spec.shape(cfg)
-    assert (shape.experts, shape.mlp_hidden, shape.parallelisms) == (8, 128, frozenset())
+    assert (shape.experts, shape.mlp_hidden, shape.parallelisms) == (8, 128, frozenset({"ep"}))
     model = spec.build_model(cfg, {"meta": {"vocab_size": 65}})
     assert model.config.moe_layers == (1, 2, 3) and type(model.transformer.h["0"].mlp).__name__ == "SwiGLU"
     with pytest.raises(PlanError, match="planning a mixture of experts is not supported yet"):

@@ -7,7 +7,9 @@ public `parallelize`): each step must see what the one before left.
     -> float8 linears                                 torchao's, in the blocks (train.float8)
     -> compile and data parallelism, last of all      DDP over dp×cp, or FSDP2 per block then the part over
                                                       dp_shard×cp: FSDP shards whatever the others left (tp's
-                                                      DTensors included); compile wraps DDP's module, or FSDP's
+                                                      DTensors included); compile wraps DDP's module, or FSDP's;
+                                                      experts sharded over ep (expert_parallel.py) are reduced
+                                                      over their edp group instead (FSDP2 shards them over it)
 
 A model supplies only its tensor-parallel plan (`tensor_parallel(part, tp_mesh)`) and, for a pipeline, the parts its
 stage split made; the model's layout adds what its forward needs (sequence shards, token bands, a tied embedding).
@@ -26,6 +28,7 @@ from meshtrain.parallel import backends, float8
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.context_parallel import apply_context_parallel
 from meshtrain.parallel.data_parallel import apply_data_parallel, wraps
+from meshtrain.parallel.expert_parallel import expert_parallel_modules
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.runtime.log import get_logger
 
@@ -97,7 +100,8 @@ def wrap_data_parallel(parts: list[nn.Module], blocks: str, recipe: Recipe, dims
         wrapped.append(apply_data_parallel(
             part if sharded or not recipe.compile else torch.compile(part, **compile_options), recipe.backend,
             device, dims.size("dp_cp"), blocks=part_blocks, mesh=dp_mesh,
-            param_dtype=recipe.param_dtype if sharded else None, cpu_offload=recipe.cpu_offload))
+            param_dtype=recipe.param_dtype if sharded else None, cpu_offload=recipe.cpu_offload,
+            experts=expert_parallel_modules(part), experts_mesh=submesh(mesh, "edp") if mesh is not None else None))
     if sharded and recipe.compile:  # FSDP first, then compile the sharded model
         wrapped = [torch.compile(w, **compile_options) for w in wrapped]
     return wrapped

@@ -17,12 +17,14 @@ from meshtrain.parallel import backends
 
 def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, world_size: int, *,
                         blocks: Iterable[nn.Module] = (), mesh=None, param_dtype: torch.dtype | None = None,
-                        cpu_offload: bool = False) -> nn.Module:
+                        cpu_offload: bool = False, experts: Iterable[nn.Module] = (), experts_mesh=None) -> nn.Module:
     """The model as the loop should call it; unchanged on one data-parallel rank (no collective to pay for).
 
     `world_size` counts the data-parallel ranks; `blocks` are the repeated layers FSDP shards one by
     one, so only one block's parameters are gathered at a time; `mesh` is the data-parallel DeviceMesh
-    (2-D, replicate × shard, for hsdp; default: all ranks).
+    (2-D, replicate × shard, for hsdp; default: all ranks). `experts`: modules whose parameters expert parallelism
+    sharded (parallel/expert_parallel.py); they are reduced over their own group, not `mesh`: FSDP2 shards them over
+    `experts_mesh` (the edp ranks; None: left to the layout), DDP leaves them to the layout.
     """
     chosen = backends.get(backend)
     if chosen.engine:
@@ -30,8 +32,9 @@ def apply_data_parallel(model: nn.Module, backend: str, device: torch.device, wo
                          "with the optimizer (Layout.attach_optimizer): there is nothing to wrap here")
     if not wraps(backend, world_size):
         return model
+    options = dict(experts=list(experts), experts_mesh=experts_mesh) if experts else {}
     return chosen.module().wrap(model, chosen, device, world_size, blocks=blocks, mesh=mesh, param_dtype=param_dtype,
-                                cpu_offload=cpu_offload)
+                                cpu_offload=cpu_offload, **options)
 
 
 def wraps(backend: str, world_size: int) -> bool:

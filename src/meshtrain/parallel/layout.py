@@ -37,6 +37,8 @@ class Layout:
     aliases: dict[str, str] = field(default_factory=dict)  # see parallel.state_dict
     # What a model's workload runs after every optimizer step, in order (the MoE routers' bias update)
     after_step: list[Callable[[], None]] = field(default_factory=list)
+    # What runs after the last micro-step's backward, before clipping (expert gradients averaged over their edp group)
+    after_backward: list[Callable[[], None]] = field(default_factory=list)
 
     # ---- the optimizer and checkpoints ---------------------------------------------------------------------
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -61,7 +63,9 @@ class Layout:
         return torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm)
 
     def finish_backward(self) -> None:
-        """After the last micro-step: what the backward pass leaves undone (nothing, unless a model says so)."""
+        """After the last micro-step: what the backward pass leaves undone (the after_backward hooks)."""
+        for hook in self.after_backward:
+            hook()
 
     def save_checkpoint(self, checkpointer, iteration: int, optimizer, trainer_state: dict):
         """A checkpoint of this rank's share of model and optimizer (every rank calls it)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,9 +33,10 @@ from meshtrain.parallel import backends
 from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
 from meshtrain.parallel.context_parallel import shard_sequence
 from meshtrain.parallel.data_parallel import gradient_sync
+from meshtrain.parallel.expert_parallel import average_gradients, expert_parameters
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelDims, submesh
-from meshtrain.parallel.pipeline import build_pipeline
+from meshtrain.parallel.pipeline import build_pipeline, clip_grad_norm_
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.parallel.state_dict import full_model_state
 from meshtrain.parallel.tensor_parallel import loss_parallel_context
@@ -100,13 +102,17 @@ class LanguageModelLayout(Layout):
         return loss.float()
 
     def finish_backward(self) -> None:
-        """After the last micro-step: what the backward pass leaves undone (the tied embedding across stages)."""
+        """After the last micro-step: what the backward pass leaves undone (the tied embedding across stages, the
+        after_backward hooks)."""
         if self.pipeline is not None:
             self.pipeline.sync_tied_embedding()
+        super().finish_backward()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.pipeline is not None:  # over every stage, the tied embedding's two copies counted once
             return self.pipeline.clip_grad_norm_(max_norm)
+        if self.dims.ep > 1:  # DTensors on two meshes (the experts' view and the data-parallel one): norm by norm
+            return clip_grad_norm_(self.model.parameters(), max_norm)
         return super().clip_grad_norm(max_norm)
 
     # ---- what the loop reports ------------------------------------------------------------------------------
@@ -170,6 +176,9 @@ def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: Parallel
         return layout
     wrapped = wrap_data_parallel(parts, split.blocks, recipe, dims, mesh, device)
     layout.parts = wrapped
+    experts = expert_parameters(model)
+    if experts and not chosen.sharded and dims.size("edp") > 1:  # FSDP2 reduces them itself, DDP leaves them out
+        layout.after_backward.append(partial(average_gradients, experts, submesh(mesh, "edp").get_group()))
     if layout.pipeline is None:
         layout.runnable = wrapped[0]
     else:

@@ -5,6 +5,17 @@
     mesh = dims.build_mesh("cuda")                       # one DeviceMesh, named dims
     dp_mesh = submesh(mesh, "dp")                        # dp_replicate x dp_shard, or None
 
+Expert parallelism (ep) borrows ranks instead of adding them: it splits dp_shard into (efsdp, ep), ep inner, so the
+ep ranks of a group are the closest data-parallel ranks. Every rank still reads its own batch and the dense layers
+stay data parallel over all dp ranks; a mixture-of-experts layer's routed experts are cut into ep equal slices and
+the rank at ep coordinate i holds slice i (experts i·E/ep .. (i+1)·E/ep - 1). Ranks that share an ep coordinate
+(the "edp" group: dp_replicate × efsdp, dp/ep ranks) hold the same experts and reduce their gradients together.
+
+    dims = ParallelDims(world_size=8, ep=4)              # dp_shard 8 = efsdp 2 × ep 4
+    dims.group_of(5, "ep")      -> [4, 5, 6, 7]          # the ranks rank 5 exchanges tokens with
+    dims.group_of(5, "edp")     -> [1, 5]                # the ranks that hold rank 5's experts
+    dims.experts_of(5, 16)      -> range(4, 8)
+
 The order string follows NERSC: the FIRST dim named has adjacent ranks. With "tp-cp-dp-pp", the ranks
 of a TP group are consecutive, so a node holds whole TP groups. In the DeviceMesh, dims run from the
 outermost (last named, largest stride) to the innermost (first named, stride 1). "dp" in the order is
@@ -35,6 +46,10 @@ FLATTENED = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+# The expert view of the same ranks: dp_shard = efsdp × ep (ep inner). "edp": the ranks that hold the same experts
+# (what their gradients are reduced over, and what FSDP shards them over, with dp_replicate under hsdp).
+EXPERT_DIMS = ("efsdp", "ep")
+EXPERT_FLATTENED = {"edp": ("dp_replicate", "efsdp")}
 
 
 class MeshError(MeshtrainError, ValueError):
@@ -57,12 +72,13 @@ class ParallelDims:
     pp: int = 1
     order: str = DEFAULT_ORDER
     world_size: int = 1
+    ep: int = 1  # expert parallel: borrowed from dp_shard (module docstring), adds no ranks
 
     @classmethod
     def resolve(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1,
-                pp: int = 1, order: str = DEFAULT_ORDER) -> ParallelDims:
+                pp: int = 1, order: str = DEFAULT_ORDER, ep: int = 1) -> ParallelDims:
         return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, order=order,
-                   world_size=world_size)
+                   world_size=world_size, ep=ep)
 
     def __post_init__(self):
         parse_order(self.order)
@@ -87,14 +103,27 @@ class ParallelDims:
                 f"parallel.dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard} × cp={self.cp} × "
                 f"tp={self.tp} × pp={self.pp} = {product}, but the job has {self.world_size} ranks: make the "
                 f"product {self.world_size} (dp_shard=-1 fills what is left)")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise MeshError(f"parallel.ep={self.ep} must be a positive integer (1: every rank holds every expert)")
+        if self.dp_shard % self.ep:
+            raise MeshError(
+                f"parallel.ep={self.ep} does not divide the {self.dp_shard} data-parallel ranks of parallel.dp_shard: "
+                "expert parallelism borrows its ranks from dp_shard (each ep group is ep of them, and every group "
+                f"holds all experts); pick an ep that divides {self.dp_shard}")
 
     # ---- sizes and flags -------------------------------------------------------------------------------
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def efsdp(self) -> int:
+        """The dp_shard ranks that hold the same experts within one replica: dp_shard / ep."""
+        return self.dp_shard // self.ep
+
     def size(self, dim: str) -> int:
-        """The size of a mesh dim or of a flattened one ("dp", "dp_shard_cp", "dp_cp")."""
+        """The size of a mesh dim, an expert dim ("ep", "efsdp") or a flattened one ("dp", "dp_shard_cp", "dp_cp",
+        "edp")."""
         return math.prod(getattr(self, d) for d in _parts(dim))
 
     def enabled(self, dim: str) -> bool:
@@ -114,12 +143,22 @@ class ParallelDims:
         """The dims the DeviceMesh has: those of size > 1 in layout order, or dp_shard alone on one rank."""
         return tuple(d for d in self.layout if getattr(self, d) > 1) or ("dp_shard",)
 
+    @property
+    def expert_layout(self) -> tuple[str, ...]:
+        """The layout's dims with dp_shard split into (efsdp, ep), ep inner: how the experts see the same ranks."""
+        names: list[str] = []
+        for dim in self.layout:
+            names += list(EXPERT_DIMS) if dim == "dp_shard" else [dim]
+        return tuple(names)
+
     # ---- pure rank arithmetic ---------------------------------------------------------------------------
     def _strides(self) -> dict[str, int]:
+        """Each dim's stride in rank numbers, the expert dims' too (ep has dp_shard's, efsdp ep times that)."""
         strides, stride = {}, 1
-        for dim in reversed(self.layout):  # innermost first: stride 1
+        for dim in reversed(self.expert_layout):  # innermost first: stride 1
             strides[dim] = stride
             stride *= getattr(self, dim)
+        strides["dp_shard"] = strides["ep"]
         return strides
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -129,21 +168,35 @@ class ParallelDims:
         strides = self._strides()
         return {dim: rank // strides[dim] % getattr(self, dim) for dim in DIMS}
 
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along the expert view's dims (pp, dp_replicate, efsdp, ep, cp, tp)."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside the job's {self.world_size} ranks")
+        strides = self._strides()
+        return {dim: rank // strides[dim] % getattr(self, dim) for dim in self.expert_layout}
+
     def rank_of(self, coords: dict[str, int]) -> int:
         strides = self._strides()
         return sum(coords[dim] * strides[dim] for dim in DIMS)
 
     def group_of(self, rank: int, dim: str) -> list[int]:
-        """The global ranks that share every coordinate of `rank` except those of `dim` (sorted)."""
-        parts = _parts(dim)
-        base = self.coords(rank)
-        ranks = [0]
-        strides = self._strides()
-        for part in parts:
-            base[part] = 0
+        """The global ranks that share every coordinate of `rank` except those of `dim` (sorted); `dim` may be an
+        expert dim ("ep", "efsdp", "edp")."""
+        strides, coords = self._strides(), self.coords(rank) | self.expert_coords(rank)
+        offset, ranks = rank, [0]
+        for part in _parts(dim):  # the rank with coordinate 0 along `dim`, then every step along its parts
+            offset -= coords[part] * strides[part]
             ranks = [r + i * strides[part] for r in ranks for i in range(getattr(self, part))]
-        offset = self.rank_of(base)
         return sorted(offset + r for r in ranks)
+
+    def experts_of(self, rank: int, n_experts: int) -> range:
+        """The routed experts (of n_experts per layer) this rank holds: its ep coordinate's contiguous slice."""
+        if n_experts % self.ep:
+            raise MeshError(f"model.n_experts={n_experts} is not divisible by parallel.ep={self.ep}: every expert-"
+                            f"parallel rank holds an equal share of the experts; pick an ep that divides {n_experts}")
+        per_rank = n_experts // self.ep
+        first = self.expert_coords(rank)["ep"] * per_rank
+        return range(first, first + per_rank)
 
     def dp_rank(self, rank: int) -> int:
         """The data-loading rank: tp/cp/pp ranks of one replica share it, so they read the same batch."""
@@ -162,7 +215,7 @@ class ParallelDims:
         or the model's shape checked (check_layout): what `train` and a planner accept is one set."""
         p = cfg.parallel
         dims = cls.resolve(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
-                           order=p.order)
+                           order=p.order, ep=p.ep)
         check_layout(dims, cfg, registry.spec_of(cfg), local_world_size or world_size)
         return dims
 
@@ -177,6 +230,12 @@ class ParallelDims:
         # submesh() later finds them in the root mesh's cache instead of creating groups on one rank.
         for name in FLATTENED:
             submesh(mesh, name)
+        if self.ep > 1:
+            # The experts' view of the same ranks (dp_shard unflattened into efsdp × ep) shares the mesh's root, so
+            # FSDP2 can shard ep's DTensors over efsdp; kept on the mesh object, found by submesh("ep" ...).
+            mesh.expert_view = mesh._unflatten("dp_shard", (self.efsdp, self.ep), EXPERT_DIMS)
+            for name in ("ep", "efsdp", "edp"):
+                submesh(mesh, name)
         return mesh
 
 
@@ -194,9 +253,10 @@ def parse_order(order: str) -> tuple[str, ...]:
 
 
 def _parts(dim: str) -> tuple[str, ...]:
-    parts = FLATTENED.get(dim, (dim,))
-    if any(p not in DIMS for p in parts):
-        raise MeshError(f"unknown mesh dim {dim!r}: use one of {', '.join(DIMS + tuple(FLATTENED))}")
+    parts = FLATTENED.get(dim) or EXPERT_FLATTENED.get(dim) or (dim,)
+    if any(p not in DIMS + EXPERT_DIMS for p in parts):
+        known = DIMS + tuple(FLATTENED) + EXPERT_DIMS + tuple(EXPERT_FLATTENED)
+        raise MeshError(f"unknown mesh dim {dim!r}: use one of {', '.join(known)}")
     return parts
 
 
@@ -206,6 +266,8 @@ def check_layout(dims: ParallelDims, cfg: RunConfig, spec, local_world_size: int
     valid layout."""
     p, t, shape = cfg.parallel, cfg.train, spec.shape(cfg)
     # The checks run in this order so that the first error a user sees stays the same across versions.
+    if dims.ep > 1:
+        _check_expert_parallel(dims, spec, shape, t.backend)
     _check_model_has_plans(dims, spec, shape, t.backend)
     _check_tensor_parallel(dims, shape, local_world_size)
     if dims.cp > 1:
@@ -229,6 +291,29 @@ def _check_model_has_plans(dims: ParallelDims, spec, shape, backend: str) -> Non
         raise MeshError(f"{what}: the {spec.name} model has no plan for it in this version; it supports "
                         f"{', '.join(sorted(shape.parallelisms)) or 'data parallelism only'} (ZeRO-2/3 through "
                         "train.backend=zero2 / fsdp)")
+
+
+def _check_expert_parallel(dims: ParallelDims, spec, shape, backend: str) -> None:
+    """ep > 1: a model with experts, a plan for them, ep dividing the experts, and a layout ep composes with."""
+    if not shape.experts:
+        raise MeshError(f"parallel.ep={dims.ep}: the {spec.name} model has no experts to shard; expert parallelism is "
+                        "for a mixture of experts (meshtrain train moe); set parallel.ep=1")
+    if "ep" not in shape.parallelisms:
+        raise MeshError(f"parallel.ep={dims.ep}: the {spec.name} model has no expert-parallel plan in this version; "
+                        "set parallel.ep=1")
+    if shape.experts % dims.ep:
+        raise MeshError(f"{_config_key(shape, 'experts')}={shape.experts} is not divisible by parallel.ep={dims.ep}: "
+                        "every expert-parallel rank holds an equal share of the experts; pick an ep that divides "
+                        f"{shape.experts}")
+    others = [f"parallel.{d}={getattr(dims, d)}" for d in ("tp", "cp", "pp") if getattr(dims, d) > 1]
+    if others:
+        raise MeshError(f"parallel.ep={dims.ep} with {', '.join(others)}: expert parallelism composes only with data "
+                        "parallelism (ddp, zero2, fsdp, hsdp) in this version; set parallel.ep=1 or "
+                        + " and ".join(o.split("=")[0] + "=1" for o in others))
+    chosen = backends.get(backend)
+    if "ep" not in chosen.composes_with:
+        raise MeshError(f"parallel.ep={dims.ep} with train.backend={backend}: {chosen.alone_because}; or set "
+                        "parallel.ep=1")
 
 
 def _check_tensor_parallel(dims: ParallelDims, shape, local_world_size: int) -> None:
@@ -310,8 +395,14 @@ def submesh(mesh, name: str):
     Parts of size 1 are not in the mesh, so "dp" with dp_replicate=1 is simply mesh["dp_shard"]. Parts are
     sliced in the mesh's own order: DeviceMesh only slices dims in ascending layout order.
     """
-    present = [d for d in mesh.mesh_dim_names if d in _parts(name)]
-    if not present or math.prod(mesh[d].size() for d in present) == 1:
+    parts = _parts(name)
+    if any(p in EXPERT_DIMS for p in parts):
+        mesh = getattr(mesh, "expert_view", None)  # built by build_mesh when ep > 1
+        if mesh is None:
+            return None
+    names = mesh.mesh_dim_names
+    present = [d for d in names if d in parts and mesh.size(names.index(d)) > 1]  # the expert view keeps size 1
+    if not present:
         return None
     if len(present) == 1:
         return mesh[present[0]]

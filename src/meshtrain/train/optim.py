@@ -20,10 +20,21 @@ def build_optimizer(param_groups: list[dict], device: torch.device, backend: str
     rank keeps and updates only its share of the optimizer state (ZeroRedundancyOptimizer)."""
     if optimizer_class is torch.optim.AdamW:
         hyper.setdefault("fused", device.type in ("cuda", "cpu"))
+    param_groups = split_plain_from_distributed(param_groups)
     chosen = backends.get(backend)
     if chosen.shards == "optimizer" and world_size > 1:
         return chosen.module().sharded_optimizer(param_groups, optimizer_class, **hyper)
     return optimizer_class(param_groups, **hyper)
+
+
+def split_plain_from_distributed(param_groups: list[dict]) -> list[dict]:
+    """Each group that holds both plain tensors and DTensors (DDP's replicated weights beside expert parallelism's
+    sharded experts) as two groups with the same settings: a fused or foreach kernel takes one kind per call."""
+    out = []
+    for group in param_groups:
+        kinds = [[p for p in group["params"] if hasattr(p, "to_local") == distributed] for distributed in (False, True)]
+        out += [{**group, "params": params} for params in kinds if params] if all(kinds) else [group]
+    return out
 
 
 def scaled_learning_rates(cfg: RunConfig, global_batch: int) -> tuple[float, float, float]:

@@ -215,7 +215,8 @@ class Trainer:
             self.run_dir, info, batch_size=self.workload.batch_size, grad_accum=t.grad_accum, dp_size=dims.dp_size,
             tokens_per_sample=self.workload.tokens_per_sample, flops_per_token=self.flops_per_token,
             dtype=AUTOCAST[t.dtype] or torch.float32, peak_flops=t.peak_flops, loss_ranks=self.layout.loss_ranks,
-            local_forward=backends.get(t.backend).all_reduces and dims.tp == dims.cp == dims.pp == 1, sinks=self.sinks,
+            local_forward=backends.get(t.backend).all_reduces and dims.tp == dims.cp == dims.pp == dims.ep == 1,
+            sinks=self.sinks,
             straggler_ratio=t.straggler_ratio, straggler_intervals=t.straggler_intervals)
         self.layout.time_gradient_reduction(every=t.log_interval)
         self.recorder.divergence_suspect = divergence_suspect(t.compile, self.device)
@@ -432,7 +433,8 @@ def _differences(given, saved) -> str:
 
 
 def _describe(dims: ParallelDims) -> str:
-    return " × ".join(f"{d}={getattr(dims, d)}" for d in dims.mesh_dims) + f", order {dims.order}"
+    experts = f", ep={dims.ep} (experts over ep of the dp_shard ranks)" if dims.ep > 1 else ""
+    return " × ".join(f"{d}={getattr(dims, d)}" for d in dims.mesh_dims) + experts + f", order {dims.order}"
 
 
 def _mib(n: int) -> str:

@@ -68,7 +68,8 @@ def validate(cfg: MoERunConfig) -> None:
     p = cfg.parallel
     if p.tp > 1 or p.cp > 1 or p.pp > 1:  # ParallelDims.from_config says so too; here with the reason
         raise ConfigError("the moe model has no tensor-, context- or pipeline-parallel plan yet (parallel.tp, cp, pp "
-                          "must be 1): train it under data parallelism (train.backend=ddp, zero1, zero2, fsdp, hsdp)")
+                          "must be 1): train it under data parallelism (train.backend=ddp, zero1, zero2, fsdp, hsdp), "
+                          "with its experts sharded by parallel.ep if they do not fit")
     validate_text_training(cfg)
 
 

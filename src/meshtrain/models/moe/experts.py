@@ -1,6 +1,7 @@
 """The routed experts of a mixture-of-experts layer: E SwiGLU feed-forwards whose weights are stacked, one parameter
 per projection holding every expert (`c_gate`, `c_fc`: [E, hidden, dim]; `c_proj`: [E, dim, hidden]), so that expert
-parallelism can later shard dim 0. Plain PyTorch, no distributed code.
+parallelism shards dim 0 (parallel/expert_parallel.py runs `compute` on a rank's slice). Plain PyTorch, no distributed
+code.
 
 The experts take rows already sorted by expert (`counts[e]` rows for expert e, in expert order; rows after the last
 expert's are dropped assignments and come back as zeros) and run one of two ways, which give the same numbers:
@@ -53,15 +54,21 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [M, dim] sorted by expert, counts [E] (sum <= M) -> [M, dim]: each row through its expert's SwiGLU,
         rows past sum(counts) zero."""
-        if self.uses_grouped(rows):
-            return grouped_swiglu(rows, counts, self.c_gate, self.c_fc, self.c_proj)
-        return looped_swiglu(rows, counts, self.c_gate, self.c_fc, self.c_proj)
+        return self.compute(rows, counts, self.c_gate, self.c_fc, self.c_proj)
 
-    def uses_grouped(self, rows: torch.Tensor) -> bool:
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+        """forward on given stacked weights (as many experts as counts has entries): what expert parallelism runs on
+        a rank's slice of the experts (parallel/expert_parallel.py)."""
+        if self.uses_grouped(rows, gate):
+            return grouped_swiglu(rows, counts, gate, up, down)
+        return looped_swiglu(rows, counts, gate, up, down)
+
+    def uses_grouped(self, rows: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
         if self.matmul != "auto":
             return self.matmul == "grouped"
         return (rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] in GROUPED_CAPABILITIES
-                and compute_dtype(rows, self.c_gate) == torch.bfloat16)
+                and compute_dtype(rows, self.c_gate if gate is None else gate) == torch.bfloat16)
 
 
 def compute_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-ALL = frozenset({"tp", "cp", "pp", "float8"})
+ALL = frozenset({"tp", "cp", "pp", "ep", "float8"})
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ REGISTRY = {b.name: b for b in (
     Backend("ddp", "ddp", "nothing"),
     Backend("zero1", "ddp", "optimizer", composes_with=frozenset({"float8"}),
             alone_because="ZeroRedundancyOptimizer shards plain tensors over one group; use train.backend=zero2 or "
-                          "fsdp to combine sharding with tp/cp/pp"),
+                          "fsdp to combine sharding with tp/cp/pp/ep"),
     Backend("zero2", "fsdp", "everything", reshard_after_forward=False),
     Backend("fsdp", "fsdp", "everything"),
     Backend("zero3", "fsdp", "everything", planned=False),
@@ -73,7 +73,7 @@ REGISTRY = {b.name: b for b in (
             calibrate_with=("parallel.dp_replicate=2",)),
     Backend("deepspeed", "deepspeed", "everything", composes_with=frozenset(), planned=False,
             alone_because="meshtrain runs DeepSpeed's ZeRO as data parallelism only; use fsdp/zero2 to combine "
-                          "with tp/cp/pp (float8 likewise)"),
+                          "with tp/cp/pp/ep (float8 likewise)"),
 )}
 
 

@@ -9,8 +9,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def wrap(model: nn.Module, backend, device: torch.device, world_size: int, *, blocks, mesh, param_dtype,
-         cpu_offload: bool) -> nn.Module:
-    """DDP over `mesh` (default: every rank); DDP computes in the model's own dtype and keeps it where it is."""
+         cpu_offload: bool, experts=(), experts_mesh=None) -> nn.Module:
+    """DDP over `mesh` (default: every rank); DDP computes in the model's own dtype and keeps it where it is. The
+    `experts`' parameters (sharded over ep, parallel/expert_parallel.py) are left out: the layout averages them over
+    the ranks that hold the same experts."""
+    if experts:
+        names = {id(p): n for n, p in model.named_parameters()}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [names[id(p)] for module in experts for p in module.parameters(recurse=False)])
     kwargs = {"device_mesh": mesh} if mesh is not None else {}
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
 

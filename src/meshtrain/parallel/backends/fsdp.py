@@ -13,7 +13,10 @@ log = get_logger("parallel")
 
 
 def wrap(model: nn.Module, backend, device: torch.device, world_size: int, *, blocks, mesh, param_dtype,
-         cpu_offload: bool) -> nn.Module:
+         cpu_offload: bool, experts=(), experts_mesh=None) -> nn.Module:
+    """FSDP2 per block, then the whole model, over `mesh`. The `experts` (sharded over ep) are sharded first, on their
+    own, over `experts_mesh` (the ranks that hold the same experts); without one (each rank holds its experts alone)
+    they are left out of every FSDP unit."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -29,6 +32,14 @@ def wrap(model: nn.Module, backend, device: torch.device, world_size: int, *, bl
         # Pinned host memory needs an accelerator; on a CPU-only box pinning fails.
         offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
     )
+    ignored = set()
+    for module in experts:
+        if experts_mesh is not None:
+            fully_shard(module, **{**options, "mesh": experts_mesh})
+        else:
+            ignored |= set(module.parameters(recurse=False))
+    if ignored:
+        options["ignored_params"] = ignored
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)

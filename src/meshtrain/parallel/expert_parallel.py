@@ -1,0 +1,163 @@
+"""Expert parallelism: the routed experts of a mixture-of-experts layer sharded over the ep ranks, tokens sent to the
+rank that holds their expert and brought back, by all-to-all with variable splits. Generic: no model names.
+
+A module it applies to ("experts") holds stacked parameters, one expert per index of dim 0 ([E, ...] each), and
+offers two calls (models/moe/experts.py's GroupedExperts does):
+
+    forward(rows, counts)              rows [M, dim] sorted by expert, counts [E] rows per expert (rows after the last
+                                       expert's are dropped ones, returned as zeros) -> [M, dim]
+    compute(rows, counts, *weights)    the same on given stacked weights, in the module's parameter order
+
+apply_expert_parallel turns every parameter into a DTensor sharded Shard(0) over the ep mesh (the rank at ep
+coordinate i holds experts i·E/ep .. (i+1)·E/ep - 1; DCP saves them with their global shape, so a checkpoint loads
+under any ep) and replaces the module's forward by one that
+
+    1. exchanges the row counts (an all-to-all of [ep, E/ep] counts: what each rank sends to each other's experts),
+    2. sends each rank's rows to the owners of their experts (all_to_all_single_autograd, the splits from 1),
+    3. orders what arrived by local expert and runs `compute` on this rank's slice of the weights,
+    4. sends the outputs back the same way (the backward of 2 and 4 is the mirrored all-to-all) and appends zeros
+       for the dropped rows.
+
+Gradients. Each rank's loss is the mean over its own tokens, and data parallelism averages over the dp ranks, so one
+process with the whole batch has dL/dW = (1/dp) Σ_r dL_r/dW. An expert's owner receives the rows of all ep ranks of
+its group, so autograd leaves it Σ_{r in its ep group} dL_r/dW; the ranks that hold the same experts (the edp
+group, dp/ep of them) then average that (DDP-style mean, or FSDP2's reduce-scatter over them), giving
+(ep/dp) Σ_all dL_r/dW: ep times too much. So the local weights pass through a gradient scale of 1/ep on the way in
+(`scale_grad`), whatever the backend: the mean over edp then gives the one-process gradient.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+EXPERT_PARALLEL = "_expert_parallel"  # the attribute that marks a module whose experts are sharded over ep
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` (the 1/ep of the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def scale_grad(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    return _ScaleGrad.apply(tensor, scale)
+
+
+def apply_expert_parallel(experts: nn.Module, ep_mesh) -> None:
+    """Shard `experts`' stacked parameters Shard(0) over the 1-D `ep_mesh` and make its forward dispatch (module
+    docstring). Every rank built the same weights, so each keeps its own slice: nothing is sent."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep = ep_mesh.size()
+    for name, param in list(experts.named_parameters(recurse=False)):
+        if param.shape[0] % ep:
+            raise ValueError(f"{name}: {param.shape[0]} experts do not split over ep={ep} ranks")
+        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    setattr(experts, EXPERT_PARALLEL, ep_mesh)
+    experts.forward = partial(_dispatched_forward, experts, ep_mesh.get_group(), ep)
+
+
+def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` whose experts apply_expert_parallel sharded."""
+    return [m for m in model.modules() if hasattr(m, EXPERT_PARALLEL)]
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in expert_parallel_modules(model) for p in m.parameters(recurse=False)]
+
+
+def average_gradients(params: list[nn.Parameter], group) -> None:
+    """Each gradient (its local shard) averaged over `group`, in one all-reduce: what DDP would do for the experts
+    over the ranks that hold them (the edp group)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, averaged in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(averaged.view_as(g))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """forward(rows, counts) over the ep group: each row computed on the rank holding its expert."""
+    weights = [scale_grad(_local(p), 1.0 / ep) for p in experts.parameters(recurse=False)]
+    local_rows, local_counts, route = dispatch(rows, counts, group, ep)
+    out = experts.compute(local_rows, local_counts, *weights)
+    if local_rows.shape[0] == 0:
+        # No row reached this rank's experts. Keep what arrived (nothing) and the weights in the graph anyway: else
+        # this rank's backward would skip the dispatch's all-to-all that its ep peers wait in, and leave no gradient
+        # where its edp peers have one (their reductions would not line up).
+        out = out + (local_rows.sum() + sum(w.reshape(-1)[:1].sum() for w in weights)) * 0
+    return combine(out, route, rows.shape[0])
+
+
+class Route:
+    """How one dispatch moved the rows, for the combine that brings them back."""
+
+    def __init__(self, group, sent: list[int], received: list[int], order: torch.Tensor):
+        self.group, self.sent, self.received, self.order = group, sent, received, order
+
+
+def exchange_counts(counts: torch.Tensor, group, ep: int) -> torch.Tensor:
+    """counts [E] (rows per global expert on this rank) -> [ep, E/ep]: row s holds what rank s of the group sends
+    to each of this rank's experts."""
+    outgoing = counts.view(ep, -1).contiguous()
+    incoming = torch.empty_like(outgoing)
+    dist.all_to_all_single(incoming, outgoing, group=group)
+    return incoming
+
+
+def dispatch(rows: torch.Tensor, counts: torch.Tensor, group, ep: int):
+    """rows [M, dim] sorted by global expert, counts [E] -> (the rows this rank's experts take, grouped by local
+    expert; their counts [E/ep]; the Route back). Dropped rows (past sum(counts)) are not sent."""
+    incoming = exchange_counts(counts, group, ep)
+    local_experts = incoming.shape[1]
+    # the split sizes are host numbers (the one host read of a dispatch)
+    sizes = torch.cat([counts.view(ep, local_experts).sum(1), incoming.sum(1)]).tolist()
+    sent, received = sizes[:ep], sizes[ep:]
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    arrived = all_to_all_single_autograd(rows[:sum(sent)].contiguous(), received, sent, group)
+    order = arrival_order(incoming)
+    return arrived[order], incoming.sum(0), Route(group, sent, received, order)
+
+
+def arrival_order(incoming: torch.Tensor) -> torch.Tensor:
+    """What arrives is source-major (rank 0's rows for local experts 0, 1, ..., then rank 1's, ...), as counted by
+    incoming [ep, E/ep]; the experts want it expert-major: the permutation that sorts it so (stable, so each
+    source's rows keep their order)."""
+    ep, local_experts = incoming.shape
+    segment = torch.repeat_interleave(torch.arange(incoming.numel(), device=incoming.device), incoming.flatten())
+    source, expert = segment // local_experts, segment % local_experts
+    return torch.argsort(expert * ep + source, stable=True)
+
+
+def combine(out: torch.Tensor, route: Route, rows: int) -> torch.Tensor:
+    """This rank's experts' outputs (in dispatch's order) back to the ranks the rows came from, in their order, with
+    zeros for the rows that were dropped: [rows, dim]."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    inverse = torch.empty_like(route.order)
+    inverse[route.order] = torch.arange(route.order.numel(), device=route.order.device)
+    returned = all_to_all_single_autograd(out[inverse].contiguous(), route.sent, route.received, route.group)
+    dropped = rows - sum(route.sent)
+    if dropped:
+        returned = torch.cat([returned, returned.new_zeros(dropped, returned.shape[1])])
+    return returned
