@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from meshtrain.config import ConfigError, OptimizerSection, ParallelSection, check_positive
-from meshtrain.models.language import TextDataSection, TextTrainSection, validate_text_training
-from meshtrain.models.llama.config import LlamaModelSection, ffn_hidden
+from meshtrain.config import ConfigError, check_positive
+from meshtrain.models.language import validate_text_training
+from meshtrain.models.llama.config import LlamaModelSection, LlamaRunConfig, ffn_hidden
 from meshtrain.models.llama.config import validate as validate_llama
 
 Score = Literal["softmax", "sigmoid"]  # how a router turns its logits into each expert's score
@@ -33,12 +33,8 @@ class MoEModelSection(LlamaModelSection):  # the Llama-style decoder's keys, and
 
 
 @dataclass
-class MoERunConfig:
+class MoERunConfig(LlamaRunConfig):  # the Llama-style decoder's sections, with the experts' model section
     model: MoEModelSection = field(default_factory=MoEModelSection)
-    data: TextDataSection = field(default_factory=lambda: TextDataSection(name="shakespeare"))
-    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    train: TextTrainSection = field(default_factory=TextTrainSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
 
 
 def validate(cfg: MoERunConfig) -> None:
