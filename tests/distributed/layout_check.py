@@ -87,7 +87,7 @@ def worst(mine: dict, ref: dict) -> float:
 
 
 def model_of(cfg) -> tuple:
-    return next(entry for entry in MODELS.values() if isinstance(cfg, entry[2]))
+    return next(entry for entry in MODELS.values() if type(cfg) is entry[2])
 
 
 def idle_upper_experts(model, idle: bool):
