@@ -27,14 +27,13 @@ train: $(STAMP)
 	$(VENV)/bin/meshtrain launch -- python -m meshtrain train gpt $(TRAIN_ARGS)
 
 # PYTHONDONTWRITEBYTECODE cleared: where the environment sets it, each of the suite's hundreds of processes would
-# compile meshtrain's sources again (0.25 s a process here). Three pytest workers on 2 cores: the suite's jobs leave
-# cores idle (imports, rendezvous, waits for timeouts); three took 753 s where two took 830 s on the same box, and the
-# tests that time something derive their limits from what they measure under that load. --dist loadfile keeps each
-# test file on one worker, in its order (the docs' lines build on the ones above them; a multi-node module loses its
-# node last).
-TEST_WORKERS ?= 3
+# compile meshtrain's sources again (0.25 s a process here). Two pytest workers: the suite's jobs leave a core idle a
+# third of the time on 2 cores (imports, rendezvous, waits for timeouts). Three were tried on 2 cores: 802 s natively
+# (AVX-512) but 1314 s under slow-cpu (the AVX2-only kind), where two took 1209 s: the slow kind decides. --dist
+# loadfile keeps each test file on one worker, in its order (the docs' lines build on the ones above them; a
+# multi-node module loses its node last).
 test: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 2 --dist loadfile
 
 # The unit tier alone: no test that starts a process (torchrun, mpirun, a subprocess), nothing marked slow.
 test-fast: $(STAMP)
