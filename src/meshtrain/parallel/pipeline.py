@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -132,6 +133,13 @@ class Pipeline:
         self._group, self._embed_group, self._embed_on_one_rank = group, embed_group, embed_peer_is_self
         self._loss_sum = loss_sum
         self._loss_divisor: torch.Tensor | float = 1.0
+        # The gradient scale of the step being run (step's `scale`), on every stage: an auxiliary loss inside a stage
+        # (parallel/auxiliary_loss.py) weighs its gradient by it, as the last stage's loss_fn does.
+        self.loss_scale = 1.0
+        # Called with True before torch's shape inference and False after: a real forward and backward of garbage
+        # (an empty tensor past the first stage) that torch runs before the first step and at every switch between
+        # step and eval, which a stage's modules may keep out of what they count (a router's tallies).
+        self.shape_inference_hooks: list[Callable[[bool], None]] = []
         self._schedule, self._built_for = None, None
         # eval_loss through a plain forward pass instead of the schedule's eval(): where torch has no eval()
         # (before ~2.8), and for V schedules, whose eval() in torch 2.13 still runs the backward actions of the
@@ -159,7 +167,19 @@ class Pipeline:
             raise PipelineError(f"torch {torch.__version__} refuses schedule {self.schedule_name!r} with "
                                 f"microbatches={self.microbatches} over {self.n_stages} stages: {e}") from e
         self._built_for = list(self.stages)
+        initialize = getattr(self._schedule, "_initialize_pp_stages", None)  # torch 2.13's shape inference
+        if initialize is not None:
+            self._schedule._initialize_pp_stages = partial(self._around_shape_inference, initialize)
         return self._schedule
+
+    def _around_shape_inference(self, initialize: Callable, *args, **kwargs):
+        for hook in self.shape_inference_hooks:
+            hook(True)
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            for hook in self.shape_inference_hooks:
+                hook(False)
 
     def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if x.shape[0] % self.microbatches:
@@ -216,6 +236,7 @@ class Pipeline:
         schedule = self._ensure_schedule()
         self._check_wrappers()
         args, target = self._inputs(x, y, scale)
+        self.loss_scale = scale
         losses: list[torch.Tensor] = []
         extra = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
         getattr(schedule, method)(*args, target=target, losses=losses, **extra)  # no merged logits: loss only
