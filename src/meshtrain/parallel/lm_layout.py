@@ -51,6 +51,9 @@ class LanguageModelLayout(Layout):
     sequence_shard: tuple[int, int, str] | None = None  # (cp rank, cp size, cp impl) when cp > 1
     loss_parallel: bool = False
     split: StageSplit | None = None  # the model's structure, as a pipeline cuts it
+    # The micro-step's gradient scale (1/accum, times the fp16 loss scale): what a loss attached inside the model
+    # (parallel/auxiliary_loss.py) weighs its gradient by, as the loss's own gradient is scaled.
+    loss_scale: float = 1.0
 
     # ---- one micro-step ------------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor, y: torch.Tensor):
@@ -68,6 +71,7 @@ class LanguageModelLayout(Layout):
         (metrics.StepTimer) times forward and backward, or both as one under a pipeline schedule.
         Returns this micro-step's loss / accum (a 0-dim tensor; 0 on ranks without the last pipeline stage)."""
         x, y, positions = self._shard(x, y)
+        self.loss_scale = (scaler.get_scale() if scaler.is_enabled() else 1.0) / accum
         if self.pipeline is not None:
             for part in self.parts:
                 gradient_sync(part, sync)

@@ -133,9 +133,6 @@ class Pipeline:
         self._group, self._embed_group, self._embed_on_one_rank = group, embed_group, embed_peer_is_self
         self._loss_sum = loss_sum
         self._loss_divisor: torch.Tensor | float = 1.0
-        # The gradient scale of the step being run (step's `scale`), on every stage: an auxiliary loss inside a stage
-        # (parallel/auxiliary_loss.py) weighs its gradient by it, as the last stage's loss_fn does.
-        self.loss_scale = 1.0
         # Called with True before torch's shape inference and False after: a real forward and backward of garbage
         # (an empty tensor past the first stage) that torch runs before the first step and at every switch between
         # step and eval, which a stage's modules may keep out of what they count (a router's tallies).
@@ -236,7 +233,6 @@ class Pipeline:
         schedule = self._ensure_schedule()
         self._check_wrappers()
         args, target = self._inputs(x, y, scale)
-        self.loss_scale = scale
         losses: list[torch.Tensor] = []
         extra = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
         getattr(schedule, method)(*args, target=target, losses=losses, **extra)  # no merged logits: loss only

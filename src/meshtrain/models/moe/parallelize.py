@@ -13,7 +13,8 @@ parallelism, and expert parallelism (parallel.ep) composed with any of them. Wha
     cp   each cp rank routes its own positions; the balance loss sums its statistics over the cp ranks (with a
          gradient), so it is the whole sequence's, as one process computes it
     pp   each stage's MoE layers are its own; their balance losses reach the gradient through the stage's output
-         (parallel/auxiliary_loss.py), weighted as the last stage weighs its microbatch's loss
+         (parallel/auxiliary_loss.py), weighted as the last stage weighs its microbatch's loss (so under tp too,
+         whose loss-parallel loss is a DTensor); torch's shape inference is kept out of the routers' tallies
 
 Rules (ParallelDims.from_config, models/moe/config.py): ep divides dp_shard and the experts; a capacity factor is
 refused under cp (it limits each expert per forward by token order, which cp shards cannot see whole).
@@ -54,11 +55,18 @@ def build_moe_layout(model, cfg, dims, mesh, device, rank):
         total = partial(all_reduce, group=submesh(mesh, "cp").get_group())  # autograd's: its backward sums too
         for moe in _moe_layers(model):
             moe.forward_total = total
+    # Where the decoder's forward, which adds the balance losses to the loss, does not run (a pipeline stage) or its
+    # loss is a DTensor that a plain balance loss cannot join in backward (tp's loss parallel), each MoE layer brings
+    # its own into the gradient. Registered before tp's hooks: it sees the layer's plain output.
+    attached = dims.pp > 1 or dims.tp > 1
+    holder = _Weight()
+    if attached:
+        for moe in _moe_layers(model):
+            moe.register_forward_hook(partial(_balance_loss_into_gradient, holder, model.config.balance_coef))
     layout = build_language_model_layout(model, cfg, dims, mesh, device, rank, split=SPLIT,
                                          tensor_parallel=apply_tensor_parallel)
+    holder.layout = layout
     if layout.pipeline is not None:
-        for moe in _moe_layers(layout.model):
-            moe.register_forward_hook(partial(_balance_loss_through_stage, layout.pipeline, model.config.balance_coef))
         layout.pipeline.shape_inference_hooks.append(_TalliesAside(_moe_layers(layout.model)))
     return layout
 
@@ -67,13 +75,24 @@ def _moe_layers(model) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def _balance_loss_through_stage(pipeline, coef: float, moe: MoE, _inputs, out: torch.Tensor) -> torch.Tensor:
-    """Under a pipeline the decoder's forward (which adds the balance losses to the loss) does not run: each MoE layer
-    attaches its own to its output instead, weighted as one microbatch's loss (parallel/auxiliary_loss.py)."""
+class _Weight:
+    """The weight of one forward's balance loss in the gradient, read from the layout at each forward: its
+    micro-step's scale, over the pipeline's microbatches (each a forward of its own)."""
+
+    layout = None
+
+    def __call__(self) -> float:
+        pipeline = self.layout.pipeline
+        return self.layout.loss_scale / (pipeline.microbatches if pipeline is not None else 1)
+
+
+def _balance_loss_into_gradient(weight: _Weight, coef: float, moe: MoE, _inputs, out: torch.Tensor) -> torch.Tensor:
+    """The layer's balance loss attached to its output (parallel/auxiliary_loss.py), weighted as the loss of its
+    forward is, instead of added to the loss by the decoder's forward (which then finds none to add)."""
     aux, moe.balance_loss = moe.balance_loss, None  # a recomputation (activation checkpointing) leaves it None
     if aux is None or not coef or not torch.is_grad_enabled():
         return out
-    return attach_loss(out, coef * aux, pipeline.loss_scale / pipeline.microbatches)
+    return attach_loss(out, coef * aux, weight())
 
 
 class _TalliesAside:
