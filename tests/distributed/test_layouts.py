@@ -54,15 +54,17 @@ LAYOUTS = {
         "fsdp:ep=2,model=moe,idle=true",
         "fsdp:ep=4,model=moe",
         # ep composed with model parallelism (dp 2 × ep 2 in each): tp 2 + SP + LP, each MoE layer whole on both tp
-        # ranks; ring cp 2, each cp rank routing its own positions; pp 2, each stage's balance loss through its output
+        # ranks; ring cp 2, each cp rank routing its own positions (the experts sharded by FSDP2 over their cp pair);
+        # pp 2 under DDP, each stage's balance loss through its output
         "fsdp:tp=2,ep=2,model=moe",
-        "ddp:cp=2,ep=2,model=moe",
+        "fsdp:cp=2,ep=2,model=moe",
         "ddp:pp=2,pp_schedule=1f1b,ep=2,model=moe",
         "fsdp:tp=2"],  # fsdp 2 x tp 2, last: the launch saves its checkpoint for the resharding test
     8: ["fsdp:tp=2,pp=2,pp_schedule=1f1b",  # 3-D: fsdp 2 x tp 2 x pp 2
         "hsdp:dp_replicate=2,tp=2",  # 3-D: replicate 2 x shard 2 x tp 2
         "fsdp:tp=2,cp=2,pp=2,pp_schedule=gpipe",  # 4-D: tp 2 x cp 2 x pp 2 (dp 1)
-        "hsdp:dp_replicate=2,ep=2,model=moe"],  # 2 replicas x 4 shards, ep pairs within a replica
+        "hsdp:dp_replicate=2,ep=2,model=moe",  # 2 replicas x 4 shards, ep pairs within a replica
+        "fsdp:tp=2,cp=2,cp_impl=ulysses,ep=2,model=moe"],  # tp 2 x cp 2 x fsdp 2, ep pairs across the dp ranks
 }
 
 

@@ -346,6 +346,24 @@ class Pipeline:
                                scale_only=[head] if head is not None else [])
 
 
+def _whole_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient's norm, whole on every rank. Over a mesh of several dims one dim at a time: torch 2.13 fuses the
+    dims' reductions over a flattened mesh, which it can slice only for dims in the root mesh's order, and FSDP's
+    mesh for experts under cp is not in it (edp = cp, then ep, which lies outside cp in the ranks)."""
+    if not hasattr(norm, "full_tensor"):
+        return norm
+    if norm.device_mesh.ndim == 1:
+        return norm.full_tensor()
+    from torch.distributed.tensor import Replicate
+
+    for dim in range(norm.device_mesh.ndim):
+        placements = list(norm.placements)
+        if not placements[dim].is_replicate():
+            placements[dim] = Replicate()
+            norm = norm.redistribute(norm.device_mesh, placements)
+    return norm.to_local()
+
+
 def _group_of(mesh_or_group):
     return mesh_or_group.get_group() if hasattr(mesh_or_group, "get_group") else mesh_or_group
 
@@ -451,7 +469,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_grou
     # DTensor ops reduce over whatever dims a gradient is sharded on, strided FSDP x TP shards included;
     # every rank of a stage holds the same gradients in the same order, so their collectives line up.
     norms = [torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    norms = [_whole_norm(n) for n in norms]
     if not norms:
         total = torch.zeros((), device=device)
     elif infinite:
