@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -174,6 +175,7 @@ def whole_parameters(layout) -> dict:
 
 
 def run_case(case: str, info) -> tuple:
+    started = time.perf_counter()
     cfg = parse(case)
     dims, layout, optimizer = build(cfg, info, case)
     torch.manual_seed(0)
@@ -225,7 +227,8 @@ def run_case(case: str, info) -> tuple:
         diffs["param"] = max(diffs["param"], worst(whole_parameters(layout), ref_params))
     ok = max(diffs.values()) <= TOL and (len(grads) > 0 or engine_of(layout) is not None)
     owned = sum(1 for _ in layout.model.named_parameters())
-    record(case, equal=ok, worst=diffs, owns=owned)  # grad, param, norm: relative
+    # grad, param, norm: relative; seconds: what the case costs inside its launch (--durations gives the launch's)
+    record(case, equal=ok, worst=diffs, owns=owned, seconds=round(time.perf_counter() - started, 2))
     return layout, optimizer
 
 
