@@ -30,13 +30,14 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.parallel import backends
+from meshtrain.parallel.clipping import clip_grad_norm_
 from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
 from meshtrain.parallel.context_parallel import shard_sequence
 from meshtrain.parallel.data_parallel import gradient_sync
 from meshtrain.parallel.expert_parallel import average_gradients, expert_parameters
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelDims, submesh
-from meshtrain.parallel.pipeline import build_pipeline, clip_grad_norm_
+from meshtrain.parallel.pipeline import build_pipeline
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.parallel.state_dict import full_model_state
 from meshtrain.parallel.tensor_parallel import loss_parallel_context

@@ -35,8 +35,7 @@ holds and drives no_sync / FSDP's reduction itself. Known torch 2.13 pitfalls ar
 from __future__ import annotations
 
 import inspect
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -44,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.parallel.clipping import clip_grad_norm_, local_shard, process_group_of
 from meshtrain.parallel.pipeline_schedules import (  # noqa: F401  (re-exported: the pipeline's vocabulary)
     SCHEDULES,
     SINGLE_STAGE,
@@ -330,7 +330,7 @@ class Pipeline:
         if any(p.grad is None for p in copies):
             raise PipelineError("sync_tied_embedding() found no gradient on the embedding / lm_head: call it "
                                 "after step(), before clipping and the optimizer step")
-        grads = [_local(_grad_placed_like_param(p)) for p in copies]
+        grads = [local_shard(_grad_placed_like_param(p)) for p in copies]
         if self._embed_on_one_rank:
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
@@ -346,28 +346,6 @@ class Pipeline:
                                scale_only=[head] if head is not None else [])
 
 
-def _whole_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A gradient's norm, whole on every rank. Over a mesh of several dims one dim at a time: torch 2.13 fuses the
-    dims' reductions over a flattened mesh, which it can slice only for dims in the root mesh's order, and FSDP's
-    mesh for experts under cp is not in it (edp = cp, then ep, which lies outside cp in the ranks)."""
-    if not hasattr(norm, "full_tensor"):
-        return norm
-    if norm.device_mesh.ndim == 1:
-        return norm.full_tensor()
-    from torch.distributed.tensor import Replicate
-
-    for dim in range(norm.device_mesh.ndim):
-        placements = list(norm.placements)
-        if not placements[dim].is_replicate():
-            placements[dim] = Replicate()
-            norm = norm.redistribute(norm.device_mesh, placements)
-    return norm.to_local()
-
-
-def _group_of(mesh_or_group):
-    return mesh_or_group.get_group() if hasattr(mesh_or_group, "get_group") else mesh_or_group
-
-
 def _grad_placed_like_param(p: nn.Parameter) -> torch.Tensor:
     """The gradient, redistributed to its parameter's placements if autograd left it otherwise: under tensor
     parallelism the embedding's gradient comes out Replicate/Partial, the head's Shard(0), and the two local
@@ -376,10 +354,6 @@ def _grad_placed_like_param(p: nn.Parameter) -> torch.Tensor:
     if hasattr(grad, "placements") and tuple(grad.placements) != tuple(p.placements):
         p.grad = grad = grad.redistribute(grad.device_mesh, p.placements)
     return grad
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
 
 
 _EMBED_GROUPS: dict = {}  # (world group, all pairs) -> {pair: group}: new_group once per layout
@@ -412,7 +386,7 @@ def build_pipeline(model: nn.Module, split: StageSplit, pp_mesh, *, schedule: st
     if pp_mesh is None:
         raise PipelineError("build_pipeline needs the pp mesh dim (submesh(mesh, 'pp')); with parallel.pp=1 "
                             "there is no pipeline to build: train the model directly")
-    group = _group_of(pp_mesh)
+    group = process_group_of(pp_mesh)
     pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
     check_schedule(schedule, pp_size, virtual_stages, microbatches)
     schedule_class(schedule)
@@ -448,40 +422,3 @@ def build_pipeline(model: nn.Module, split: StageSplit, pp_mesh, *, schedule: st
     embed_group = None if on_one_rank or not split.tied else _embedding_group(pair)
     return Pipeline(parts, mine, n_stages, group, schedule, microbatches, device, loss_fn, embed_group, on_one_rank,
                     split.tied)
-
-
-# ---- gradient clipping across stages --------------------------------------------------------------------
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None, *, norm_type: float = 2.0,
-                    scale_only: Iterable[torch.Tensor] = ()) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a model split over pipeline ranks (and sharded by FSDP / TP).
-
-    The norm is over `parameters` on every rank of `pp_group` (a process group, a 1-D DeviceMesh, or None):
-    each rank sums |g|^p of what it holds, a DTensor gradient's shards are summed over the mesh dims it is
-    sharded on (not those it is replicated on), then the ranks of the pipeline add theirs. `scale_only` are
-    clipped but not counted (the second copy of a tied weight). Returns the total norm.
-    """
-    norm_type = float(norm_type)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    extra = [p.grad for p in scale_only if p.grad is not None]
-    device = (grads or extra)[0].device if grads or extra else torch.device("cpu")
-    infinite = math.isinf(norm_type)
-    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    # DTensor ops reduce over whatever dims a gradient is sharded on, strided FSDP x TP shards included;
-    # every rank of a stage holds the same gradients in the same order, so their collectives line up.
-    norms = [torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads]
-    norms = [_whole_norm(n) for n in norms]
-    if not norms:
-        total = torch.zeros((), device=device)
-    elif infinite:
-        total = torch.stack([n.to(device) for n in norms]).max()
-    else:
-        total = torch.stack([n.to(device) for n in norms]).pow(norm_type).sum()
-    group = _group_of(pp_group)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, op=op, group=group)
-    total_norm = total if infinite else total.pow(1.0 / norm_type)
-    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for g in grads + extra:
-        local = _local(g)
-        local.mul_(coef.to(local.device, local.dtype))
-    return total_norm

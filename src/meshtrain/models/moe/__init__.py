@@ -6,7 +6,8 @@ a router over E SwiGLU experts, top-k, with optional shared experts.
     experts.py      the routed experts' stacked weights; their matmuls as one grouped GEMM or a loop
     workload.py     the language model's workload, plus the routing's counts summed over the data-parallel ranks:
                     the bias update after each optimizer step, and the routing figures of each evaluation
-    parallelize.py  its layout: every language model's (parallel/lm_layout.py), data and expert parallelism
+    parallelize.py  its layout: every language model's (parallel/lm_layout.py), with expert parallelism composed
+                    with data, tensor, context and pipeline parallelism
     config.py       its run config and rules; presets/ the YAML presets (cpu, shakespeare, published shapes)
 """
 
