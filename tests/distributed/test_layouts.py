@@ -78,7 +78,7 @@ def four_ranks(tmp_path_factory) -> tuple[dict[int, dict[str, dict]], Path]:
     return launch(4, LAYOUTS[4], "--save", str(saved)), saved
 
 
-@pytest.mark.parametrize("ranks", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # 8: ~50 s on 2 cores
+@pytest.mark.parametrize("ranks", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # 8: ~55 s on 2 cores
 def test_layouts_equal_one_process(ranks, request):
     results = request.getfixturevalue("four_ranks")[0] if ranks == 4 else launch(ranks, LAYOUTS[ranks])
     assert_all_equal(results, LAYOUTS[ranks], ranks, EQUAL)
