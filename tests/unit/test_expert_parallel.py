@@ -173,3 +173,23 @@ def test_the_real_meshs_expert_view_has_the_groups_the_arithmetic_says(kwargs):
                 assert ranks == dims.group_of(rank, dim), (rank, dim)
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_under_tp_a_moe_layer_runs_whole_and_the_dense_layers_are_split(sequence_parallel):
+    """The moe model's tp plan, block by block: a dense layer's SwiGLU column/row-parallel as the Llama's, an MoE
+    layer's mlp untouched but for the gathered stream in and each rank's positions out under sequence parallel."""
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    from meshtrain.models.moe.model import MoEConfig, MoEDecoder
+    from meshtrain.parallel.tensor_parallel import _blocks_plan
+
+    model = MoEDecoder(MoEConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                                 ffn_hidden=64, n_experts=4, top_k=2, expert_hidden=16, moe_layers=(1,)))
+    plan = _blocks_plan(model.transformer.h, sequence_parallel, {"mlp.c_gate": object()}, {"1"})
+    dense, moe = ({path.split(".", 3)[3] for path in plan if path.startswith(f"transformer.h.{i}.")} for i in (0, 1))
+    assert {"mlp.c_fc", "mlp.c_gate", "mlp.c_proj", "attn.q_proj", "attn.c_proj"} <= dense
+    assert not any(path.startswith("mlp.") for path in moe) and {"attn.q_proj", "attn.c_proj"} <= moe
+    assert ("mlp" in moe) == sequence_parallel
+    if sequence_parallel:
+        assert isinstance(plan["transformer.h.1.mlp"], PrepareModuleInputOutput)
