@@ -2,12 +2,14 @@
 what its routing needs from outside the model, where the ranks are known.
 
     after each optimizer step   the assignments each expert took in the step, summed over the micro-steps (in the
-                                layers' tallies) and over the data- and context-parallel ranks (one all-reduce,
-                                routing_group), move the routers' biases (router.update_bias, when model.bias_update_rate > 0):
-                                every rank then holds the bias one process with the same global batch would
-    at each evaluation          the routing of the evaluation's batches (both splits), summed over the data-parallel
-                                ranks: balance loss, the experts' shares (min, max, entropy; per layer × expert under
-                                `expert_share`, which the report draws), dropped assignments
+                                layers' tallies) and over the data- and context-parallel ranks (one all-reduce over
+                                routing_group), move the routers' biases (router.update_bias, when
+                                model.bias_update_rate > 0): every rank then holds the bias one process with the same
+                                global batch would; under a pipeline each stage moves its own layers'
+    at each evaluation          the routing of the evaluation's batches (both splits), summed the same way and
+                                gathered from every pipeline stage: balance loss, the experts' shares (min, max,
+                                entropy; per layer × expert under `expert_share`, which the report draws), dropped
+                                assignments
 
 A tally is reset after each step and around each evaluation, so each figure covers exactly its own batches.
 """
