@@ -37,7 +37,8 @@ LAYOUTS = {
         "ddp:pp=2,pp_schedule=1f1b,model=llama",
         "ddp:cp=2,cp_impl=ring,model=llama",
         "ddp:cp=2,cp_impl=ulysses,model=llama",
-        "ddp:ep=2,model=moe"],  # the mixture of experts, each rank holding half of the experts
+        "ddp:ep=2,model=moe",  # the mixture of experts, each rank holding half of the experts
+        "ddp:tp=2,model=moe"],  # tp 2 + SP + LP: the MoE layers whole on each rank, their plain weights beside tp's
     4: ["ddp:pp=2,pp_schedule=gpipe",  # dp 2 x pp 2
         "fsdp:pp=2,pp_schedule=1f1b",  # fsdp 2 x pp 2
         "ddp:tp=2,pp=2,pp_schedule=1f1b",  # tp 2 x pp 2

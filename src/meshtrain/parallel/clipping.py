@@ -55,6 +55,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_grou
     return total_norm
 
 
+def several_meshes(parameters: Iterable[torch.Tensor]) -> bool:
+    """Whether the parameters are DTensors on more than one mesh, or DTensors beside plain tensors (the experts' view
+    beside the data-parallel mesh; a mixture-of-experts layer's plain weights beside tensor-parallel ones), which
+    torch.nn.utils.clip_grad_norm_ cannot add up and clip_grad_norm_ here can."""
+    return len({getattr(p, "device_mesh", None) for p in parameters}) > 1
+
+
 def whole_norm(norm: torch.Tensor) -> torch.Tensor:
     """A gradient's norm, whole on every rank. Over a mesh of several dims one dim at a time: torch 2.13 fuses the
     dims' reductions over a flattened mesh, which it can slice only for dims in the root mesh's order, and FSDP's
