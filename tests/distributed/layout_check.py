@@ -6,8 +6,9 @@ CASE is `backend:key=value,...` over cfg.parallel (and `ac=full|selective`), e.g
 `ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
 layout's micro-step, tied-embedding, clipping and eval methods — for STEPS steps of ACCUM micro-steps on
 the same global batches as a single-process reference, and compares loss, every gradient (gathered) and
-every parameter after each step, then the eval loss; each rank records per case its verdict and the worst
-differences (meshtrain.runtime.results.record).
+every parameter after each step, then the eval loss (the MoE: also its routers' biases after each step's bias
+update, made as its workload makes it); each rank records per case its verdict, the worst differences and the
+seconds the case took (meshtrain.runtime.results.record).
 
 --save DIR: after the last case, write a distributed checkpoint of it to DIR (parallel.state_dict +
 train.checkpoint.Checkpointer). --load DIR: for each case, load DIR into the fresh layout and write the
