@@ -11,7 +11,9 @@ Each rank of a tp group holds a slice of every big matrix of a block and compute
 
 A model's parallelize.py adds its own ends (the GPT: vocab-sharded embedding and head; the ViT: replicated patch
 embedding and head) and makes every other parameter a replicated DTensor (`replicate_module`), so every parameter
-sits on the tp mesh and FSDP2, DCP and clip_grad_norm_ handle them uniformly.
+sits on the tp mesh and FSDP2, DCP and clip_grad_norm_ handle them uniformly. The exception: a block whose mlp runs
+whole on every tp rank (`whole_mlp_plan`, a mixture of experts) keeps that mlp's parameters plain (the same on every
+tp rank, with the same gradients), which clipping takes norm by norm (parallel/clipping.py).
 
 Between sublayers the residual stream is, without sequence parallel, a plain tensor that is the same on every tp
 rank (the rowwise outputs all-reduce). With sequence parallel it is a DTensor Shard(1): each rank holds T/tp

@@ -12,9 +12,12 @@ parallelism, and expert parallelism (parallel.ep) composed with any of them. Wha
          whole and the result equal to one process)
     cp   each cp rank routes its own positions; the balance loss sums its statistics over the cp ranks (with a
          gradient), so it is the whole sequence's, as one process computes it
-    pp   each stage's MoE layers are its own; their balance losses reach the gradient through the stage's output
-         (parallel/auxiliary_loss.py), weighted as the last stage weighs its microbatch's loss (so under tp too,
-         whose loss-parallel loss is a DTensor); torch's shape inference is kept out of the routers' tallies
+    pp   each stage's MoE layers are its own, sharded over the ep ranks of that stage; torch's shape inference is
+         kept out of the routers' tallies (its forward routes garbage)
+
+Under pp (no decoder forward runs whole in a stage) and tp (whose loss-parallel loss is a DTensor, which a plain
+balance loss added to it cannot take a gradient from), each MoE layer's balance loss reaches the gradient through the
+layer's output instead (parallel/auxiliary_loss.py), weighted as the loss of the same forward is.
 
 Rules (ParallelDims.from_config, models/moe/config.py): ep divides dp_shard and the experts; a capacity factor is
 refused under cp (it limits each expert per forward by token order, which cp shards cannot see whole).
