@@ -6,8 +6,9 @@ CASE is `backend:key=value,...` over cfg.parallel (and `ac=full|selective`), e.g
 `ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
 layout's micro-step, tied-embedding, clipping and eval methods — for STEPS steps of ACCUM micro-steps on
 the same global batches as a single-process reference, and compares loss, every gradient (gathered) and
-every parameter after each step, then the eval loss; each rank records per case its verdict and the worst
-differences (meshtrain.runtime.results.record).
+every parameter after each step, then the eval loss (the MoE: also its routers' biases after each step's bias
+update, made as its workload makes it); each rank records per case its verdict, the worst differences and the
+seconds the case took (meshtrain.runtime.results.record).
 
 --save DIR: after the last case, write a distributed checkpoint of it to DIR (parallel.state_dict +
 train.checkpoint.Checkpointer). --load DIR: for each case, load DIR into the fresh layout and write the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -32,8 +34,9 @@ from meshtrain.models.llama.config import LlamaRunConfig
 from meshtrain.models.llama.model import Llama, LlamaConfig
 from meshtrain.models.llama.parallelize import build_llama_layout
 from meshtrain.models.moe.config import MoERunConfig
-from meshtrain.models.moe.model import MoEConfig, MoEDecoder
+from meshtrain.models.moe.model import MoE, MoEConfig, MoEDecoder
 from meshtrain.models.moe.parallelize import build_moe_layout
+from meshtrain.models.moe.workload import routing_group, update_biases
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.state_dict import (
     full_model_state,
@@ -54,6 +57,7 @@ MOE = MoEConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, 
 MODELS = {"gpt": (GPT, CONFIG, GPTRunConfig, build_gpt_layout), "llama": (Llama, LLAMA, LlamaRunConfig, build_llama_layout),
           "moe": (MoEDecoder, MOE, MoERunConfig, build_moe_layout)}
 SGD = dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+BIAS_RATE = 0.05  # the moe's router biases move after every step (fast enough to change the next step's routing)
 INTS = {"tp", "cp", "pp", "ep", "dp_replicate", "dp_shard", "microbatches", "virtual_stages", "zero_stage"}
 
 
@@ -117,21 +121,42 @@ def build(cfg, info, case: str = ""):
     return dims, layout, optimizer
 
 
-def reference_backward(reference, x, y, dp_size: int) -> torch.Tensor:
+def reference_backward(reference, x, y, dp_size: int, microbatches: int = 1) -> torch.Tensor:
     """One process's loss and gradients on the whole batch. A mixture of experts routes and balances per forward, so
     it runs each rank's micro-batches as they do (its balance loss is a mean over each forward's tokens, not the
-    whole batch's); the language-model loss is the same mean either way."""
+    whole batch's), each cut into the pipeline's `microbatches` (a stage's forward); the language-model loss is the
+    same mean either way. cp and tp ranks route parts of one forward together: one chunk here."""
     if not isinstance(reference, MoEDecoder):
         _, loss = reference(x, y)
         loss.backward()
         return loss
-    chunks = dp_size * ACCUM
+    chunks, rows = dp_size * ACCUM * microbatches, MICRO // microbatches
     losses = []
     for i in range(chunks):
-        _, loss = reference(x[i * MICRO:(i + 1) * MICRO], y[i * MICRO:(i + 1) * MICRO])
+        _, loss = reference(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
         (loss / chunks).backward()
         losses.append(loss.detach())
     return torch.stack(losses).mean()
+
+
+def step_router_biases(layout, reference) -> float:
+    """The auxiliary-loss-free bias update after a step, as the workload makes it (this rank's layers' loads summed
+    over routing_group's ranks), and one process's; the largest difference between the two sets of biases."""
+    group = routing_group(layout.mesh)
+
+    def summed(load):
+        if group is not None:
+            dist.all_reduce(load, group=group)
+        return load
+
+    mine = [m for m in layout.model.modules() if isinstance(m, MoE)]
+    update_biases(mine, BIAS_RATE, summed)
+    update_biases(reference.moe_layers(), BIAS_RATE, lambda load: load)
+    for moe in mine + reference.moe_layers():
+        moe.tally.reset()
+    want = {n: b for n, b in reference.named_buffers() if n.endswith("expert_bias")}
+    return max([(b - want[n.replace("._checkpoint_wrapped_module", "")]).abs().max().item()
+                for n, b in layout.model.named_buffers() if n.endswith("expert_bias")], default=0.0)
 
 
 def engine_of(layout):
@@ -151,6 +176,7 @@ def whole_parameters(layout) -> dict:
 
 
 def run_case(case: str, info) -> tuple:
+    started = time.perf_counter()
     cfg = parse(case)
     dims, layout, optimizer = build(cfg, info, case)
     torch.manual_seed(0)
@@ -172,7 +198,8 @@ def run_case(case: str, info) -> tuple:
                                         for r in range(dims.dp_size)]).mean()
             diffs["eval"] = abs(loss.item() / layout.loss_ranks - ref_eval.item())
             break
-        ref_loss = reference_backward(reference, x, y, dims.dp_size)
+        ref_loss = reference_backward(reference, x, y, dims.dp_size,
+                                      cfg.parallel.microbatches or dims.pp * cfg.parallel.virtual_stages)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         loss = torch.zeros(())
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
@@ -193,13 +220,16 @@ def run_case(case: str, info) -> tuple:
         if engine_of(layout) is None:
             diffs["grad"] = max(diffs["grad"], worst(grads, ref_grads))
         ref_opt.step()
+        if isinstance(reference, MoEDecoder):
+            diffs["bias"] = max(diffs.get("bias", 0.0), step_router_biases(layout, reference))
         optimizer.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         diffs["param"] = max(diffs["param"], worst(whole_parameters(layout), ref_params))
     ok = max(diffs.values()) <= TOL and (len(grads) > 0 or engine_of(layout) is not None)
     owned = sum(1 for _ in layout.model.named_parameters())
-    record(case, equal=ok, worst=diffs, owns=owned)  # grad, param, norm: relative
+    # grad, param, norm: relative; seconds: what the case costs inside its launch (--durations gives the launch's)
+    record(case, equal=ok, worst=diffs, owns=owned, seconds=round(time.perf_counter() - started, 2))
     return layout, optimizer
 
 

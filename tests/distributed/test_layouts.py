@@ -37,7 +37,8 @@ LAYOUTS = {
         "ddp:pp=2,pp_schedule=1f1b,model=llama",
         "ddp:cp=2,cp_impl=ring,model=llama",
         "ddp:cp=2,cp_impl=ulysses,model=llama",
-        "ddp:ep=2,model=moe"],  # the mixture of experts, each rank holding half of the experts
+        "ddp:ep=2,model=moe",  # the mixture of experts, each rank holding half of the experts
+        "ddp:tp=2,model=moe"],  # tp 2 + SP + LP: the MoE layers whole on each rank, their plain weights beside tp's
     4: ["ddp:pp=2,pp_schedule=gpipe",  # dp 2 x pp 2
         "fsdp:pp=2,pp_schedule=1f1b",  # fsdp 2 x pp 2
         "ddp:tp=2,pp=2,pp_schedule=1f1b",  # tp 2 x pp 2
@@ -53,11 +54,18 @@ LAYOUTS = {
         "ddp:ep=4,model=moe,idle=true",
         "fsdp:ep=2,model=moe,idle=true",
         "fsdp:ep=4,model=moe",
+        # ep composed with model parallelism (dp 2 × ep 2 in each): tp 2 + SP + LP, each MoE layer whole on both tp
+        # ranks; ring cp 2, each cp rank routing its own positions (the experts sharded by FSDP2 over their cp pair);
+        # pp 2 under DDP, each stage's balance loss through its output
+        "fsdp:tp=2,ep=2,model=moe",
+        "fsdp:cp=2,ep=2,model=moe",
+        "ddp:pp=2,pp_schedule=1f1b,ep=2,model=moe",
         "fsdp:tp=2"],  # fsdp 2 x tp 2, last: the launch saves its checkpoint for the resharding test
     8: ["fsdp:tp=2,pp=2,pp_schedule=1f1b",  # 3-D: fsdp 2 x tp 2 x pp 2
         "hsdp:dp_replicate=2,tp=2",  # 3-D: replicate 2 x shard 2 x tp 2
         "fsdp:tp=2,cp=2,pp=2,pp_schedule=gpipe",  # 4-D: tp 2 x cp 2 x pp 2 (dp 1)
-        "hsdp:dp_replicate=2,ep=2,model=moe"],  # 2 replicas x 4 shards, ep pairs within a replica
+        "hsdp:dp_replicate=2,ep=2,model=moe",  # 2 replicas x 4 shards, ep pairs within a replica
+        "fsdp:tp=2,cp=2,cp_impl=ulysses,ep=2,model=moe"],  # tp 2 x cp 2 x fsdp 2, ep pairs across the dp ranks
 }
 
 
@@ -71,7 +79,7 @@ def four_ranks(tmp_path_factory) -> tuple[dict[int, dict[str, dict]], Path]:
     return launch(4, LAYOUTS[4], "--save", str(saved)), saved
 
 
-@pytest.mark.parametrize("ranks", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # 8: ~50 s on 2 cores
+@pytest.mark.parametrize("ranks", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # 8: ~55 s on 2 cores
 def test_layouts_equal_one_process(ranks, request):
     results = request.getfixturevalue("four_ranks")[0] if ranks == 4 else launch(ranks, LAYOUTS[ranks])
     assert_all_equal(results, LAYOUTS[ranks], ranks, EQUAL)

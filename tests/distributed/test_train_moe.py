@@ -77,22 +77,23 @@ def np_close(a: list[list[float]], b: list[list[float]]) -> bool:
                for x, y in zip(row_a, row_b, strict=True))
 
 
-# Expert parallelism's checkpoints reshard: a run saved under fsdp × ep2 on 4 ranks (each expert tensor a DTensor over
-# the efsdp × ep view) resumed at iteration 6 under ddp on 2 ranks (ep1: every rank holds every expert, the
-# accumulation doubled by train.global_batch_size) and under ddp × ep4 on 4 ranks follows the uninterrupted run.
+# Expert parallelism's checkpoints reshard: a run saved under fsdp × ep4 on 4 ranks (each rank alone holds 2 of the
+# 8 experts, a DTensor Shard(0) over ep) resumed at iteration 6 under fsdp × ep2 on 2 ranks (4 experts a rank, the
+# accumulation doubled by train.global_batch_size) and under ddp on 2 ranks (ep1: every rank holds every expert)
+# follows the uninterrupted run.
 RESUMABLE = [*TINY, "model.dropout=0.0", "train.max_iters=12", "train.global_batch_size=16", "train.sample_ledger=true",
              "train.save_checkpoints=true", "train.keep_checkpoints=0", "optimizer.lr_decay_iters=12"]
-RESUMED_INTO = [(2, ["train.backend=ddp", "parallel.ep=1"]), (4, ["train.backend=ddp", "parallel.ep=4"])]
+RESUMED_INTO = [(2, ["train.backend=fsdp", "parallel.ep=2"]), (2, ["train.backend=ddp", "parallel.ep=1"])]
 
 
-@pytest.mark.slow  # three 4-rank-sized CLI runs, ~1 min on 2 cores
-def test_a_run_saved_under_ep2_resumes_under_ep1_and_ep4_as_if_uninterrupted(data_root, tmp_path):
+@pytest.mark.slow  # one 4-rank and two 2-rank CLI runs
+def test_a_run_saved_under_ep4_resumes_under_ep2_and_ep1_as_if_uninterrupted(data_root, tmp_path):
     from tests.conftest import rewound_copy
 
     from meshtrain.train.ledger import read_ledger
 
     full = torchrun(4, "train", "moe", *RESUMABLE, f"data.root={data_root}", f"train.out_dir={tmp_path / 'full'}",
-                    "train.backend=fsdp", "parallel.ep=2", timeout=240)
+                    "train.backend=fsdp", "parallel.ep=4", timeout=240)
     assert full.returncode == 0, output(full)[-3000:]
     full_dir = (tmp_path / "full" / "moe" / "fsdp" / "latest").resolve()
     want, want_ledger = rows_of(tmp_path / "full", "fsdp"), read_ledger(full_dir / "ledger.txt")

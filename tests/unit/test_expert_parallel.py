@@ -44,8 +44,7 @@ def test_which_ranks_hold_which_experts(kwargs, experts, ep_groups, edp_groups):
 
 
 def test_ep_is_inner_to_dp_shard_and_tp_stays_innermost():
-    """Under pp 2 (a layout ep would refuse for the moe model, but the arithmetic is general), the ep ranks are
-    dp_shard's neighbours within one stage."""
+    """Under pp 2 the ep ranks are dp_shard's neighbours within one stage."""
     dims = ParallelDims(world_size=8, pp=2, ep=2)
     assert dims.expert_layout == ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
     assert groups(dims, "ep") == [(0, 1), (2, 3), (4, 5), (6, 7)] and dims.group_of(5, "edp") == [5, 7]
@@ -97,7 +96,6 @@ def test_bad_ep_is_one_clear_error_before_any_process_group(workload, overrides,
     (["train.backend=zero1"], "ep=2: ZeroRedundancyOptimizer shards plain tensors over one group; use "
                               "train.backend=zero2 or fsdp to combine sharding with tp/cp/pp/ep"),
     (["train.backend=deepspeed"], "meshtrain runs DeepSpeed's ZeRO as data parallelism only"),
-    (["parallel.pp=2"], "the moe model has no tensor-, context- or pipeline-parallel plan"),
     (["parallel.ep=0"], "parallel.ep=0: must be at least 1"),
 ])
 def test_ep_with_what_it_does_not_compose_with_is_refused_by_the_config(overrides, message):
@@ -105,14 +103,27 @@ def test_ep_with_what_it_does_not_compose_with_is_refused_by_the_config(override
         load_config([*MOE, "parallel.ep=2", *overrides], "moe")
 
 
-@pytest.mark.parametrize("other", ["tp", "cp", "pp"])
-def test_the_mesh_refuses_ep_with_model_parallelism_naming_the_fix(other):
-    """The mesh's own rule (a plugin model could declare both ep and pp): reached past the moe model's config rule."""
-    cfg = load_config([*MOE, "parallel.ep=2", "train.backend=fsdp"], "moe")
-    setattr(cfg.parallel, other, 2)
-    with pytest.raises(MeshError, match=f"parallel.ep=2 with parallel.{other}=2: expert parallelism composes only "
-                                        f"with data parallelism .* set parallel.ep=1 or parallel.{other}=1"):
-        ParallelDims.from_config(cfg, 8, 8)
+@pytest.mark.parametrize("other, world, ep_groups, edp_groups", [
+    # tp 2 (adjacent ranks): ep pairs among the dp ranks of one tp coordinate; tp peers are not in edp
+    ("tp", 4, [(0, 2), (1, 3)], [(0,), (1,), (2,), (3,)]),
+    # cp 2: the cp peers route other positions of the same sequences, so they average the experts' gradients (edp)
+    ("cp", 8, [(0, 2), (1, 3), (4, 6), (5, 7)], [(0, 1, 4, 5), (2, 3, 6, 7)]),
+    # pp 2: each stage's ep pairs, its experts averaged within the stage
+    ("pp", 8, [(0, 1), (2, 3), (4, 5), (6, 7)], [(0, 2), (1, 3), (4, 6), (5, 7)]),
+])
+def test_ep_composes_with_model_parallelism(other, world, ep_groups, edp_groups):
+    """ep with tp, cp or pp passes the mesh's rules and borrows its ranks from dp_shard within each model replica."""
+    cfg = load_config([*MOE, "parallel.ep=2", "train.backend=fsdp", f"parallel.{other}=2"], "moe")
+    dims = ParallelDims.from_config(cfg, world, world)
+    assert (dims.ep, dims.world_size, getattr(dims, other)) == (2, world, 2)
+    assert groups(dims, "ep") == ep_groups and groups(dims, "edp") == edp_groups
+    assert dims.size("ep") * dims.size("edp") == dims.dp_size * dims.cp
+
+
+def test_ep_with_ddp_and_tp_is_refused_naming_the_fix():
+    cfg = load_config([*MOE, "parallel.ep=2", "parallel.tp=2"], "moe")
+    with pytest.raises(MeshError, match="use train.backend=fsdp"):
+        ParallelDims.from_config(cfg, 4, 4)
 
 
 def test_good_ep_layouts_pass_and_leave_the_world_and_data_ranks_alone():
@@ -162,3 +173,23 @@ def test_the_real_meshs_expert_view_has_the_groups_the_arithmetic_says(kwargs):
                 assert ranks == dims.group_of(rank, dim), (rank, dim)
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_under_tp_a_moe_layer_runs_whole_and_the_dense_layers_are_split(sequence_parallel):
+    """The moe model's tp plan, block by block: a dense layer's SwiGLU column/row-parallel as the Llama's, an MoE
+    layer's mlp untouched but for the gathered stream in and each rank's positions out under sequence parallel."""
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    from meshtrain.models.moe.model import MoEConfig, MoEDecoder
+    from meshtrain.parallel.tensor_parallel import _blocks_plan
+
+    model = MoEDecoder(MoEConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                                 ffn_hidden=64, n_experts=4, top_k=2, expert_hidden=16, moe_layers=(1,)))
+    plan = _blocks_plan(model.transformer.h, sequence_parallel, {"mlp.c_gate": object()}, {"1"})
+    dense, moe = ({path.split(".", 3)[3] for path in plan if path.startswith(f"transformer.h.{i}.")} for i in (0, 1))
+    assert {"mlp.c_fc", "mlp.c_gate", "mlp.c_proj", "attn.q_proj", "attn.c_proj"} <= dense
+    assert not any(path.startswith("mlp.") for path in moe) and {"attn.q_proj", "attn.c_proj"} <= moe
+    assert ("mlp" in moe) == sequence_parallel
+    if sequence_parallel:
+        assert isinstance(plan["transformer.h.1.mlp"], PrepareModuleInputOutput)

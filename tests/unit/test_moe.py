@@ -140,6 +140,34 @@ def test_balance_loss_is_switchs_formula_on_a_hand_made_case():
         2 * (0.5 * 0.65 + 0.5 * 0.35))
 
 
+def test_balance_loss_over_parts_of_a_forward_with_their_totals_is_the_whole_forwards():
+    """What a context-parallel rank computes (its positions, the statistics summed with the other rank's) is the
+    balance loss of the whole forward, value and gradient (the other part's sums enter as constants here)."""
+    logits = torch.randn(10, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    experts = top_k_experts(logits.detach().softmax(-1), 2)
+    whole = balance_loss(logits.softmax(-1), experts)
+    whole.backward()
+    parts = [slice(0, 6), slice(6, 10)]
+    sums = [torch.cat([torch.bincount(experts[p].flatten(), minlength=4).float(), logits[p].softmax(-1).sum(0),
+                       torch.tensor([float(p.stop - p.start)])]).detach() for p in parts]
+    mine = logits.detach().requires_grad_()
+    part = balance_loss(mine[parts[0]].softmax(-1), experts[parts[0]], total=lambda t: t + sums[1])
+    part.backward()
+    assert part.item() == pytest.approx(whole.item())
+    torch.testing.assert_close(mine.grad[parts[0]], logits.grad[parts[0]])
+
+
+def test_an_attached_loss_backpropagates_as_if_added_to_the_loss_with_its_weight():
+    from meshtrain.parallel.auxiliary_loss import attach_loss
+
+    w = torch.randn(3, requires_grad=True)
+    h = w * 2
+    out = attach_loss(h, (w ** 2).sum(), 0.25)
+    assert torch.equal(out, h)
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, 2 + 0.25 * 2 * w.detach())
+
+
 def test_bias_update_moves_each_expert_by_gamma_toward_the_mean_load():
     router = Router(4, 4, 2)
     router.update_bias(torch.tensor([10, 2, 6, 6]), rate=0.01)  # mean 6: 0 over, 1 under, 2 and 3 at the mean
@@ -220,7 +248,8 @@ def test_workload_sums_the_step_and_moves_the_bias_then_reports_the_shares():
     model = MoEDecoder(MoEConfig(**TINY, capacity_factor=0.5))
     workload = object.__new__(MoEWorkload)  # its routing part alone
     workload.cfg = load_config(["preset=cpu", "model.top_k=2", "model.bias_update_rate=0.1"], "moe")
-    workload.moe, workload.layers, workload.dp_group = model.moe_layers(), [0, 1], None
+    workload.moe, workload.layers, workload.routed_group = model.moe_layers(), [0, 1], None
+    workload.pp_group = None
     workload.device = torch.device("cpu")
     model(torch.randint(0, 65, (2, 15)))
     load = workload.moe[0].tally.assigned.float()
@@ -253,7 +282,8 @@ def test_entropy_of_the_load_is_one_when_even_and_zero_on_one_expert():
     (["model.bias_update_rate=-0.1"], "model.bias_update_rate=-0.1 must be 0 or more"),
     (["model.score=relu"], "model.score='relu': choose "),
     (["model.n_expert=4"], "unknown key 'model.n_expert': did you mean model.n_experts?"),
-    (["parallel.tp=2", "train.backend=fsdp"], "the moe model has no tensor-, context- or pipeline-parallel plan"),
+    (["parallel.cp=2", "model.capacity_factor=1.25"], "model.capacity_factor=1.25 with parallel.cp=2: the capacity "
+                                                        "limits each expert per forward in token order"),
 ])
 def test_bad_settings_are_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -270,7 +300,8 @@ def test_registered_with_its_presets_and_refused_by_the_planner():
     assert presets == {"cpu", "shakespeare", "mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3"}
     cfg = load_config(["preset=cpu"], "moe")
     shape = spec.shape(cfg)
-    assert (shape.experts, shape.mlp_hidden, shape.parallelisms) == (8, 128, frozenset({"ep"}))
+    # mlp_hidden: the dense layer's width, which tp splits (the MoE layers run whole on every tp rank)
+    assert (shape.experts, shape.mlp_hidden, shape.parallelisms) == (8, 192, frozenset({"ep", "tp", "cp", "pp"}))
     model = spec.build_model(cfg, {"meta": {"vocab_size": 65}})
     assert model.config.moe_layers == (1, 2, 3) and type(model.transformer.h["0"].mlp).__name__ == "SwiGLU"
     with pytest.raises(PlanError, match="planning a mixture of experts is not supported yet"):

@@ -30,13 +30,14 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.parallel import backends
+from meshtrain.parallel.clipping import clip_grad_norm_, several_meshes
 from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
 from meshtrain.parallel.context_parallel import shard_sequence
 from meshtrain.parallel.data_parallel import gradient_sync
 from meshtrain.parallel.expert_parallel import average_gradients, expert_parameters
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelDims, submesh
-from meshtrain.parallel.pipeline import build_pipeline, clip_grad_norm_
+from meshtrain.parallel.pipeline import build_pipeline
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.parallel.state_dict import full_model_state
 from meshtrain.parallel.tensor_parallel import loss_parallel_context
@@ -51,6 +52,9 @@ class LanguageModelLayout(Layout):
     sequence_shard: tuple[int, int, str] | None = None  # (cp rank, cp size, cp impl) when cp > 1
     loss_parallel: bool = False
     split: StageSplit | None = None  # the model's structure, as a pipeline cuts it
+    # The micro-step's gradient scale (1/accum, times the fp16 loss scale): what a loss attached inside the model
+    # (parallel/auxiliary_loss.py) weighs its gradient by, as the loss's own gradient is scaled.
+    loss_scale: float = 1.0
 
     # ---- one micro-step ------------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor, y: torch.Tensor):
@@ -68,6 +72,7 @@ class LanguageModelLayout(Layout):
         (metrics.StepTimer) times forward and backward, or both as one under a pipeline schedule.
         Returns this micro-step's loss / accum (a 0-dim tensor; 0 on ranks without the last pipeline stage)."""
         x, y, positions = self._shard(x, y)
+        self.loss_scale = (scaler.get_scale() if scaler.is_enabled() else 1.0) / accum
         if self.pipeline is not None:
             for part in self.parts:
                 gradient_sync(part, sync)
@@ -111,7 +116,7 @@ class LanguageModelLayout(Layout):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.pipeline is not None:  # over every stage, the tied embedding's two copies counted once
             return self.pipeline.clip_grad_norm_(max_norm)
-        if self.dims.ep > 1:  # DTensors on two meshes (the experts' view and the data-parallel one): norm by norm
+        if several_meshes(self.model.parameters()):  # torch's clip stacks the norms: they must be of one kind
             return clip_grad_norm_(self.model.parameters(), max_norm)
         return super().clip_grad_norm(max_norm)
 

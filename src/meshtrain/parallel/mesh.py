@@ -9,7 +9,9 @@ Expert parallelism (ep) borrows ranks instead of adding them: it splits dp_shard
 ep ranks of a group are the closest data-parallel ranks. Every rank still reads its own batch and the dense layers
 stay data parallel over all dp ranks; a mixture-of-experts layer's routed experts are cut into ep equal slices and
 the rank at ep coordinate i holds slice i (experts i·E/ep .. (i+1)·E/ep - 1). Ranks that share an ep coordinate
-(the "edp" group: dp_replicate × efsdp, dp/ep ranks) hold the same experts and reduce their gradients together.
+(the "edp" group: dp_replicate × efsdp, dp/ep ranks, × cp under context parallelism) hold the same experts and
+average their gradients together. tp and pp leave ep alone: a tp group's ranks route the same tokens with the same
+experts, and each pipeline stage has its own MoE layers, sharded over the ep ranks of that stage.
 
     dims = ParallelDims(world_size=8, ep=4)              # dp_shard 8 = efsdp 2 × ep 4
     dims.group_of(5, "ep")      -> [4, 5, 6, 7]          # the ranks rank 5 exchanges tokens with
@@ -47,9 +49,11 @@ FLATTENED = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 # The expert view of the same ranks: dp_shard = efsdp × ep (ep inner). "edp": the ranks that hold the same experts
-# (what their gradients are reduced over, and what FSDP shards them over, with dp_replicate under hsdp).
+# and saw other tokens (what their gradients are averaged over, and what FSDP shards them over): efsdp, with
+# dp_replicate under hsdp and cp under context parallelism (cp ranks route other positions of the same sequences).
+# tp ranks hold the same experts too, but route the same tokens and compute the same gradients: not in edp.
 EXPERT_DIMS = ("efsdp", "ep")
-EXPERT_FLATTENED = {"edp": ("dp_replicate", "efsdp")}
+EXPERT_FLATTENED = {"edp": ("dp_replicate", "efsdp", "cp")}
 
 
 class MeshError(MeshtrainError, ValueError):
@@ -305,11 +309,7 @@ def _check_expert_parallel(dims: ParallelDims, spec, shape, backend: str) -> Non
         raise MeshError(f"{_config_key(shape, 'experts')}={shape.experts} is not divisible by parallel.ep={dims.ep}: "
                         "every expert-parallel rank holds an equal share of the experts; pick an ep that divides "
                         f"{shape.experts}")
-    others = [f"parallel.{d}={getattr(dims, d)}" for d in ("tp", "cp", "pp") if getattr(dims, d) > 1]
-    if others:
-        raise MeshError(f"parallel.ep={dims.ep} with {', '.join(others)}: expert parallelism composes only with data "
-                        "parallelism (ddp, zero2, fsdp, hsdp) in this version; set parallel.ep=1 or "
-                        + " and ".join(o.split("=")[0] + "=1" for o in others))
+    # tp, cp and pp compose when the model plans them (_check_model_has_plans, next); the backend must take ep.
     chosen = backends.get(backend)
     if "ep" not in chosen.composes_with:
         raise MeshError(f"parallel.ep={dims.ep} with train.backend={backend}: {chosen.alone_because}; or set "

@@ -35,14 +35,15 @@ holds and drives no_sync / FSDP's reduction itself. Known torch 2.13 pitfalls ar
 from __future__ import annotations
 
 import inspect
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.parallel.clipping import clip_grad_norm_, local_shard, process_group_of
 from meshtrain.parallel.pipeline_schedules import (  # noqa: F401  (re-exported: the pipeline's vocabulary)
     SCHEDULES,
     SINGLE_STAGE,
@@ -132,6 +133,10 @@ class Pipeline:
         self._group, self._embed_group, self._embed_on_one_rank = group, embed_group, embed_peer_is_self
         self._loss_sum = loss_sum
         self._loss_divisor: torch.Tensor | float = 1.0
+        # Called with True before torch's shape inference and False after: a real forward and backward of garbage
+        # (an empty tensor past the first stage) that torch runs before the first step and at every switch between
+        # step and eval, which a stage's modules may keep out of what they count (a router's tallies).
+        self.shape_inference_hooks: list[Callable[[bool], None]] = []
         self._schedule, self._built_for = None, None
         # eval_loss through a plain forward pass instead of the schedule's eval(): where torch has no eval()
         # (before ~2.8), and for V schedules, whose eval() in torch 2.13 still runs the backward actions of the
@@ -159,7 +164,19 @@ class Pipeline:
             raise PipelineError(f"torch {torch.__version__} refuses schedule {self.schedule_name!r} with "
                                 f"microbatches={self.microbatches} over {self.n_stages} stages: {e}") from e
         self._built_for = list(self.stages)
+        initialize = getattr(self._schedule, "_initialize_pp_stages", None)  # torch 2.13's shape inference
+        if initialize is not None:
+            self._schedule._initialize_pp_stages = partial(self._around_shape_inference, initialize)
         return self._schedule
+
+    def _around_shape_inference(self, initialize: Callable, *args, **kwargs):
+        for hook in self.shape_inference_hooks:
+            hook(True)
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            for hook in self.shape_inference_hooks:
+                hook(False)
 
     def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if x.shape[0] % self.microbatches:
@@ -313,7 +330,7 @@ class Pipeline:
         if any(p.grad is None for p in copies):
             raise PipelineError("sync_tied_embedding() found no gradient on the embedding / lm_head: call it "
                                 "after step(), before clipping and the optimizer step")
-        grads = [_local(_grad_placed_like_param(p)) for p in copies]
+        grads = [local_shard(_grad_placed_like_param(p)) for p in copies]
         if self._embed_on_one_rank:
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
@@ -329,10 +346,6 @@ class Pipeline:
                                scale_only=[head] if head is not None else [])
 
 
-def _group_of(mesh_or_group):
-    return mesh_or_group.get_group() if hasattr(mesh_or_group, "get_group") else mesh_or_group
-
-
 def _grad_placed_like_param(p: nn.Parameter) -> torch.Tensor:
     """The gradient, redistributed to its parameter's placements if autograd left it otherwise: under tensor
     parallelism the embedding's gradient comes out Replicate/Partial, the head's Shard(0), and the two local
@@ -341,10 +354,6 @@ def _grad_placed_like_param(p: nn.Parameter) -> torch.Tensor:
     if hasattr(grad, "placements") and tuple(grad.placements) != tuple(p.placements):
         p.grad = grad = grad.redistribute(grad.device_mesh, p.placements)
     return grad
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
 
 
 _EMBED_GROUPS: dict = {}  # (world group, all pairs) -> {pair: group}: new_group once per layout
@@ -377,7 +386,7 @@ def build_pipeline(model: nn.Module, split: StageSplit, pp_mesh, *, schedule: st
     if pp_mesh is None:
         raise PipelineError("build_pipeline needs the pp mesh dim (submesh(mesh, 'pp')); with parallel.pp=1 "
                             "there is no pipeline to build: train the model directly")
-    group = _group_of(pp_mesh)
+    group = process_group_of(pp_mesh)
     pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
     check_schedule(schedule, pp_size, virtual_stages, microbatches)
     schedule_class(schedule)
@@ -413,40 +422,3 @@ def build_pipeline(model: nn.Module, split: StageSplit, pp_mesh, *, schedule: st
     embed_group = None if on_one_rank or not split.tied else _embedding_group(pair)
     return Pipeline(parts, mine, n_stages, group, schedule, microbatches, device, loss_fn, embed_group, on_one_rank,
                     split.tied)
-
-
-# ---- gradient clipping across stages --------------------------------------------------------------------
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None, *, norm_type: float = 2.0,
-                    scale_only: Iterable[torch.Tensor] = ()) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a model split over pipeline ranks (and sharded by FSDP / TP).
-
-    The norm is over `parameters` on every rank of `pp_group` (a process group, a 1-D DeviceMesh, or None):
-    each rank sums |g|^p of what it holds, a DTensor gradient's shards are summed over the mesh dims it is
-    sharded on (not those it is replicated on), then the ranks of the pipeline add theirs. `scale_only` are
-    clipped but not counted (the second copy of a tied weight). Returns the total norm.
-    """
-    norm_type = float(norm_type)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    extra = [p.grad for p in scale_only if p.grad is not None]
-    device = (grads or extra)[0].device if grads or extra else torch.device("cpu")
-    infinite = math.isinf(norm_type)
-    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    # DTensor ops reduce over whatever dims a gradient is sharded on, strided FSDP x TP shards included;
-    # every rank of a stage holds the same gradients in the same order, so their collectives line up.
-    norms = [torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
-    if not norms:
-        total = torch.zeros((), device=device)
-    elif infinite:
-        total = torch.stack([n.to(device) for n in norms]).max()
-    else:
-        total = torch.stack([n.to(device) for n in norms]).pow(norm_type).sum()
-    group = _group_of(pp_group)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, op=op, group=group)
-    total_norm = total if infinite else total.pow(1.0 / norm_type)
-    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for g in grads + extra:
-        local = _local(g)
-        local.mul_(coef.to(local.device, local.dtype))
-    return total_norm

@@ -11,7 +11,9 @@ Each rank of a tp group holds a slice of every big matrix of a block and compute
 
 A model's parallelize.py adds its own ends (the GPT: vocab-sharded embedding and head; the ViT: replicated patch
 embedding and head) and makes every other parameter a replicated DTensor (`replicate_module`), so every parameter
-sits on the tp mesh and FSDP2, DCP and clip_grad_norm_ handle them uniformly.
+sits on the tp mesh and FSDP2, DCP and clip_grad_norm_ handle them uniformly. The exception: a block whose mlp runs
+whole on every tp rank (`whole_mlp_plan`, a mixture of experts) keeps that mlp's parameters plain (the same on every
+tp rank, with the same gradients), which clipping takes norm by norm (parallel/clipping.py).
 
 Between sublayers the residual stream is, without sequence parallel, a plain tensor that is the same on every tp
 rank (the rowwise outputs all-reduce). With sequence parallel it is a DTensor Shard(1): each rank holds T/tp
@@ -41,7 +43,7 @@ init_weights() after a meta-device build would draw different replicated weights
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -51,12 +53,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
 
+from meshtrain.parallel.expert_parallel import expert_parameters
 from meshtrain.parallel.mesh import MeshError
 
 BLOCKS = "transformer.h.*"  # a decoder's blocks; parallelize_module matches each path token with fnmatch
@@ -92,7 +96,8 @@ def refuse_prepared(model: nn.Module, blocks: nn.ModuleDict, who: str) -> None:
         name, block = wrapped[0]
         raise MeshError(f"{who}: block {name} is a {type(block).__name__}, a wrapper around the block: apply tensor parallel "
                         f"before activation checkpointing and compile")
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    experts = {id(p) for p in expert_parameters(model)}  # sharded over ep first, on the plain model: not over tp
+    if any(isinstance(p, DTensor) and id(p) not in experts for p in model.parameters()):
         raise MeshError(f"{who}: the model already holds DTensor parameters; apply tensor parallel once, to a plain "
                         f"model, before activation checkpointing, compile and fully_shard")
 
@@ -123,6 +128,20 @@ def block_plan(blocks: str, sequence_parallel: bool) -> dict:
             f"{blocks}.attn": gather,  # one all-gather feeds q, k and v
             f"{blocks}.mlp": gather,
         }
+    return plan
+
+
+def whole_mlp_plan(block: str, sequence_parallel: bool) -> dict:
+    """The plan of a block whose `mlp` is not split over tp but runs whole on every tp rank (a mixture of experts,
+    whose routing must see whole tokens): attention and norms as block_plan's; under sequence parallel the mlp takes
+    the gathered stream as a plain tensor and hands back this rank's positions. Every tp rank then computes the same
+    mlp output and gradients (the input's gradient is each rank's slice of the same whole, the output's is gathered)."""
+    plan = {path: style for path, style in block_plan(block, sequence_parallel).items()
+            if not path.startswith(f"{block}.mlp")}
+    if sequence_parallel:
+        plan[f"{block}.mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
     return plan
 
 
@@ -190,12 +209,26 @@ def plain_loss(_module: nn.Module, _inputs: tuple, outputs):
     return outputs
 
 
+def _blocks_plan(blocks: nn.ModuleDict, sequence_parallel: bool, extras: dict, whole_mlps: set[str]) -> dict:
+    """Every block's plan: one pattern for all of them, or block by block when some keep their mlp whole."""
+    if not whole_mlps:
+        return block_plan(BLOCKS, sequence_parallel) | {f"{BLOCKS}.{path}": style for path, style in extras.items()}
+    plan = {}
+    for name in blocks:
+        block = f"{BLOCKS[:-1]}{name}"
+        plan |= (whole_mlp_plan(block, sequence_parallel) if name in whole_mlps else
+                 block_plan(block, sequence_parallel) | {f"{block}.{path}": style for path, style in extras.items()})
+    return plan
+
+
 def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None, *, sequence_parallel: bool = True,
-                                  loss_parallel: bool = True, block_extras: dict | None = None) -> None:
+                                  loss_parallel: bool = True, block_extras: dict | None = None,
+                                  whole_mlps: Collection[str] = ()) -> None:
     """Shard a language model with meshtrain's decoder names (`transformer.wte`, optional `transformer.wpe`,
     `transformer.drop`, blocks `transformer.h.N`, `transformer.ln_f`, `lm_head`) in place over the 1-D `tp_mesh` (a
     no-op when it is None or one rank). The plan is block_plan's for every block (plus `block_extras`, sub-paths of
-    a block -> style, for a model's own block parts), and:
+    a block -> style, for a model's own block parts), except the blocks named in `whole_mlps`, whose mlp runs whole
+    on every tp rank (whole_mlp_plan), and:
 
     wte      rowwise over the vocabulary: a rank embeds the ids in its vocab range, zeros elsewhere, summed
     lm_head  colwise over the vocabulary; tied to wte (the GPT), it is the same Shard(0) of the same [V, C] matrix,
@@ -216,7 +249,7 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None, 
     t = model.transformer
     tied = "wte" in t and hasattr(model, "lm_head") and model.lm_head.weight is t.wte.weight
     stream, local = stream_layout(sequence_parallel)
-    plan = block_plan(BLOCKS, sequence_parallel) | {f"{BLOCKS}.{path}": style for path, style in (block_extras or {}).items()} | {
+    plan = _blocks_plan(t.h, sequence_parallel, block_extras or {}, set(whole_mlps)) | {
         "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=local),
         "lm_head": ColwiseParallel(input_layouts=stream,
                                    output_layouts=Shard(-1) if loss_parallel else Replicate(),

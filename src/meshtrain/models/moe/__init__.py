@@ -6,7 +6,8 @@ a router over E SwiGLU experts, top-k, with optional shared experts.
     experts.py      the routed experts' stacked weights; their matmuls as one grouped GEMM or a loop
     workload.py     the language model's workload, plus the routing's counts summed over the data-parallel ranks:
                     the bias update after each optimizer step, and the routing figures of each evaluation
-    parallelize.py  its layout: every language model's (parallel/lm_layout.py), data and expert parallelism
+    parallelize.py  its layout: every language model's (parallel/lm_layout.py), with expert parallelism composed
+                    with data, tensor, context and pipeline parallelism
     config.py       its run config and rules; presets/ the YAML presets (cpu, shakespeare, published shapes)
 """
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
 
 _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "kv_heads": "model.n_kv_head",
-                          "mlp_hidden": "model.expert_hidden", "tokens": "model.block_size",
+                          "mlp_hidden": "model.ffn_hidden", "tokens": "model.block_size",
                           "batch_size": "model.batch_size", "dropout": "model.dropout",
                           "experts": "model.n_experts"})
 
@@ -33,9 +34,11 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 def _shape(cfg: MoERunConfig) -> ModelShape:
     m = cfg.model
     # No activation figures: the planner does not price a mixture of experts yet (it refuses, plan/workload.py).
+    # mlp_hidden: the dense layers' width, which tensor parallelism splits (the MoE layers run whole on each tp rank).
     return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head,
-                      mlp_hidden=expert_hidden(m), tokens=m.block_size, causal=True, batch_size=m.batch_size,
-                      dropout=m.dropout, keys=_KEYS, parallelisms=frozenset({"ep"}), experts=m.n_experts)
+                      mlp_hidden=ffn_hidden(m), tokens=m.block_size, causal=True, batch_size=m.batch_size,
+                      dropout=m.dropout, keys=_KEYS, parallelisms=frozenset({"ep", "tp", "cp", "pp"}),
+                      experts=m.n_experts)
 
 
 def build_model(cfg: MoERunConfig, data_facts: dict):

@@ -61,11 +61,11 @@ def validate(cfg: MoERunConfig) -> None:
     if not moe_layers(m):
         raise ConfigError(f"model.first_dense={m.first_dense} with model.n_layer={m.n_layer} leaves no MoE layer: "
                           f"set model.first_dense below {m.n_layer} (or train the llama model)")
-    p = cfg.parallel
-    if p.tp > 1 or p.cp > 1 or p.pp > 1:  # ParallelDims.from_config says so too; here with the reason
-        raise ConfigError("the moe model has no tensor-, context- or pipeline-parallel plan yet (parallel.tp, cp, pp "
-                          "must be 1): train it under data parallelism (train.backend=ddp, zero1, zero2, fsdp, hsdp), "
-                          "with its experts sharded by parallel.ep if they do not fit")
+    if cfg.parallel.cp > 1 and m.capacity_factor is not None:
+        raise ConfigError(f"model.capacity_factor={m.capacity_factor} with parallel.cp={cfg.parallel.cp}: the capacity "
+                          "limits each expert per forward in token order, which a context-parallel rank, holding some "
+                          "positions of each sequence, cannot see whole; set model.capacity_factor=null (dropless) or "
+                          "parallel.cp=1")
     validate_text_training(cfg)
 
 

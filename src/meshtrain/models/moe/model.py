@@ -12,13 +12,15 @@ each is exactly that (their hidden units side by side).
 
 The balance loss joins the gradient but not the loss's value: forward returns loss + (aux - aux.detach()), so the
 logged loss stays the language-model loss (comparable with the dense models'), while backward sees
-balance_coef × Σ_layers aux. What routing did is counted in each MoE layer's `tally` (a plain attribute, not a buffer:
+balance_coef × Σ_layers aux. (Where the decoder's forward does not run whole, a pipeline stage, the layout brings
+each layer's `balance_loss` into the gradient itself: models/moe/parallelize.py.) What routing did is counted in each MoE layer's `tally` (a plain attribute, not a buffer:
 DDP would broadcast a buffer over it), which the workload reads and resets; the routers' `expert_bias` buffers are the
 only state that routing keeps across steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +103,9 @@ class MoE(nn.Module):
         self.capacity_factor = c.capacity_factor
         self.tally = Tally()
         self.balance_loss: torch.Tensor | None = None  # this training forward's, for the model's loss
+        # Sums a tensor over every part of one forward's tokens, for the balance loss (router.balance_loss): set by a
+        # layout whose ranks each route some positions of the same sequences (context parallel); None: all are here.
+        self.forward_total: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -110,7 +115,7 @@ class MoE(nn.Module):
         out = routed if self.shared is None else routed + self.shared(flat)
         # Computed in a recomputation too (activation checkpointing checks that it saves what the forward saved);
         # only the forward keeps it and counts.
-        aux = balance_loss(routing.scores, routing.experts, self.router.score)
+        aux = balance_loss(routing.scores, routing.experts, self.router.score, self.forward_total)
         if not in_backward():
             self.balance_loss = aux if self.training else None
             dropped = (~keep).sum() if keep is not None else torch.zeros((), dtype=torch.int64, device=x.device)

@@ -1,29 +1,116 @@
 """How the mixture-of-experts decoder is laid out: every language model's layout (parallel/lm_layout.py) with the
-Llama's structure, under data parallelism (ddp, zero2, fsdp, zero3, hsdp; zero1 too without ep) and expert
-parallelism (parallel.ep): each MoE layer's routed experts (the stacked [E, ...] weights) sharded over the ep ranks,
-their forward dispatching the rows to the experts' owners and back (parallel/expert_parallel.py). Its ModelShape
-lists ep alone, so ParallelDims refuses tp, cp, pp and DeepSpeed before this runs."""
+Llama's structure, under data parallelism (ddp, zero1, zero2, fsdp, zero3, hsdp), tensor, context and pipeline
+parallelism, and expert parallelism (parallel.ep) composed with any of them. What the MoE layers add to the decoder's:
+
+    ep   each MoE layer's routed experts (the stacked [E, ...] weights) sharded over the ep ranks, their forward
+         dispatching the rows to the experts' owners and back (parallel/expert_parallel.py); first, on the plain model
+         (as tensor parallelism is applied), so that everything after wraps what the experts became
+    tp   attention, norms, the dense layers and the ends as the Llama's plan; an MoE layer runs whole on every tp rank
+         (tensor_parallel.whole_mlp_plan): routing needs whole tokens, so under sequence parallel it takes the
+         gathered stream. The experts are not split over tp: each tp rank holds its ep slice, routes the same tokens
+         and computes the same gradients (tp × ep spends the experts' compute tp times; it keeps every expert matmul
+         whole and the result equal to one process)
+    cp   each cp rank routes its own positions; the balance loss sums its statistics over the cp ranks (with a
+         gradient), so it is the whole sequence's, as one process computes it
+    pp   each stage's MoE layers are its own, sharded over the ep ranks of that stage; torch's shape inference is
+         kept out of the routers' tallies (its forward routes garbage)
+
+Under pp (no decoder forward runs whole in a stage) and tp (whose loss-parallel loss is a DTensor, which a plain
+balance loss added to it cannot take a gradient from), each MoE layer's balance loss reaches the gradient through the
+layer's output instead (parallel/auxiliary_loss.py), weighted as the loss of the same forward is.
+
+Rules (ParallelDims.from_config, models/moe/config.py): ep divides dp_shard and the experts; a capacity factor is
+refused under cp (it limits each expert per forward by token order, which cp shards cannot see whole).
+"""
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
+from torch.distributed.nn.functional import all_reduce
+from torch.distributed.tensor.parallel import ColwiseParallel
+
 from meshtrain.models.llama import SPLIT
-from meshtrain.models.moe.model import MoE
+from meshtrain.models.moe.model import MoE, Tally
+from meshtrain.parallel.auxiliary_loss import attach_loss
 from meshtrain.parallel.expert_parallel import apply_expert_parallel
 from meshtrain.parallel.lm_layout import build_language_model_layout
 from meshtrain.parallel.mesh import submesh
+from meshtrain.parallel.tensor_parallel import apply_decoder_tensor_parallel
 
 
-def _no_tensor_parallel(part, tp_mesh, **_) -> None:
-    raise NotImplementedError("the moe model has no tensor-parallel plan (ParallelDims.from_config refuses parallel.tp "
-                              "> 1 for it)")
+def apply_tensor_parallel(part, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """The Llama's plan (the SwiGLU's gate column-parallel like its up projection), the MoE layers whole."""
+    whole = [name for name, block in part.transformer.h.items() if isinstance(block.mlp, MoE)]
+    apply_decoder_tensor_parallel(part, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                  block_extras={"mlp.c_gate": ColwiseParallel()}, whole_mlps=whole)
 
 
 def build_moe_layout(model, cfg, dims, mesh, device, rank):
-    """The decoder's layout; with parallel.ep > 1 the experts are sharded first, on the plain model (as tensor
-    parallelism is applied), so that data parallelism then wraps what they became."""
+    """The decoder's layout (module docstring): experts over ep first, then every language model's layout, then what
+    the balance loss needs under cp and pp."""
     if dims.ep > 1:
         ep_mesh = submesh(mesh, "ep")
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        for moe in _moe_layers(model):
             apply_expert_parallel(moe.experts, ep_mesh)
-    return build_language_model_layout(model, cfg, dims, mesh, device, rank, split=SPLIT,
-                                       tensor_parallel=_no_tensor_parallel)
+    if dims.cp > 1:
+        total = partial(all_reduce, group=submesh(mesh, "cp").get_group())  # autograd's: its backward sums too
+        for moe in _moe_layers(model):
+            moe.forward_total = total
+    # Where the decoder's forward, which adds the balance losses to the loss, does not run (a pipeline stage) or its
+    # loss is a DTensor that a plain balance loss cannot join in backward (tp's loss parallel), each MoE layer brings
+    # its own into the gradient. Registered before tp's hooks: it sees the layer's plain output.
+    attached = dims.pp > 1 or dims.tp > 1
+    holder = _Weight()
+    if attached:
+        for moe in _moe_layers(model):
+            moe.register_forward_hook(partial(_balance_loss_into_gradient, holder, model.config.balance_coef))
+    layout = build_language_model_layout(model, cfg, dims, mesh, device, rank, split=SPLIT,
+                                         tensor_parallel=apply_tensor_parallel)
+    holder.layout = layout
+    if layout.pipeline is not None:
+        layout.pipeline.shape_inference_hooks.append(_TalliesAside(_moe_layers(layout.model)))
+    return layout
+
+
+def _moe_layers(model) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+class _Weight:
+    """The weight of one forward's balance loss in the gradient, read from the layout at each forward: its
+    micro-step's scale, over the pipeline's microbatches (each a forward of its own)."""
+
+    layout = None
+
+    def __call__(self) -> float:
+        pipeline = self.layout.pipeline
+        return self.layout.loss_scale / (pipeline.microbatches if pipeline is not None else 1)
+
+
+def _balance_loss_into_gradient(weight: _Weight, coef: float, moe: MoE, _inputs, out: torch.Tensor) -> torch.Tensor:
+    """The layer's balance loss attached to its output (parallel/auxiliary_loss.py), weighted as the loss of its
+    forward is, instead of added to the loss by the decoder's forward (which then finds none to add)."""
+    aux, moe.balance_loss = moe.balance_loss, None  # a recomputation (activation checkpointing) leaves it None
+    if aux is None or not coef or not torch.is_grad_enabled():
+        return out
+    return attach_loss(out, coef * aux, weight())
+
+
+class _TalliesAside:
+    """Keeps torch's shape inference out of the routers' tallies (its forward routes garbage): fresh tallies while it
+    runs, this step's own back afterwards (pipeline.shape_inference_hooks)."""
+
+    def __init__(self, layers: list[MoE]):
+        self.layers, self.kept = layers, None
+
+    def __call__(self, inferring: bool) -> None:
+        if inferring:
+            self.kept = [moe.tally for moe in self.layers]
+            for moe in self.layers:
+                moe.tally = Tally()
+        elif self.kept is not None:
+            for moe, tally in zip(self.layers, self.kept, strict=True):
+                moe.tally, moe.balance_loss = tally, None
+            self.kept = None

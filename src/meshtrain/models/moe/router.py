@@ -36,6 +36,7 @@ stream still carry it). Priority: every token's first choice before any second c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -89,12 +90,21 @@ def top_k_experts(ranking: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(ranking, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def balance_loss(scores: torch.Tensor, experts: torch.Tensor, score: str = "softmax") -> torch.Tensor:
-    """Switch's E · Σ f_i · P_i (module docstring) of one forward's scores [N, E] and chosen experts [N, k]."""
-    n_experts = scores.shape[-1]
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor, score: str = "softmax",
+                 total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Switch's E · Σ f_i · P_i (module docstring) of one forward's scores [N, E] and chosen experts [N, k].
+
+    `total`, when given, sums a tensor over every part of the forward's tokens (where several processes each route
+    some positions of the same sequences, the layout supplies it, with a gradient): f and P are then the whole
+    forward's, as one process that routes all of them computes them."""
+    n_experts, k = scores.shape[-1], experts.shape[-1]
     probabilities = scores if score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-    share = torch.bincount(experts.flatten(), minlength=n_experts).to(scores.dtype) / experts.numel()  # f, no grad
-    return n_experts * (share * probabilities.mean(dim=0)).sum()
+    counts = torch.bincount(experts.flatten(), minlength=n_experts).to(scores.dtype)  # f's numerator: no gradient
+    sums = torch.cat([counts, probabilities.sum(dim=0), scores.new_full((1,), experts.shape[0])])
+    if total is not None:
+        sums = total(sums)
+    counts, probability_sums, tokens = sums[:n_experts].detach(), sums[n_experts:-1], sums[-1].detach()
+    return n_experts * (counts / (tokens * k) * probability_sums / tokens).sum()
 
 
 def capacity(tokens: int, top_k: int, n_experts: int, factor: float) -> int:

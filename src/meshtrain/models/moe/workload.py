@@ -2,17 +2,21 @@
 what its routing needs from outside the model, where the ranks are known.
 
     after each optimizer step   the assignments each expert took in the step, summed over the micro-steps (in the
-                                layers' tallies) and over the data-parallel ranks (one all-reduce on the mesh's dp
-                                dims), move the routers' biases (router.update_bias, when model.bias_update_rate > 0):
-                                every rank then holds the bias one process with the same global batch would
-    at each evaluation          the routing of the evaluation's batches (both splits), summed over the data-parallel
-                                ranks: balance loss, the experts' shares (min, max, entropy; per layer × expert under
-                                `expert_share`, which the report draws), dropped assignments
+                                layers' tallies) and over the data- and context-parallel ranks (one all-reduce over
+                                routing_group), move the routers' biases (router.update_bias, when
+                                model.bias_update_rate > 0): every rank then holds the bias one process with the same
+                                global batch would; under a pipeline each stage moves its own layers'
+    at each evaluation          the routing of the evaluation's batches (both splits), summed the same way and
+                                gathered from every pipeline stage: balance loss, the experts' shares (min, max,
+                                entropy; per layer × expert under `expert_share`, which the report draws), dropped
+                                assignments
 
 A tally is reset after each step and around each evaluation, so each figure covers exactly its own batches.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,14 +28,40 @@ from meshtrain.parallel.mesh import submesh
 from meshtrain.runtime.setup import collective
 
 
+def routing_group(mesh):
+    """The ranks whose routing counts add up to one process's (None on one): the data-parallel ranks, and the
+    context-parallel ones, which route other positions of the same sequences. tp ranks route the same tokens, and
+    each pipeline stage counts its own layers: neither is summed over."""
+    routed = submesh(mesh, "dp_cp") if mesh is not None else None
+    return routed.get_group() if routed is not None else None
+
+
+def update_biases(moe_layers: list[MoE], rate: float, summed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The bias update of the step just taken (module docstring): the loads of `moe_layers` (this rank's, or this
+    pipeline stage's) summed by `summed` over routing_group's ranks, each router's bias moved by `rate`."""
+    if not moe_layers:  # a pipeline stage of dense layers only (its dp/cp peers hold the same stage)
+        return
+    load = summed(torch.stack([assigned(m) for m in moe_layers]))
+    for moe, layer_load in zip(moe_layers, load, strict=True):
+        moe.router.update_bias(layer_load, rate)
+
+
+def assigned(moe: MoE) -> torch.Tensor:
+    """The assignments each expert of `moe` took since its tally's last reset: int64 [E]."""
+    if moe.tally.assigned is not None:
+        return moe.tally.assigned
+    return torch.zeros(moe.router.n_experts, dtype=torch.int64, device=moe.router.expert_bias.device)
+
+
 class MoEWorkload(LanguageModelWorkload):
     def build_layout(self, model, mesh):
         layout = super().build_layout(model, mesh)
         self.moe = [m for m in layout.model.modules() if isinstance(m, MoE)]
         self.layers = [i for i, block in layout.model.transformer.h.items() if any(isinstance(m, MoE) for m in
                                                                                    block.modules())]
-        dp_mesh = submesh(mesh, "dp") if mesh is not None else None
-        self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+        self.routed_group = routing_group(mesh)
+        pp_mesh = submesh(mesh, "pp") if mesh is not None else None
+        self.pp_group = pp_mesh.get_group() if pp_mesh is not None else None  # each stage holds its own layers
         layout.after_step.append(self.after_step)
         return layout
 
@@ -39,9 +69,7 @@ class MoEWorkload(LanguageModelWorkload):
         """The bias update of the step just taken (module docstring), then fresh tallies."""
         rate = self.cfg.model.bias_update_rate
         if rate > 0:
-            load = self._summed(torch.stack([self._assigned(m) for m in self.moe]), "the experts' load of the step")
-            for moe, layer_load in zip(self.moe, load, strict=True):
-                moe.router.update_bias(layer_load, rate)
+            update_biases(self.moe, rate, lambda load: self._summed(load, "the experts' load of the step"))
         self._reset()
 
     def evaluate(self, layout, autocast, it: int) -> dict[str, float]:
@@ -52,43 +80,52 @@ class MoEWorkload(LanguageModelWorkload):
         return out
 
     def routing_figures(self) -> dict:
-        """The tallies since the last reset, summed over the data-parallel ranks, as the figures the legend names."""
-        k = self.cfg.model.top_k
-        assigned = torch.stack([self._assigned(m) for m in self.moe]).double()  # [layers, E]
-        scalars = torch.tensor([[float(m.tally.tokens), float(m.tally.forwards)] for m in self.moe],
-                               dtype=torch.float64, device=assigned.device)
-        dropped = torch.stack([m.tally.dropped if m.tally.dropped is not None else torch.zeros((), device=self.device)
-                               for m in self.moe]).double()
-        balance = torch.stack([m.tally.balance if m.tally.balance is not None else torch.zeros((), device=self.device)
-                               for m in self.moe]).double()
-        packed = self._summed(torch.cat([assigned, scalars, dropped[:, None], balance[:, None]], dim=1),
-                              "the routing figures of the evaluation").cpu()
-        assigned, tokens, forwards = packed[:, :-4], packed[:, -4], packed[:, -3]
-        if tokens.min() == 0:  # nothing routed (no evaluation batch reached a layer): nothing to report
+        """The tallies since the last reset, summed over routing_group's ranks and gathered from every pipeline
+        stage, as the figures the legend names."""
+        k, n_experts = self.cfg.model.top_k, self.cfg.model.n_experts
+        rows = [torch.cat([assigned(m).double().cpu(),
+                           torch.tensor([m.tally.tokens, m.tally.forwards], dtype=torch.float64),
+                           torch.stack([_scalar(m.tally.dropped), _scalar(m.tally.balance)])])
+                for m in self.moe]
+        packed = torch.stack(rows) if rows else torch.zeros(0, n_experts + 4, dtype=torch.float64)
+        packed = self._summed(packed.to(self.device), "the routing figures of the evaluation").cpu()
+        layers, packed = self._from_every_stage([int(i) for i in self.layers], packed)
+        assigned_, tokens, forwards = packed[:, :-4], packed[:, -4], packed[:, -3]
+        if tokens.numel() == 0 or tokens.min() == 0:  # nothing routed (no evaluation batch reached a layer)
             return {}
-        share = assigned / (tokens[:, None] * k)
+        share = assigned_ / (tokens[:, None] * k)
         return {"balance_loss": (packed[:, -1] / forwards).mean().item(),
                 "expert_share_min": share.min().item(), "expert_share_max": share.max().item(),
                 "expert_entropy": load_entropy(share).mean().item(),
                 "dropped_tokens": int(packed[:, -2].sum().item()),
                 "dropped_frac": (packed[:, -2].sum() / (tokens.sum() * k)).item(),
                 # nested: the JSONL keeps it for the report's picture, the console line and TensorBoard skip it
-                "expert_share": {"layers": [int(i) for i in self.layers], "share": share.tolist()}}
+                "expert_share": {"layers": layers, "share": share.tolist()}}
 
-    def _assigned(self, moe: MoE) -> torch.Tensor:
-        if moe.tally.assigned is not None:
-            return moe.tally.assigned
-        return torch.zeros(moe.router.n_experts, dtype=torch.int64, device=moe.router.expert_bias.device)
+    def _from_every_stage(self, layers: list[int], packed: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Under a pipeline, every stage's (layers, rows) gathered and put in layer order; as they are on one stage."""
+        if self.pp_group is None:
+            return layers, packed
+        stages = [None] * dist.get_world_size(self.pp_group)
+        with collective("all_gather of the stages' routing figures", self.info.timeout_s):
+            dist.all_gather_object(stages, (layers, packed), group=self.pp_group)
+        pairs = sorted((layer, row) for stage_layers, rows in stages for layer, row in zip(stage_layers, rows,
+                                                                                              strict=True))
+        return [layer for layer, _ in pairs], torch.stack([row for _, row in pairs]) if pairs else packed
 
     def _summed(self, values: torch.Tensor, what: str) -> torch.Tensor:
-        """values summed over the data-parallel ranks (itself on one)."""
-        if self.dp_group is None:
+        """values summed over routing_group's ranks (itself on one)."""
+        if self.routed_group is None:
             return values
         values = values.clone()
         with collective(f"all_reduce of {what}", self.info.timeout_s):
-            dist.all_reduce(values, group=self.dp_group)
+            dist.all_reduce(values, group=self.routed_group)
         return values
 
     def _reset(self) -> None:
         for moe in self.moe:
             moe.tally.reset()
+
+
+def _scalar(value: torch.Tensor | None) -> torch.Tensor:
+    return value.double().cpu() if value is not None else torch.zeros((), dtype=torch.float64)

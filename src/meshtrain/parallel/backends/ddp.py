@@ -18,6 +18,11 @@ def wrap(model: nn.Module, backend, device: torch.device, world_size: int, *, bl
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, [names[id(p)] for module in experts for p in module.parameters(recurse=False)])
     kwargs = {"device_mesh": mesh} if mesh is not None else {}
+    if experts and mesh is not None:
+        # Given a mesh sliced from a larger one (with pp or cp), DDP turns every DTensor parameter, ignored or not,
+        # into a local tensor between forwards (torch's DDP × TP shim), and the experts' stop being parameters in
+        # forward. The same ranks as a process group: no shim.
+        kwargs = {"process_group": mesh.get_group()}
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
 
 
