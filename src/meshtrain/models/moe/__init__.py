@@ -16,10 +16,10 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
-from meshtrain.models.llama import SPLIT
+from meshtrain.models.llama import SPLIT, block_activations
 from meshtrain.models.llama.config import ffn_hidden
 from meshtrain.models.moe.config import MoERunConfig, expert_hidden, moe_layers, validate
-from meshtrain.registry import ModelShape
+from meshtrain.registry import ExpertShape, ModelShape
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -32,10 +32,28 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 
 def _shape(cfg: MoERunConfig) -> ModelShape:
     m = cfg.model
-    # No activation figures: the planner does not price a mixture of experts yet (it refuses, plan/workload.py).
+    saved, autocast = block_activations(m)  # the dense layers' (first_dense, and between MoE layers)
     return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head,
                       mlp_hidden=expert_hidden(m), tokens=m.block_size, causal=True, batch_size=m.batch_size,
-                      dropout=m.dropout, keys=_KEYS, parallelisms=frozenset({"ep"}), experts=m.n_experts)
+                      dropout=m.dropout, keys=_KEYS, parallelisms=frozenset({"ep"}), experts=m.n_experts,
+                      activations_per_token=saved, autocast_activations=autocast, moe=_experts_shape(m))
+
+
+# What an MoE block saves for backward (fp32, no dropout), as autograd's saved-tensor hooks count it
+# (tests/unit/test_registry.py), in elements:
+#   per token of the rank   the attention half of the Llama block (11 × width, a log-sum-exp per head, two rstds), the
+#                           router's scores (E) with the copies its balance loss and top-k keep (2 E more), the shared
+#                           experts' SwiGLU (4 × their hidden), per choice the expert output it gathers back (width)
+#                           and five elements of indices and gates, the top-k normalisation's k + 1, sigmoid's sum
+#   per routed row          the expert's input (width) and its SwiGLU's four hidden tensors, on the rank that computes
+#                           it; under expert parallelism two int64 orders more (arrival and return), 4 elements
+def _experts_shape(m) -> ExpertShape:
+    k, width, hidden = m.top_k, m.n_embd, expert_hidden(m)
+    per_token = (11 * width + m.n_head + 2 + 4 * m.n_shared_experts * hidden + 3 * m.n_experts + k * (width + 5)
+                 + (k + 1 if m.norm_topk else 0) + (1 if m.score == "sigmoid" else 0))
+    return ExpertShape(layers=tuple(moe_layers(m)), top_k=k, hidden=hidden, module="mlp.experts",
+                       capacity_factor=m.capacity_factor, saved_per_token=per_token, saved_per_row=width + 4 * hidden,
+                       saved_per_row_ep=4, low_per_row=4 * hidden)
 
 
 def build_model(cfg: MoERunConfig, data_facts: dict):
@@ -63,7 +81,6 @@ SPEC = model_spec(__file__, language_model=True, name="moe",
                   summary="a mixture-of-experts decoder on text (Llama-style, top-k routed SwiGLU experts)",
                   run_config=MoERunConfig, workload=_workload, shape=_shape, validate=validate,
                   build_model=build_model, stage_split=SPLIT,
-                  tiny=(),  # not calibrated: the planner does not price a mixture of experts yet
                   legend=MappingProxyType({
                       "balance_loss": "the routers' balance loss E·Σ f_i·P_i (1: even), mean over MoE layers, at "
                                       "evaluation",

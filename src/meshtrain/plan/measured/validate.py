@@ -3,6 +3,8 @@ torchrun, one job per layout), its figures set beside what plan/cost.py predicte
 `plan --validate` reports:
 
     params, grads, optimizer   bytes per rank, predicted exactly or not
+    all-to-all bytes           under expert parallelism, what a step's dispatch and combine sent, mean per rank over
+                               the ranks (exact: the ep group's received rows add up to its sent ones)
     peak                       relative error of the peak (target: within 10%, in fp32 and under autocast)
     step time                  median absolute percentage error over the layouts (target: at most 15%), and
                                Spearman's rank correlation of predicted and measured times (target: at least 0.8)
@@ -52,6 +54,11 @@ class Check:
         return {"params": m["params"], "grads": m["grads"], "optimizer": m["optimizer"], "peak": m["peak"],
                 "step_s": self.candidate.cost.step_s}
 
+    @property
+    def all_to_all_exact(self) -> bool:
+        """Whether the all-to-all bytes a step sent (mean per rank, measured) are the planner's count."""
+        return round(self.candidate.cost.comm_bytes.get("ep", 0.0)) == round(self.measured.get("a2a_bytes", 0))
+
     def relative(self, key: str) -> float:
         return self.predicted[key] / self.measured[key] - 1
 
@@ -75,7 +82,8 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
             stage = candidate.cost.memory_stage  # the stage whose states were predicted; peak and time: the worst
             fullest = min((r for r in rows if candidate.dims.coords(r["rank"]).get("pp", 0) == stage),
                           key=lambda r: r["rank"])
-            fullest = dict(fullest, peak=max(r["peak"] for r in rows), step_s=max(r["step_s"] for r in rows))
+            fullest = dict(fullest, peak=max(r["peak"] for r in rows), step_s=max(r["step_s"] for r in rows),
+                           a2a_bytes=sum(r.get("a2a_bytes", 0) for r in rows) / len(rows))  # the mean is exact
             checks.append(Check(candidate, fullest))
         progress(checks[-1])
     return checks
@@ -185,6 +193,7 @@ def summary(checks: list[Check], auto: Check | None = None) -> dict:
     time_errors = [abs(c.relative("step_s")) for c in done]
     out = {"layouts": len(done), "failed": len(checks) - len(done),
            "states_exact": sum(c.states_exact for c in done),
+           "all_to_all_exact": sum(c.all_to_all_exact for c in done),
            "peak_max_error": max(abs(c.relative("peak")) for c in done),
            "peak_within_10": sum(abs(c.relative("peak")) <= 0.10 for c in done),
            "step_mdape": statistics.median(time_errors), "step_max_error": max(time_errors),
