@@ -15,6 +15,7 @@ from meshtrain.plan.shares import Share
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
+    from meshtrain.plan.cost import _Micro
     from meshtrain.plan.workload import ModelFacts
 
 FP32 = 4
@@ -22,7 +23,7 @@ FP32 = 4
 
 def communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
                    machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
-    """Bytes this rank sends per iteration, and their seconds, by kind (dp, tp, cp, pp, ep); `micro`: cost._Micro."""
+    """Bytes this rank sends per iteration, and their seconds, by kind (dp, tp, cp, pp, ep)."""
     t, p = cfg.train, cfg.parallel
     act_bytes = 2 if t.dtype in ("bf16", "fp16") else FP32
     sent, seconds = {}, {}

@@ -363,6 +363,8 @@ def kinds_of(cfg: RunConfig, dims: ParallelDims) -> list[str]:
         kinds.append(f"cp:{p.cp_impl}")
     if dims.pp > 1:
         kinds.append(f"pp:{p.pp_schedule}")
+    if dims.ep > 1:
+        kinds.append(f"ep:{dims.ep}")  # measured at its size (calibrate.runs_of)
     return kinds
 
 

@@ -41,7 +41,8 @@ def _shape(cfg: MoERunConfig) -> ModelShape:
 
 # What an MoE block saves for backward (fp32, no dropout), as autograd's saved-tensor hooks count it
 # (tests/unit/test_registry.py), in elements:
-#   per token of the rank   the attention half of the Llama block (11 × width, a log-sum-exp per head, two rstds), the
+#   per token of the rank   the attention half of the Llama block (11 × width, a log-sum-exp per head, two rstds, the
+#                           rotary table counted per token as the Llama's count does, half a head), the
 #                           router's scores (E) with the copies its balance loss and top-k keep (2 E more), the shared
 #                           experts' SwiGLU (4 × their hidden), per choice the expert output it gathers back (width)
 #                           and five elements of indices and gates, the top-k normalisation's k + 1, sigmoid's sum
@@ -49,7 +50,7 @@ def _shape(cfg: MoERunConfig) -> ModelShape:
 #                           it; under expert parallelism two int64 orders more (arrival and return), 4 elements
 def _experts_shape(m) -> ExpertShape:
     k, width, hidden = m.top_k, m.n_embd, expert_hidden(m)
-    per_token = (11 * width + m.n_head + 2 + 4 * m.n_shared_experts * hidden + 3 * m.n_experts + k * (width + 5)
+    per_token = (11 * width + m.n_head + width // m.n_head // 2 + 2 + 4 * m.n_shared_experts * hidden + 3 * m.n_experts + k * (width + 5)
                  + (k + 1 if m.norm_topk else 0) + (1 if m.score == "sigmoid" else 0))
     return ExpertShape(layers=tuple(moe_layers(m)), top_k=k, hidden=hidden, module="mlp.experts",
                        capacity_factor=m.capacity_factor, saved_per_token=per_token, saved_per_row=width + 4 * hidden,
@@ -92,4 +93,6 @@ SPEC = model_spec(__file__, language_model=True, name="moe",
                       "dropped_tokens": "token assignments dropped by model.capacity_factor at evaluation (0: "
                                         "dropless)",
                       "dropped_frac": "dropped_tokens / all assignments (tokens × top_k × MoE layers)",
+                      "a2a_mib": "MiB a training step's expert-parallel all-to-alls sent (dispatch, combine, their "
+                                 "gradients), mean per rank, since the last evaluation (parallel.ep > 1)",
                   }))

@@ -4,10 +4,13 @@ what its routing needs from outside the model, where the ranks are known.
     after each optimizer step   the assignments each expert took in the step, summed over the micro-steps (in the
                                 layers' tallies) and over the data-parallel ranks (one all-reduce on the mesh's dp
                                 dims), move the routers' biases (router.update_bias, when model.bias_update_rate > 0):
-                                every rank then holds the bias one process with the same global batch would
+                                every rank then holds the bias one process with the same global batch would; under
+                                expert parallelism, the bytes the step's all-to-alls sent are added up
     at each evaluation          the routing of the evaluation's batches (both splits), summed over the data-parallel
                                 ranks: balance loss, the experts' shares (min, max, entropy; per layer × expert under
-                                `expert_share`, which the report draws), dropped assignments
+                                `expert_share`, which the report draws), dropped assignments; and `a2a_mib`, what a
+                                training step's all-to-alls sent since the last evaluation, per step and mean per rank
+                                (what `meshtrain plan` counts as `sent per iteration: ep`)
 
 A tally is reset after each step and around each evaluation, so each figure covers exactly its own batches.
 """
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from meshtrain.models.language.workload import LanguageModelWorkload
 from meshtrain.models.moe.model import MoE
 from meshtrain.models.moe.router import load_entropy
+from meshtrain.parallel.expert_parallel import sent_bytes
 from meshtrain.parallel.mesh import submesh
 from meshtrain.runtime.setup import collective
 
@@ -33,6 +37,7 @@ class MoEWorkload(LanguageModelWorkload):
         dp_mesh = submesh(mesh, "dp") if mesh is not None else None
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         layout.after_step.append(self.after_step)
+        self.model, self.a2a_bytes, self.a2a_steps = layout.model, 0, 0
         return layout
 
     def after_step(self) -> None:
@@ -42,14 +47,30 @@ class MoEWorkload(LanguageModelWorkload):
             load = self._summed(torch.stack([self._assigned(m) for m in self.moe]), "the experts' load of the step")
             for moe, layer_load in zip(self.moe, load, strict=True):
                 moe.router.update_bias(layer_load, rate)
+        self.a2a_bytes += sent_bytes(self.model, reset=True)
+        self.a2a_steps += 1
         self._reset()
 
     def evaluate(self, layout, autocast, it: int) -> dict[str, float]:
         self._reset()
+        sent = self.all_to_all_figure()
         out = super().evaluate(layout, autocast, it)
-        out |= self.routing_figures()
+        out |= self.routing_figures() | sent
         self._reset()
+        sent_bytes(self.model, reset=True)  # the evaluation's own exchanges are not a training step's
         return out
+
+    def all_to_all_figure(self) -> dict[str, float]:
+        """The training steps' all-to-all MiB since the last evaluation, per step, mean over the dp ranks (none
+        without expert parallelism or steps)."""
+        if self.dims.ep == 1:
+            return {}
+        figures = self._summed(torch.tensor([float(self.a2a_bytes), float(self.a2a_steps)], dtype=torch.float64,
+                                            device=self.device), "the all-to-all bytes of the steps")
+        self.a2a_bytes = self.a2a_steps = 0
+        if figures[1] == 0:
+            return {}
+        return {"a2a_mib": (figures[0] / figures[1]).item() / 2**20}
 
     def routing_figures(self) -> dict:
         """The tallies since the last reset, summed over the data-parallel ranks, as the figures the legend names."""

@@ -10,6 +10,8 @@ collectives' measured times, latency included).
     tp:N                      fsdp with tp=N                    the difference from fsdp alone
     cp:ring | cp:ulysses      ddp with cp=2                     the difference from ddp alone
     pp:1f1b | pp:gpipe | ...  ddp with pp=2
+    ep:N                      ddp with ep=N                     the difference from ddp alone (dispatch and combine:
+                              (at least N experts)              index arithmetic, host reads, all-to-all waits)
 
 Before them, the collectives' times on these ranks are recorded where the machine profile has none
 (`meshtrain collectives --bench --record`), so that what is left as fixed cost is not a link the model assumed.
@@ -76,6 +78,10 @@ def runs_of(kind: str, model: str) -> tuple[list[str], str | None]:
     """(the tiny model's layout overrides, the kind it is measured against) for `kind`. Tensor parallel is measured
     at the size the layout uses ("tp:4"): its collectives and their waits grow with the group, and a tiny model
     gets as many heads as ranks so that it can be split."""
+    if kind.startswith("ep:"):  # at its size, like tp: the all-to-all's waits grow with the group
+        size, keys = int(kind[3:]), registry.get(model).shape(config_mod.load_config([], model)).keys
+        experts = [f"{keys['experts']}={max(8, size)}"] if "experts" in keys else []
+        return ["train.backend=ddp", f"parallel.ep={size}", *experts], "backend:ddp"
     if not kind.startswith("tp:"):
         return KINDS[kind]
     size, keys = int(kind[3:]), registry.get(model).shape(config_mod.load_config([], model)).keys

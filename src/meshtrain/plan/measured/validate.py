@@ -96,8 +96,8 @@ def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
     by_mesh: dict[tuple, list[Candidate]] = {}
     for c in ranked:
         p = c.cfg.parallel
-        by_mesh.setdefault((c.dims.tp, c.dims.cp, p.cp_impl, c.dims.pp, p.pp_schedule), []).append(c)
-    kinds = lambda mesh: sum(size > 1 for size in (mesh[0], mesh[1], mesh[3]))  # noqa: E731
+        by_mesh.setdefault((c.dims.tp, c.dims.cp, p.cp_impl, c.dims.pp, p.pp_schedule, c.dims.ep), []).append(c)
+    kinds = lambda mesh: sum(size > 1 for size in (mesh[0], mesh[1], mesh[3], mesh[5]))  # noqa: E731
     by_mesh = dict(sorted(by_mesh.items(), key=lambda item: kinds(item[0])))  # stable: ranked order within
     chosen, depth = [], 0
     while len(chosen) < count and any(len(group) > depth for group in by_mesh.values()):
@@ -126,12 +126,12 @@ def ensure_data(model: str, cfg: RunConfig, progress=print) -> None:
 
 def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list[Candidate], count: int, nodes: int,
                   per_node: int, machine: Callable[[], Machine], *, steps: int = 5,
-                  progress=print) -> tuple[list[Check], Check]:
+                  progress=print, facts: ModelFacts | None = None) -> tuple[list[Check], Check]:
     """`meshtrain plan --validate`: calibrate this machine's fixed costs for the kinds a spread of `count` ranked
     layouts needs, predict them again with those (`machine()` builds the machine afresh), add the layout
     parallel.plan=auto would train now if the spread lacks it, and measure each. Returns the checks and auto's."""
     ensure_data(model, cfg, progress)
-    chosen, facts = spread(ranked, count), ModelFacts.of(cfg)
+    chosen, facts = spread(ranked, count), facts or ModelFacts.of(cfg)
     # with the kinds of the first ranked layouts, among which auto's pick will be once they are calibrated: in one
     # calibration job, where each kind found missing later would start the ranks again
     kinds = sorted({k for c in [*chosen, *ranked[:AUTO_CANDIDATES]] for k in kinds_of(c.cfg, c.dims)})
