@@ -4,12 +4,13 @@ the communication it cannot hide, the pipeline's bubble), each term kept so that
 Memory, in bytes of rank 0 of the heaviest pipeline stage (checked against the tensors' own peak on real ranks:
 plan/measured/measure.py, docs/plan.md):
 
-    states       parameters, gradients, AdamW's two moments: plan/shares.py, exact (fp32 master copies)
+    states       parameters, gradients, AdamW's two moments: plan/shares.py, exact (fp32 master copies; experts by ep)
     activations  what the blocks save for backward: ModelShape.activations_per_token (exact for fp32 eager, tp=1)
                  × the tokens a micro-batch puts on this rank (batch / microbatches × tokens / cp) × the blocks on
                  the stage, plus each chunk's input; under tp, the parts of a block the plan shards divide by tp
                  (with sequence parallel all but the two gathered inputs of attention and MLP, without it all but
-                 the four norm inputs and outputs); activation checkpointing keeps a block's input instead; under
+                 the four norm inputs and outputs); a mixture of experts' MoE blocks by their routed rows
+                 (plan/experts.py); activation checkpointing keeps a block's input instead; under
                  autocast all but the two norms' inputs are 16-bit. Times the micro-batches the stage holds when a
                  backward starts (`held`: the pipeline schedule's own order)
     head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
