@@ -222,11 +222,11 @@ def test_workload_sums_the_step_and_moves_the_bias_then_reports_the_shares():
     workload.cfg = load_config(["preset=cpu", "model.top_k=2", "model.bias_update_rate=0.1"], "moe")
     workload.moe, workload.layers, workload.dp_group = model.moe_layers(), [0, 1], None
     workload.device = torch.device("cpu")
-    workload.model, workload.a2a_bytes, workload.a2a_steps = model, 0, 0  # no ep: nothing exchanged
+    workload.model, workload.a2a_mark, workload.a2a_steps = model, 0, 0  # no ep: nothing exchanged
     model(torch.randint(0, 65, (2, 15)))
     load = workload.moe[0].tally.assigned.float()
     workload.after_step()
-    assert (workload.a2a_bytes, workload.a2a_steps) == (0, 1)
+    assert workload.a2a_steps == 1
     torch.testing.assert_close(workload.moe[0].router.expert_bias, 0.1 * torch.sign(load.mean() - load))
     assert all(m.tally.assigned is None for m in workload.moe)
     model.eval()

@@ -37,7 +37,7 @@ class MoEWorkload(LanguageModelWorkload):
         dp_mesh = submesh(mesh, "dp") if mesh is not None else None
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         layout.after_step.append(self.after_step)
-        self.model, self.a2a_bytes, self.a2a_steps = layout.model, 0, 0
+        self.model, self.a2a_mark, self.a2a_steps = layout.model, 0, 0  # the tally at the last evaluation's end
         return layout
 
     def after_step(self) -> None:
@@ -47,7 +47,6 @@ class MoEWorkload(LanguageModelWorkload):
             load = self._summed(torch.stack([self._assigned(m) for m in self.moe]), "the experts' load of the step")
             for moe, layer_load in zip(self.moe, load, strict=True):
                 moe.router.update_bias(layer_load, rate)
-        self.a2a_bytes += sent_bytes(self.model, reset=True)
         self.a2a_steps += 1
         self._reset()
 
@@ -57,7 +56,7 @@ class MoEWorkload(LanguageModelWorkload):
         out = super().evaluate(layout, autocast, it)
         out |= self.routing_figures() | sent
         self._reset()
-        sent_bytes(self.model, reset=True)  # the evaluation's own exchanges are not a training step's
+        self.a2a_mark = sent_bytes(self.model)  # the evaluation's own exchanges are not a training step's
         return out
 
     def all_to_all_figure(self) -> dict[str, float]:
@@ -65,9 +64,12 @@ class MoEWorkload(LanguageModelWorkload):
         without expert parallelism or steps)."""
         if self.dims.ep == 1:
             return {}
-        figures = self._summed(torch.tensor([float(self.a2a_bytes), float(self.a2a_steps)], dtype=torch.float64,
+        # the tallies only grow (a measurement may reset them: then count from zero)
+        trained = sent_bytes(self.model) - self.a2a_mark
+        trained = trained if trained >= 0 else sent_bytes(self.model)
+        figures = self._summed(torch.tensor([float(trained), float(self.a2a_steps)], dtype=torch.float64,
                                             device=self.device), "the all-to-all bytes of the steps")
-        self.a2a_bytes = self.a2a_steps = 0
+        self.a2a_steps = 0
         if figures[1] == 0:
             return {}
         return {"a2a_mib": (figures[0] / figures[1]).item() / 2**20}
