@@ -62,7 +62,8 @@ class ExpertShape:
     saved_per_token: int = 0  # per token of this rank: attention, norms, router, gates, shared experts, indices
     saved_per_row: int = 0  # per routed row this rank's experts compute: its input and the SwiGLU's four hiddens
     saved_per_row_ep: int = 0  # more per row when the rows are exchanged (expert parallelism's index tensors)
-    low_per_row: int = 0  # of saved_per_row, what autocast keeps 16-bit (the SwiGLU's hiddens)
+    autocast_per_token: AutocastActivations | None = None  # per token under autocast, by dtype (int64 as 2 fp32)
+    autocast_per_row: int = 0  # per routed row under autocast: all 16-bit (the experts' input and hidden tensors)
 
 
 @dataclass(frozen=True)

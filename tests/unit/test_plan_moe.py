@@ -115,8 +115,29 @@ def test_flops_count_the_active_parameters():
     assert cost.flops_per_iteration == (6 * 313_472 + 12 * 4 * 4 * 16 * 64) * cost.tokens_per_iteration
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.top_k=3"], ["model.n_shared_experts=0", "model.score=sigmoid"],
-                                       ["model.norm_topk=false", "model.n_embd=32", "model.n_experts=4"]])
+def saved_by_block(block, x: torch.Tensor, kwargs: dict, autocast: bool = False) -> dict[torch.dtype, int]:
+    """Bytes autograd keeps for `block`'s backward, by dtype (each storage once, parameters not counted)."""
+    params, saved = {p.untyped_storage().data_ptr() for p in block.parameters()}, {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = (t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16,
+                                                                                     enabled=autocast):
+        block(x, **kwargs)
+    totals: dict[torch.dtype, int] = {}
+    for dtype, nbytes in saved.values():
+        totals[dtype] = totals.get(dtype, 0) + nbytes
+    return totals
+
+
+CASES = [[], ["model.top_k=3"], ["model.n_shared_experts=0", "model.score=sigmoid"],
+         ["model.norm_topk=false", "model.n_embd=32", "model.n_experts=4"]]
+
+
+@pytest.mark.parametrize("overrides", CASES)
 def test_an_moe_block_saves_what_the_shape_counts(overrides):
     """ExpertShape's counts against the bytes autograd keeps for one MoE block's backward (fp32, no ep: N·k rows),
     each storage once, parameters not counted, as tests/unit/test_registry.py counts a dense block."""
@@ -126,19 +147,33 @@ def test_an_moe_block_saves_what_the_shape_counts(overrides):
     model = spec.build_model(cfg, VOCAB)
     block, tokens, moe = model.transformer.h["1"], cfg.model.block_size, spec.shape(cfg).moe
     x = torch.randn(2, tokens, cfg.model.n_embd, requires_grad=True)
-    params, saved = {p.untyped_storage().data_ptr() for p in block.parameters()}, {}
-
-    def keep(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        block(x, **model.block_kwargs(torch.arange(tokens)))
     n = 2 * tokens
     counted = moe.saved_per_token * n + n * moe.top_k * moe.saved_per_row
     # the balance loss's expert shares: E floats a forward, not a token's
+    saved = saved_by_block(block, x, model.block_kwargs(torch.arange(tokens)))
     assert sum(saved.values()) / 4 == counted + cfg.model.n_experts
+
+
+@pytest.mark.parametrize("overrides", CASES)
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_an_moe_block_under_autocast_saves_what_the_shape_counts(overrides, weights):
+    """The same under bf16 autocast on a CPU (attention in fp32), with fp32 weights (DDP) and with 16-bit weights and
+    input (FSDP2's mixed precision): what grows with the tokens (3 samples less 1), by dtype."""
+    cfg = load_config(["preset=cpu", *overrides], "moe")
+    spec = registry.get("moe")
+    torch.manual_seed(0)
+    model = spec.build_model(cfg, VOCAB)
+    block, tokens, moe = model.transformer.h["1"].to(weights), cfg.model.block_size, spec.shape(cfg).moe
+    kwargs = model.block_kwargs(torch.arange(tokens))
+    one, three = (saved_by_block(block, torch.randn(s, tokens, cfg.model.n_embd, dtype=weights, requires_grad=True),
+                                 kwargs, autocast=True) for s in (1, 3))
+    n = 2 * tokens
+    per_token = {d: (three.get(d, 0) - one.get(d, 0)) / n for d in three}
+    saved = moe.autocast_per_token
+    fp32, low = (saved.fp32, saved.low) if weights == torch.float32 else (saved.fp32_16bit_weights,
+                                                                          saved.low_16bit_weights)
+    assert per_token[torch.float32] + per_token[torch.int64] == (fp32 + saved.attention) * 4  # CPU attention: fp32
+    assert per_token[torch.bfloat16] == low * 2 + moe.top_k * moe.autocast_per_row * 2
 
 
 def test_search_enumerates_ep_and_refuses_what_train_refuses():

@@ -81,23 +81,34 @@ def checkpointed_layers(cfg: RunConfig, layers: int) -> set[int]:
     return {i for i in range(layers) if i % step == 0}
 
 
-def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int) -> float:
+def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine) -> float:
     """Bytes one MoE block saves for backward for one micro-batch of `tokens` tokens on the busiest rank: the part
-    that grows with its tokens, and the routed rows its experts compute (under autocast their SwiGLU's hidden
-    tensors are 16-bit; the rest is priced fp32, an upper bound not checked against a run)."""
+    that grows with its tokens, and the routed rows its experts compute (ExpertShape's counts; under autocast by the
+    dtype each is kept in, with 16-bit weights under FSDP2's mixed precision, attention in the machine's dtype)."""
     moe = facts.shape.moe
     rows = routed_rows(facts, dims, tokens)
-    per_row = moe.saved_per_row + (moe.saved_per_row_ep if dims.ep > 1 else 0)
-    low = moe.low_per_row if cfg.train.dtype in ("bf16", "fp16") else 0
-    return moe.saved_per_token * tokens * FP32 + rows * ((per_row - low) * FP32 + low * 2)
+    exchanged = moe.saved_per_row_ep if dims.ep > 1 else 0
+    if cfg.train.dtype not in ("bf16", "fp16") or moe.autocast_per_token is None:
+        return moe.saved_per_token * tokens * FP32 + rows * (moe.saved_per_row + exchanged) * FP32
+    saved = moe.autocast_per_token
+    fp32, low = (saved.fp32_16bit_weights, saved.low_16bit_weights) if _fsdp_mixed(cfg, dims) else (saved.fp32,
+                                                                                                     saved.low)
+    per_token = fp32 * FP32 + low * 2 + saved.attention * (FP32 if machine.cpu else 2)
+    return per_token * tokens + rows * (moe.autocast_per_row * 2 + exchanged * FP32)
+
+
+def _fsdp_mixed(cfg: RunConfig, dims: ParallelDims) -> bool:
+    """FSDP2 gathers 16-bit parameters under autocast, and the blocks' inputs are 16-bit (compose.py's policy)."""
+    return (cfg.train.dtype in ("bf16", "fp16") and backends.get(cfg.train.backend).sharded
+            and dims.size("dp_shard_cp") > 1)
 
 
 def kept_activations(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, dense_block: float,
-                     block_input: float) -> tuple[float, float]:
+                     block_input: float, machine: Machine) -> tuple[float, float]:
     """(what the blocks keep for backward for one micro-batch, the largest block's bytes): each checkpointed block its
     input, every other its own saved tensors, dense blocks `dense_block`, MoE blocks moe_block_bytes."""
     moe_layers = set(facts.shape.moe.layers)
-    moe_block = moe_block_bytes(facts, cfg, dims, tokens)
+    moe_block = moe_block_bytes(facts, cfg, dims, tokens, machine)
     checkpointed = checkpointed_layers(cfg, facts.shape.layers)
     kept = sum(block_input if i in checkpointed else moe_block if i in moe_layers else dense_block
                for i in range(facts.shape.layers))
@@ -107,9 +118,7 @@ def kept_activations(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, toke
 def row_bytes(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int]:
     """Bytes per element of the rows dispatched (the stream's dtype: 16-bit under FSDP2's mixed precision, else fp32)
     and of the outputs combined (the experts' compute dtype: 16-bit under autocast)."""
-    autocast = cfg.train.dtype in ("bf16", "fp16")
-    mixed = autocast and backends.get(cfg.train.backend).sharded and dims.size("dp_shard_cp") > 1
-    return (2 if mixed else FP32), (2 if autocast else FP32)
+    return (2 if _fsdp_mixed(cfg, dims) else FP32), (2 if cfg.train.dtype in ("bf16", "fp16") else FP32)
 
 
 def all_to_all_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int) -> dict[str, float]:
