@@ -122,8 +122,11 @@ def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | 
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
         if spec.text:  # the shipped corpus, which needs no network
             prepare("shakespeare_char", Path(root))
+        # a language model on the corpus prepared here, whatever its own default data (the Llama's and the MoE's
+        # is GPT-2 BPE Shakespeare, which needs a download)
+        corpus = [f"{spec.data_key}=shakespeare_char"] if spec.text else []
         runs = {(kind, depth): [*spec.tiny, f"data.root={root if spec.text else data_root}", f"{depth_key}={depth}",
-                                *runs_of(kind, model)[0], f"train.dtype={dtype}"]
+                                *corpus, *runs_of(kind, model)[0], f"train.dtype={dtype}"]
                 for kind in missing for depth in DEPTHS}
         heartbeat.note(phase=f"measuring the fixed costs of {', '.join(fixed_kind(k, dtype) for k in missing)} on "
                              f"{ranks} ranks ({model}, {len(runs)} tiny runs in one job)")
