@@ -110,7 +110,7 @@ def test_a_chunked_loss_holds_one_chunk_of_the_logits_as_predicted(tmp_path):
     assert peaks["fp32 chunks"] < peaks["fp32 whole"] / 3, peaks
 
 
-def test_a_mixture_of_experts_under_ep_holds_and_sends_what_the_planner_counts(tmp_path):
+def test_a_mixture_of_experts_under_ep_holds_and_sends_what_the_planner_counts(data_root):
     """The MoE decoder on 2 ranks under ddp × ep 2 and fsdp × ep 2 (full checkpointing: its recomputed dispatches
     count too), one job: each rank's parameters, gradients and optimizer state are the planner's exactly (experts
     halved by ep, the dense part whole or halved by FSDP2), the peak within 10%, and the bytes the run's dispatch and
@@ -118,7 +118,6 @@ def test_a_mixture_of_experts_under_ep_holds_and_sends_what_the_planner_counts(t
     from meshtrain.plan.measured import measure
     from meshtrain.runtime.results import run_ranks
 
-    data_root = prepare_data(tmp_path)
     base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=fp32", "model.batch_size=8",
             "parallel.ep=2"]
     cases = {"ddp ep2": ["train.backend=ddp"], "fsdp ep2 full": ["train.backend=fsdp",
