@@ -189,6 +189,11 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
     if dims.cp > 1:
         said.append(f"{p.cp_impl} context parallel: {c.cost.tokens_per_iteration // c.cost.samples_per_iteration} "
                     f"tokens per sample split over {dims.cp} ranks")
+    if dims.ep > 1:
+        nodes = len({r // machine.devices_per_node for r in dims.group_of(0, "ep")})
+        said.append(f"experts sharded over {dims.ep} ranks ({'inside a node' if nodes == 1 else f'across {nodes} nodes'}"
+                    f"): {c.cost.comm_bytes.get('ep', 0) / 2**20:,.0f} MiB of all-to-all per step, "
+                    f"taking {c.cost.time.get('comm ep', 0) / c.cost.step_s:.0%} of the step")
     if t.activation_checkpointing != "none":
         said.append(f"{t.activation_checkpointing} activation checkpointing: recomputes to save activations")
     said.append(f"bound by {c.cost.bottleneck}")
