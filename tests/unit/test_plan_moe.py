@@ -186,3 +186,17 @@ def test_search_enumerates_ep_and_refuses_what_train_refuses():
     chosen = next(c for c in ranked if c.label == "fsdp dp4 ep4 ac=full")
     assert "parallel.ep=4" in chosen.overrides
     assert search.with_layout(cfg, search.layout_of(chosen)).parallel.ep == 4
+
+
+def test_the_imbalance_knob_moves_the_memory_and_refuses_less_than_even(capsys):
+    from meshtrain.commands import main
+
+    cfg, facts = facts_of("train.backend=ddp", "parallel.ep=2")
+    dims, machine = ParallelDims.from_config(cfg, 2, 2), machines.from_system(systems.get("polaris"))
+    even, double = (predict(replace(facts, expert_imbalance=x), cfg, dims, machine).memory["activations"]
+                    for x in (1.0, 2.0))
+    # 1024 more rows a layer, each its input, 4 hidden tensors and 2 int64 orders: (64 + 512 + 4) × 4 bytes
+    assert double - even == 3 * 1024 * (64 + 4 * 128 + 4) * 4
+    assert main(["plan", "moe", "preset=cpu", "--system", "polaris", "--expert-imbalance", "0.5"]) != 0
+    said = capsys.readouterr()
+    assert "--expert-imbalance 0.5: the busiest rank receives at least the mean" in said.out + said.err
