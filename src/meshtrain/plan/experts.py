@@ -14,14 +14,15 @@ what the routing sends it, not N·k. The plan uses, per rank and MoE layer:
     ep > 1, capacity c        E·ceil(c·N·k/E): each of the ep senders keeps at most ceil(c·N·k/E) rows per expert
                               (router.capacity), and the rank holds E/ep experts: a bound no routing exceeds
 
-The same rows set the experts' share of the step time (the busiest rank sets the pace of every all-to-all).
+The same rows set what an MoE block keeps for backward (ExpertShape: per token of the rank, plus per routed row its
+experts compute) and the experts' share of the step time (the busiest rank sets the pace of every all-to-all).
 
 All-to-all bytes. Each MoE layer exchanges, per micro-batch (parallel/expert_parallel.py): the row counts (E int64,
 once per forward), the rows to the experts' owners (dispatch) and the outputs back (combine); backward sends the
 gradients of both the other way. What a rank passes to all_to_all is N·k rows for its own dispatch and for the
 gradient of its own combine, and the rows its experts received for the other two; over an ep group the received rows
-add up to the sent ones, so the mean per rank is exactly 2·N·k·width·(dispatch bytes + combine bytes) a layer
-(dropless; an upper bound under a capacity factor, whose dropped rows are not sent). Rows go in the stream's dtype
+add up to the sent ones, so the mean per rank is exactly 2·N·k·width·(dispatch bytes + combine bytes) + 8·E a
+layer (dropless; an upper bound under a capacity factor, whose dropped rows are not sent). Rows go in the stream's dtype
 (fp32, or 16-bit under FSDP2's mixed precision) and come back in the experts' compute dtype (16-bit under autocast).
 A layer that activation checkpointing recomputes runs its forward exchanges again. The count includes the part of
 each buffer a rank sends to itself; the time prices it as nccl-tests do, (ep - 1)/ep of it over the link the ep group
