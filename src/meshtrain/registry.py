@@ -48,6 +48,25 @@ class RegistryError(MeshtrainError, ValueError):
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """The mixture-of-experts layers of a model, as the planner prices them (plan/experts.py): which layers, how
+    tokens are routed, and what each layer saves for backward, split into what grows with this rank's tokens and what
+    grows with the routed rows its experts receive (under expert parallelism a number that depends on the routing)."""
+
+    layers: tuple[int, ...]  # the blocks (0-based) whose feed-forward is a mixture of experts
+    top_k: int  # experts each token is sent to
+    hidden: int  # each routed expert's hidden width
+    module: str  # the module path suffix, in a block, of the stacked routed experts ([E, ...] parameters)
+    capacity_factor: float | None = None  # None: dropless
+    # Elements an MoE block saves for backward (fp32 eager, no dropout; tests/unit/test_registry.py checks both):
+    saved_per_token: int = 0  # per token of this rank: attention, norms, router, gates, shared experts, indices
+    saved_per_row: int = 0  # per routed row this rank's experts compute: its input and the SwiGLU's four hiddens
+    saved_per_row_ep: int = 0  # more per row when the rows are exchanged (expert parallelism's index tensors)
+    autocast_per_token: AutocastActivations | None = None  # per token under autocast, by dtype (int64 as 2 fp32)
+    autocast_per_row: int = 0  # per routed row under autocast: all 16-bit (the experts' input and hidden tensors)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the layout rules (parallel/mesh.check_layout) and a cost model need to know of a model, read from its
     config alone, before anything is built."""
@@ -70,9 +89,9 @@ class ModelShape:
     # sequence parallel they meet a token-sharded stream, so their gradient arrives holding 1/tp of them
     token_sharded_grads: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     parallelisms: frozenset[str] = frozenset({"tp", "cp", "pp", "deepspeed"})  # which this model's plan supports
-    # Routed experts per mixture-of-experts layer (models/moe); 0: a dense model. The planner prices dense models
-    # only, and refuses a model with experts rather than price it as dense.
+    # Routed experts per mixture-of-experts layer (models/moe); 0: a dense model
     experts: int = 0
+    moe: ExpertShape | None = None  # what the planner needs of the mixture-of-experts layers (a model with experts)
     keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # field -> config key, for messages
 
 

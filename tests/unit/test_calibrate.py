@@ -63,7 +63,7 @@ def test_a_failed_calibration_run_names_the_ranks_error_and_the_run(monkeypatch)
 
 
 @pytest.mark.parametrize("model, depth_key", [("gpt", "model.n_layer"), ("llama", "model.n_layer"),
-                                               ("vit", "model.depth")])
+                                               ("moe", "model.n_layer"), ("vit", "model.depth")])
 def test_each_model_is_calibrated_tiny_on_itself(fake_runs, tmp_path, model, depth_key):
     known = calibrate.calibrate(2, ["backend:ddp"], model, data_root=str(tmp_path), progress=lambda _: None)
     assert known["backend:ddp"] == pytest.approx([1e-3, 5e-3])  # per block, per step
@@ -76,6 +76,8 @@ def test_each_model_is_calibrated_tiny_on_itself(fake_runs, tmp_path, model, dep
     roots = {o for _, overrides in fake_runs for o in overrides if o.startswith("data.root=")}
     # a language model on the shipped corpus prepared aside (the user's data root may hold another corpus or none)
     assert (roots == {f"data.root={tmp_path}"}) == (model == "vit"), roots
+    # whatever corpus the model's defaults name (the Llama's and the MoE's: GPT-2 BPE, a download away)
+    assert all(("data.name=shakespeare_char" in o) == (model != "vit") for _, o in fake_runs)
 
 
 def test_a_model_without_a_tiny_configuration_is_not_calibrated(fake_runs, monkeypatch):
@@ -84,6 +86,12 @@ def test_a_model_without_a_tiny_configuration_is_not_calibrated(fake_runs, monke
     said = []
     assert calibrate.calibrate(2, ["backend:ddp"], "plain", progress=said.append) == {}
     assert fake_runs == [("collectives", 2)] and "no tiny configuration" in said[0]  # the machine's, still
+
+
+def test_expert_parallel_is_calibrated_at_its_size_with_enough_experts():
+    assert calibrate.runs_of("ep:2", "moe") == (["train.backend=ddp", "parallel.ep=2", "model.n_experts=8"],
+                                                "backend:ddp")
+    assert calibrate.runs_of("ep:16", "moe")[0][-1] == "model.n_experts=16"
 
 
 @pytest.mark.parametrize("model, heads", [("gpt", ["model.n_head=4"]), ("llama", ["model.n_head=4", "model.n_kv_head=4"]),

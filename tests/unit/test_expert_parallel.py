@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,7 +158,6 @@ def test_arrived_rows_are_put_in_expert_major_order_keeping_each_sources_order()
 def test_the_real_meshs_expert_view_has_the_groups_the_arithmetic_says(kwargs):
     """build_mesh as each rank under torch's fake process group (one process, no communication): the DeviceMesh's ep
     and edp dims hold exactly the ranks group_of computes."""
-    import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtrain.parallel.mesh import submesh
@@ -193,3 +193,22 @@ def test_under_tp_a_moe_layer_runs_whole_and_the_dense_layers_are_split(sequence
     assert ("mlp" in moe) == sequence_parallel
     if sequence_parallel:
         assert isinstance(plan["transformer.h.1.mlp"], PrepareModuleInputOutput)
+
+
+def test_dispatch_and_combine_count_the_bytes_they_pass_to_all_to_all():
+    """On a one-rank gloo group (in this process): the row counts (E int64), the rows sent (dropped ones are not),
+    the outputs sent back, and in backward both gradients: 8 of 10 rows of 4 fp32 kept by 3 experts."""
+    from meshtrain.parallel.expert_parallel import Sent, combine, dispatch
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rows = torch.randn(10, 4, requires_grad=True)
+        tally = Sent()
+        local, _, route = dispatch(rows, torch.tensor([3, 5, 0]), dist.group.WORLD, 1, tally)
+        out = combine(local * 2, route, 10)
+        assert tally.bytes == 3 * 8 + 2 * 8 * 4 * 4
+        out.sum().backward()
+        assert tally.bytes == 3 * 8 + 4 * 8 * 4 * 4
+        assert rows.grad[:8].eq(2).all() and rows.grad[8:].eq(0).all()
+    finally:
+        dist.destroy_process_group()

@@ -251,9 +251,11 @@ def test_workload_sums_the_step_and_moves_the_bias_then_reports_the_shares():
     workload.moe, workload.layers, workload.routed_group = model.moe_layers(), [0, 1], None
     workload.pp_group = None
     workload.device = torch.device("cpu")
+    workload.model, workload.a2a_mark, workload.a2a_steps = model, 0, 0  # no ep: nothing exchanged
     model(torch.randint(0, 65, (2, 15)))
     load = workload.moe[0].tally.assigned.float()
     workload.after_step()
+    assert workload.a2a_steps == 1
     torch.testing.assert_close(workload.moe[0].router.expert_bias, 0.1 * torch.sign(load.mean() - load))
     assert all(m.tally.assigned is None for m in workload.moe)
     model.eval()
@@ -290,7 +292,9 @@ def test_bad_settings_are_one_clear_error(overrides, message):
         load_config(["preset=cpu", *overrides], "moe")
 
 
-def test_registered_with_its_presets_and_refused_by_the_planner():
+def test_registered_with_its_presets_and_shaped_for_the_planner():
+    from dataclasses import replace
+
     from meshtrain.plan.systems import PlanError
     from meshtrain.plan.workload import ModelFacts
 
@@ -304,7 +308,15 @@ def test_registered_with_its_presets_and_refused_by_the_planner():
     assert (shape.experts, shape.mlp_hidden, shape.parallelisms) == (8, 192, frozenset({"ep", "tp", "cp", "pp"}))
     model = spec.build_model(cfg, {"meta": {"vocab_size": 65}})
     assert model.config.moe_layers == (1, 2, 3) and type(model.transformer.h["0"].mlp).__name__ == "SwiGLU"
-    with pytest.raises(PlanError, match="planning a mixture of experts is not supported yet"):
-        ModelFacts.of(cfg, {"meta": {"vocab_size": 65}})
+    assert (shape.moe.layers, shape.moe.top_k, shape.moe.hidden, shape.moe.module) == ((1, 2, 3), 2, 128, "mlp.experts")
+    assert ModelFacts.of(cfg, {"meta": {"vocab_size": 65}}).shape.moe == shape.moe
+    # a model with experts but no ExpertShape is refused, saying what to add, rather than priced as a dense model
+    original = spec.shape
+    object.__setattr__(spec, "shape", lambda c: replace(original(c), moe=None))
+    try:
+        with pytest.raises(PlanError, match="gives no `moe`"):
+            ModelFacts.of(cfg, {"meta": {"vocab_size": 65}})
+    finally:
+        object.__setattr__(spec, "shape", original)
     every_second = load_config(["preset=cpu", "model.first_dense=0", "model.moe_every=2"], "moe")
     assert spec.build_model(every_second, {"meta": {"vocab_size": 65}}).config.moe_layers == (0, 2)

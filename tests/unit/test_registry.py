@@ -82,6 +82,7 @@ def test_bad_model_names_are_one_clear_error(own_model, name, message):
     ("llama", ["preset=cpu", "model.n_kv_head=1", "model.ffn_hidden=160", "model.block_size=32"]),
     ("llama", ["preset=cpu", "model.n_head=8", "model.n_kv_head=4", "model.n_embd=256", "model.block_size=16"]),
     ("vit", ["preset=tiny", "model.mlp_ratio=2.0", "data.crop=[32,64]"]),
+    ("moe", ["preset=cpu"]),  # its block 0 is dense (first_dense=1); MoE blocks: tests/unit/test_plan_moe.py
 ])
 def test_activations_per_token_is_what_autograd_saves(name, overrides):
     """The shape's activation count against the bytes autograd keeps for one block's backward (fp32, parameters
@@ -129,7 +130,7 @@ def test_activations_per_token_is_what_autograd_saves(name, overrides):
     one, three = saved_under_autocast(1, torch.float32), saved_under_autocast(3, torch.float32)
     assert (three - one) / (2 * tokens) == saved.fp32 * 4 + saved.low * 2 + saved.attention * 4
     linears = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
-    rotary_table = 2 * tokens * cfg.model.n_embd // cfg.model.n_head // 2 * 4 if name == "llama" else 0  # cos, sin
+    rotary_table = 2 * tokens * cfg.model.n_embd // cfg.model.n_head // 2 * 4 if name in ("llama", "moe") else 0
     assert one - (three - one) / 2 == linears * 2 + rotary_table
     block.to(torch.bfloat16)  # FSDP2's mixed precision: 16-bit weights and input, no copies
     one, three = saved_under_autocast(1, torch.bfloat16), saved_under_autocast(3, torch.bfloat16)

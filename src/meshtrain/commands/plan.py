@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", type=float, default=None, help="GiB per device, replacing the system's")
     parser.add_argument("--intra-node-bw", type=float, default=None, help="GB/s per device inside a node")
     parser.add_argument("--inter-node-bw", type=float, default=None, help="GB/s per device between nodes")
+    parser.add_argument("--expert-imbalance", type=float, default=None, metavar="X",
+                        help="a mixture of experts under ep: the rows the busiest rank's experts receive, as a multiple "
+                             "of the balanced N·top_k (default 1.25; capped by the all-tokens-to-one-rank worst case; "
+                             "a model.capacity_factor bounds them exactly instead)")
     parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     parser.add_argument("--explain", default=None, help="a row number or layout label: its terms, one by one")
     parser.add_argument("--json", action="store_true", help="every candidate as JSON")
@@ -73,6 +77,11 @@ def run(args) -> int:
         cfg = replace(cfg, train=replace(cfg.train, dtype="bf16" if args.system != "this" else _auto_dtype()))
     per_node = args.gpus_per_node or machine.devices_per_node
     facts = ModelFacts.of(cfg)
+    if args.expert_imbalance is not None:
+        if not args.expert_imbalance >= 1:
+            raise systems.PlanError(f"--expert-imbalance {args.expert_imbalance}: the busiest rank receives at least "
+                                    "the mean, so give 1 or more (1: perfectly balanced routing, 1.25: the default)")
+        facts = replace(facts, expert_imbalance=args.expert_imbalance)
     ranked, refused = search.search(cfg, args.nodes, per_node, machine, facts)
     if args.json:
         print(json.dumps([as_dict(c) for c in ranked], indent=1))
@@ -91,7 +100,7 @@ def run(args) -> int:
     if args.explain:
         print_rich(explain(pick(ranked, args.explain), machine))
     if args.validate:
-        return _validate(args, cfg, ranked, per_node * args.nodes)
+        return _validate(args, cfg, ranked, per_node * args.nodes, facts)
     return 0
 
 
@@ -180,13 +189,18 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
     if dims.cp > 1:
         said.append(f"{p.cp_impl} context parallel: {c.cost.tokens_per_iteration // c.cost.samples_per_iteration} "
                     f"tokens per sample split over {dims.cp} ranks")
+    if dims.ep > 1:
+        nodes = len({r // machine.devices_per_node for r in dims.group_of(0, "ep")})
+        said.append(f"experts sharded over {dims.ep} ranks ({'inside a node' if nodes == 1 else f'across {nodes} nodes'}"
+                    f"): {c.cost.comm_bytes.get('ep', 0) / 2**20:,.0f} MiB of all-to-all per step, "
+                    f"taking {c.cost.time.get('comm ep', 0) / c.cost.step_s:.0%} of the step")
     if t.activation_checkpointing != "none":
         said.append(f"{t.activation_checkpointing} activation checkpointing: recomputes to save activations")
     said.append(f"bound by {c.cost.bottleneck}")
     return "; ".join(said)
 
 
-def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int) -> int:
+def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int, facts: ModelFacts) -> int:
     """Run a spread of the ranked layouts here, and parallel.plan=auto's choice, and print predicted against
     measured, with the dtype they ran in."""
     if args.system != "this":
@@ -199,7 +213,7 @@ def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int) -> int:
     with said_while_quiet():  # calibration and each layout's run take seconds to minutes: never a silent wait
         checks, auto = validate.validate_plan(args.model, overrides, cfg, ranked, args.validate, args.nodes,
                                               ranks // args.nodes, lambda: machine_of(args), steps=args.steps,
-                                              progress=log.info)
+                                              progress=log.info, facts=facts)
     print_rich(validation_table(checks))
     summary = validate.summary(checks, auto)
     log.info("summary: %s", summary)
@@ -212,15 +226,18 @@ def validation_table(checks: list[validate.Check], what: str = ""):
     from rich.table import Table
 
     out = Table(title=f"{what}predicted / measured, rank 0 of the fullest stage", title_justify="left")
-    for column in ("layout", "params MiB", "grads MiB", "optim MiB", "peak MiB", "peak err", "step ms", "step err"):
+    experts = any(c.candidate.dims.ep > 1 for c in checks)  # the all-to-all bytes a step sent, mean per rank
+    for column in ("layout", "params MiB", "grads MiB", "optim MiB", "peak MiB", "peak err", "step ms", "step err",
+                   *["a2a bytes"] * experts):
         out.add_column(column, justify="left" if column == "layout" else "right")
     mib = lambda v: f"{v / 2**20:.2f}"  # noqa: E731
     for c in checks:
         if not c.measured:
-            out.add_row(c.candidate.label, *["—"] * 7)
+            out.add_row(c.candidate.label, *["—"] * (7 + experts))
             continue
         p, m = c.predicted, c.measured
+        a2a = [f"{c.candidate.cost.comm_bytes.get('ep', 0):,.0f} / {m.get('a2a_bytes', 0):,.0f}"] * experts
         out.add_row(c.candidate.label, *(f"{mib(p[k])} / {mib(m[k])}" for k in validate.STATES),
                     f"{mib(p['peak'])} / {mib(m['peak'])}", f"{c.relative('peak'):+.1%}",
-                    f"{p['step_s'] * 1e3:.1f} / {m['step_s'] * 1e3:.1f}", f"{c.relative('step_s'):+.1%}")
+                    f"{p['step_s'] * 1e3:.1f} / {m['step_s'] * 1e3:.1f}", f"{c.relative('step_s'):+.1%}", *a2a)
     return out

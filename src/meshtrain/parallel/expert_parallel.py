@@ -18,6 +18,11 @@ under any ep) and replaces the module's forward by one that
     4. sends the outputs back the same way (the backward of 2 and 4 is the mirrored all-to-all) and appends zeros
        for the dropped rows.
 
+Bytes sent. Each exchange adds what this rank passes to all_to_all (its part for itself included) to the module's
+`Sent` tally: the row counts, the rows, the outputs, and in backward the gradients of both (counted where autograd
+hands them to the mirrored all-to-all), so a run reports the bytes it really exchanged (`sent_bytes`, read by
+`plan --validate` and logged by the MoE workload) and the planner's count (plan/experts.py) can be held to it.
+
 Gradients. Each rank's loss is the mean over its own tokens, and data parallelism averages over the dp ranks, so one
 process with the whole batch has dL/dW = (1/dp) Σ_r dL_r/dW. An expert's owner receives the rows of all ep ranks of
 its group, so autograd leaves it Σ_{r in its ep group} dL_r/dW; the ranks that hold the same experts (the edp
@@ -35,6 +40,47 @@ import torch.distributed as dist
 from torch import nn
 
 EXPERT_PARALLEL = "_expert_parallel"  # the attribute that marks a module whose experts are sharded over ep
+SENT = "_all_to_all_sent"  # the attribute holding that module's Sent tally
+
+
+class Sent:
+    """Bytes one module's dispatch and combine passed to all_to_all since the last reset (a host number: the split
+    sizes are host numbers already, so counting costs no device sync)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+class _CountGrad(torch.autograd.Function):
+    """Identity forward; backward adds the bytes of the gradient that the all-to-all before it sends back."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, sent: Sent) -> torch.Tensor:
+        ctx.sent = sent
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sent.bytes += grad.numel() * grad.element_size()
+        return grad, None
+
+
+def _exchange(tensor: torch.Tensor, output_split: list[int], input_split: list[int], group, sent: Sent) -> torch.Tensor:
+    """all_to_all_single_autograd of `tensor`, its bytes (and in backward its gradient's) added to `sent`."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    sent.bytes += tensor.numel() * tensor.element_size()
+    return _CountGrad.apply(all_to_all_single_autograd(tensor, output_split, input_split, group), sent)
+
+
+def sent_bytes(model: nn.Module, reset: bool = False) -> int:
+    """Bytes `model`'s expert-parallel modules passed to all_to_all since the last reset (module docstring)."""
+    tallies = [getattr(m, SENT) for m in expert_parallel_modules(model)]
+    total = sum(t.bytes for t in tallies)
+    if reset:
+        for t in tallies:
+            t.bytes = 0
+    return total
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -66,6 +112,7 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh) -> None:
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     setattr(experts, EXPERT_PARALLEL, ep_mesh)
+    setattr(experts, SENT, Sent())
     experts.forward = partial(_dispatched_forward, experts, ep_mesh.get_group(), ep)
 
 
@@ -98,7 +145,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """forward(rows, counts) over the ep group: each row computed on the rank holding its expert."""
     weights = [scale_grad(_local(p), 1.0 / ep) for p in experts.parameters(recurse=False)]
-    local_rows, local_counts, route = dispatch(rows, counts, group, ep)
+    local_rows, local_counts, route = dispatch(rows, counts, group, ep, getattr(experts, SENT))
     out = experts.compute(local_rows, local_counts, *weights)
     if local_rows.shape[0] == 0:
         # No row reached this rank's experts. Keep what arrived (nothing) and the weights in the graph anyway: else
@@ -111,8 +158,8 @@ def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, 
 class Route:
     """How one dispatch moved the rows, for the combine that brings them back."""
 
-    def __init__(self, group, sent: list[int], received: list[int], order: torch.Tensor):
-        self.group, self.sent, self.received, self.order = group, sent, received, order
+    def __init__(self, group, sent: list[int], received: list[int], order: torch.Tensor, tally: Sent):
+        self.group, self.sent, self.received, self.order, self.tally = group, sent, received, order, tally
 
 
 def exchange_counts(counts: torch.Tensor, group, ep: int) -> torch.Tensor:
@@ -124,19 +171,20 @@ def exchange_counts(counts: torch.Tensor, group, ep: int) -> torch.Tensor:
     return incoming
 
 
-def dispatch(rows: torch.Tensor, counts: torch.Tensor, group, ep: int):
+def dispatch(rows: torch.Tensor, counts: torch.Tensor, group, ep: int, tally: Sent | None = None):
     """rows [M, dim] sorted by global expert, counts [E] -> (the rows this rank's experts take, grouped by local
-    expert; their counts [E/ep]; the Route back). Dropped rows (past sum(counts)) are not sent."""
+    expert; their counts [E/ep]; the Route back). Dropped rows (past sum(counts)) are not sent. `tally`: where the
+    bytes sent are added (module docstring)."""
+    tally = tally if tally is not None else Sent()
     incoming = exchange_counts(counts, group, ep)
+    tally.bytes += counts.numel() * counts.element_size()
     local_experts = incoming.shape[1]
     # the split sizes are host numbers (the one host read of a dispatch)
     sizes = torch.cat([counts.view(ep, local_experts).sum(1), incoming.sum(1)]).tolist()
     sent, received = sizes[:ep], sizes[ep:]
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    arrived = all_to_all_single_autograd(rows[:sum(sent)].contiguous(), received, sent, group)
+    arrived = _exchange(rows[:sum(sent)].contiguous(), received, sent, group, tally)
     order = arrival_order(incoming)
-    return arrived[order], incoming.sum(0), Route(group, sent, received, order)
+    return arrived[order], incoming.sum(0), Route(group, sent, received, order, tally)
 
 
 def arrival_order(incoming: torch.Tensor) -> torch.Tensor:
@@ -152,11 +200,9 @@ def arrival_order(incoming: torch.Tensor) -> torch.Tensor:
 def combine(out: torch.Tensor, route: Route, rows: int) -> torch.Tensor:
     """This rank's experts' outputs (in dispatch's order) back to the ranks the rows came from, in their order, with
     zeros for the rows that were dropped: [rows, dim]."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
     inverse = torch.empty_like(route.order)
     inverse[route.order] = torch.arange(route.order.numel(), device=route.order.device)
-    returned = all_to_all_single_autograd(out[inverse].contiguous(), route.sent, route.received, route.group)
+    returned = _exchange(out[inverse].contiguous(), route.sent, route.received, route.group, route.tally)
     dropped = rows - sum(route.sent)
     if dropped:
         returned = torch.cat([returned, returned.new_zeros(dropped, returned.shape[1])])

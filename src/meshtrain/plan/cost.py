@@ -4,12 +4,13 @@ the communication it cannot hide, the pipeline's bubble), each term kept so that
 Memory, in bytes of rank 0 of the heaviest pipeline stage (checked against the tensors' own peak on real ranks:
 plan/measured/measure.py, docs/plan.md):
 
-    states       parameters, gradients, AdamW's two moments: plan/shares.py, exact (fp32 master copies)
+    states       parameters, gradients, AdamW's two moments: plan/shares.py, exact (fp32 master copies; experts by ep)
     activations  what the blocks save for backward: ModelShape.activations_per_token (exact for fp32 eager, tp=1)
                  × the tokens a micro-batch puts on this rank (batch / microbatches × tokens / cp) × the blocks on
                  the stage, plus each chunk's input; under tp, the parts of a block the plan shards divide by tp
                  (with sequence parallel all but the two gathered inputs of attention and MLP, without it all but
-                 the four norm inputs and outputs); activation checkpointing keeps a block's input instead; under
+                 the four norm inputs and outputs); a mixture of experts' MoE blocks by their routed rows
+                 (plan/experts.py); activation checkpointing keeps a block's input instead; under
                  autocast all but the two norms' inputs are 16-bit. Times the micro-batches the stage holds when a
                  backward starts (`held`: the pipeline schedule's own order)
     head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
@@ -51,6 +52,8 @@ from typing import TYPE_CHECKING
 
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan import experts
+from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.pipeline_time import pipeline_time
 from meshtrain.plan.shares import Share, stage_shares, tp_local_shape
@@ -96,7 +99,8 @@ def _shares(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> list[Share
     p = cfg.parallel
     return stage_shares(facts.model, facts.split, dims, cfg.train.backend, schedule=p.pp_schedule,
                         virtual_stages=p.virtual_stages if dims.pp > 1 else 1,
-                        token_sharded_grads=facts.shape.token_sharded_grads if p.sequence_parallel else {})
+                        token_sharded_grads=facts.shape.token_sharded_grads if p.sequence_parallel else {},
+                        experts=facts.shape.moe.module if facts.shape.moe else None)
 
 
 def predict(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> Cost:
@@ -247,6 +251,8 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     checkpointed = {"none": 0, "full": share.blocks,
                     "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
     kept = (share.blocks - checkpointed) * block + checkpointed * block_input
+    if facts.shape.moe is not None:  # dense and MoE blocks differ (plan/experts.py: the routed rows' bound)
+        kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine)
     # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
     # embedding keeps its own input
     virtual = p.virtual_stages if dims.pp > 1 else 1
@@ -270,10 +276,13 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
     buffers = 0.0
     chosen = backends.get(t.backend)
+    expert_copy = 0.0  # under ep > 1 with DDP: the experts' gradients in one flat tensor, averaged over edp
     if chosen.all_reduces and dims.size("dp_cp") > 1:
-        buffers = grads  # DDP's buckets: a flat copy of the gradients, kept for the run
+        buffers = grads - share.expert_params * FP32  # DDP's buckets: a flat copy of the gradients it reduces
+        if dims.ep > 1 and dims.size("edp") > 1:
+            expert_copy = share.expert_params * FP32  # parallel/expert_parallel.average_gradients, after backward
     elif chosen.sharded and dims.size("dp_shard_cp") > 1:
-        gathered = share.stage_params - share.blocks * share.block_params  # the root's (embeddings, head, norms)
+        gathered = share.root_params  # the root's (embeddings, head, norms)
         blocks_gathered = 2 if chosen.reshard_after_forward else share.blocks  # in use + prefetched, or all
         gathered_bytes = 2 if _fsdp_mixed(cfg, dims) else FP32  # gathered in the compute dtype, reduced in fp32
         buffers = (gathered + blocks_gathered * share.block_params) * gathered_bytes + share.block_params * FP32
@@ -289,10 +298,11 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     activations, head = in_flight * kept, in_flight * head
     copies = _weight_copies(facts, cfg, dims, share)
     backward = params + optimizer + buffers + activations + head + held_grads + working + copies
-    optimizer_step = params + grads + optimizer + buffers
-    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
-            "buffers": buffers, "backward working set": working, "16-bit weight copies": copies,
-            "peak": max(backward, optimizer_step)}
+    optimizer_step = params + grads + optimizer + buffers + expert_copy
+    out = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
+           "buffers": buffers, "backward working set": working, "16-bit weight copies": copies,
+           "peak": max(backward, optimizer_step)}
+    return out | ({"expert gradient copy": expert_copy} if expert_copy else {})
 
 
 def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
@@ -308,6 +318,8 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
         out_features, in_features = tp_local_shape(name + ".weight", shape, dims.tp)
         matmul += 6 * tokens * in_features * out_features / machine.matmul_rate(label, tokens, in_features,
                                                                                  out_features)
+    if facts.shape.moe is not None:  # the routed experts' matmuls (not nn.Linears), on the busiest rank's rows
+        matmul += experts.expert_matmul_s(facts, cfg, dims, tokens, machine, label)
     heads, head_dim = facts.shape.heads // dims.tp, facts.shape.width // facts.shape.heads
     causal = facts.shape.causal
     if dims.cp > 1 and p.cp_impl == "ring":  # this rank's queries against every rank's keys, a block at a time
@@ -331,7 +343,7 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
         pipelined, bubble = one_pass.busy * t.grad_accum, (one_pass.makespan - one_pass.busy) * t.grad_accum
     compute = pipelined + optimizer_s * slowdown + _fixed_costs(facts, cfg, dims, share, micro, machine)
 
-    sent, seconds = _communication(facts, cfg, dims, share, micro, machine)
+    sent, seconds = communication(facts, cfg, dims, share, micro, machine)
     dp_time = seconds.get("dp", 0.0)
     critical = sum(v for k, v in seconds.items() if k != "dp")
     backward = per_micro * micro.count * slowdown * 2 / 3
@@ -352,6 +364,8 @@ def kinds_of(cfg: RunConfig, dims: ParallelDims) -> list[str]:
         kinds.append(f"cp:{p.cp_impl}")
     if dims.pp > 1:
         kinds.append(f"pp:{p.pp_schedule}")
+    if dims.ep > 1:
+        kinds.append(f"ep:{dims.ep}")  # measured at its size (calibrate.runs_of)
     return kinds
 
 
@@ -382,47 +396,3 @@ def _on_stage(name: str, facts: ModelFacts, share: Share, dims: ParallelDims, p)
     if dims.pp == 1 or facts.split is None:
         return True
     return name in facts.stage_linears(dims.pp, share.stage, p.pp_schedule, p.virtual_stages)
-
-
-def _communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
-                   machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
-    """Bytes this rank sends per iteration, and their seconds, by kind (dp, tp, cp, pp)."""
-    t, p = cfg.train, cfg.parallel
-    act_bytes = 2 if _autocast(cfg) else FP32
-    sent, seconds = {}, {}
-
-    def add(kind: str, op: str, dim: str, nbytes: float, times: float) -> None:
-        if nbytes <= 0 or times <= 0 or dims.size(dim) == 1:
-            return
-        sent[kind] = sent.get(kind, 0.0) + nbytes * times
-        seconds[kind] = seconds.get(kind, 0.0) + times * machine.collective_s(op, nbytes, dims, dim)
-
-    grads = share.stage_params * FP32
-    chosen = backends.get(t.backend)
-    if chosen.all_reduces:
-        add("dp", "all_reduce", "dp_cp", grads, 1)
-        if chosen.shards == "optimizer":
-            add("dp", "broadcast", "dp_cp", grads, 1)  # each owner sends its updated parameters
-    elif chosen.sharded:
-        shard_dim = "dp_shard" if chosen.replicas else "dp_shard_cp"
-        gathers = micro.count * (2 if chosen.reshard_after_forward else 1)  # forward, and again for backward
-        add("dp", "all_gather", shard_dim, share.stage_params * act_bytes if t.dtype != "fp32" else grads, gathers)
-        add("dp", "reduce_scatter", shard_dim, grads, 1)
-        if chosen.replicas:
-            add("dp", "all_reduce", "dp_replicate", grads / dims.dp_shard, 1)
-    stream = micro.tokens * facts.shape.width * act_bytes  # one block's input on this rank (whole sequence over tp)
-    if dims.tp > 1:  # two all-reduces (or all-gather + reduce-scatter pairs) forward, two backward, per block
-        add("tp", "all_reduce", "tp", stream, 4 * share.blocks * micro.count)
-    if dims.cp > 1:
-        kv = 2 * stream / dims.tp * facts.shape.kv_heads / facts.shape.heads
-        if p.cp_impl == "ring":  # K and V go round the ring forward and again backward, then their fp32 gradients
-            add("cp", "send_recv", "cp", kv, 2 * (dims.cp - 1) * share.blocks * micro.count)
-            add("cp", "send_recv", "cp", kv * FP32 / act_bytes, dims.cp * share.blocks * micro.count)
-        else:  # Ulysses: q, k, v in one all-to-all and the output in another, forward and again backward
-            add("cp", "all_to_all", "cp", 3 * stream / dims.tp, 2 * share.blocks * micro.count)
-            add("cp", "all_to_all", "cp", stream / dims.tp, 2 * share.blocks * micro.count)
-    if dims.pp > 1:  # activations forward, their gradients backward, per micro-batch and boundary
-        boundaries = 2 * p.virtual_stages if not (share.first or share.last) else 2 * p.virtual_stages - 1
-        add("pp", "send_recv", "pp", micro.samples * facts.tokens * facts.shape.width * act_bytes,
-            boundaries * micro.count)
-    return sent, seconds

@@ -8,6 +8,7 @@ A candidate is the run config with its `parallel` and `train` layout keys set, s
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -18,7 +19,9 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import Cost, predict
+from meshtrain.plan.experts import unpriced
 from meshtrain.plan.machines import Machine
+from meshtrain.plan.systems import PlanError
 from meshtrain.plan.workload import ModelFacts
 
 if TYPE_CHECKING:  # for annotations only
@@ -47,6 +50,8 @@ class Candidate:
         items = [f"train.backend={t.backend}", f"train.activation_checkpointing={t.activation_checkpointing}",
                  f"parallel.dp_replicate={p.dp_replicate}", f"parallel.dp_shard={self.dims.dp_shard}",
                  f"parallel.tp={p.tp}", f"parallel.cp={p.cp}", f"parallel.pp={p.pp}"]
+        if self.dims.ep > 1:
+            items.append(f"parallel.ep={p.ep}")
         if p.cp > 1:
             items.append(f"parallel.cp_impl={p.cp_impl}")
         if p.pp > 1:
@@ -64,7 +69,8 @@ def label(cfg: RunConfig, dims: ParallelDims) -> str:
     """A layout in one short line: backend, mesh, schedule, checkpointing."""
     p, t = cfg.parallel, cfg.train
     mesh = [f"dp{dims.dp_replicate}×{dims.dp_shard}" if backends.get(t.backend).replicas else f"dp{dims.dp_size}"]
-    mesh += [f"tp{dims.tp}"] * (dims.tp > 1) + [f"cp{dims.cp}:{p.cp_impl}"] * (dims.cp > 1)
+    mesh += [f"tp{dims.tp}"] * (dims.tp > 1) + [f"cp{dims.cp}:{p.cp_impl}"] * (dims.cp > 1) + \
+        [f"ep{dims.ep}"] * (dims.ep > 1)
     if dims.pp > 1:
         mesh.append(f"pp{dims.pp}:{p.pp_schedule}" + (f"×{p.virtual_stages}" if p.virtual_stages > 1 else "")
                     + f"/mb{p.microbatches}")
@@ -75,32 +81,38 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(base, world: int) -> list:
-    """Every combination of layout keys for `world` ranks, as run configs (not yet checked)."""
+def layouts(base, world: int, experts: int = 0) -> list:
+    """Every combination of layout keys for `world` ranks, as run configs (not yet checked); with `experts` (a mixture
+    of experts), every ep that divides both the ranks and the experts too (what else ep needs, `check` decides with
+    the trainer's own rules)."""
     found = []
+    eps = [e for e in _divisors(world) if experts % e == 0] if experts else [1]
     for tp in _divisors(world):
         for cp in _divisors(world // tp):
             for pp in _divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
                 for backend in backends.names(planned=True):
                     replicas = [r for r in _divisors(dp) if 1 < r < dp] if backends.get(backend).replicas else [1]
-                    for dp_replicate in replicas:
+                    for dp_replicate, ep in itertools.product(replicas, eps):
                         for impl in ("ring", "ulysses") if cp > 1 else (base.parallel.cp_impl,):
                             for schedule, virtual in SCHEDULES if pp > 1 else ((base.parallel.pp_schedule, 1),):
                                 for ac in CHECKPOINTING:
                                     parallel = replace(base.parallel, tp=tp, cp=cp, pp=pp, dp_replicate=dp_replicate,
                                                        dp_shard=-1, cp_impl=impl, pp_schedule=schedule,
-                                                       virtual_stages=virtual,
+                                                       virtual_stages=virtual, ep=ep,
                                                        microbatches=pp * virtual if pp > 1 else None)
                                     train = replace(base.train, backend=backend, activation_checkpointing=ac)
                                     found.append(replace(base, parallel=parallel, train=train))
     return found
 
 
-def check(cfg: RunConfig, world: int, ranks_per_node: int) -> ParallelDims:
-    """The layout's dims, or the error `train` would raise for it."""
+def check(cfg: RunConfig, world: int, ranks_per_node: int, experts: int = 0) -> ParallelDims:
+    """The layout's dims, or the error `train` would raise for it (or why the planner cannot price it)."""
     config_mod.validate(cfg)
-    return ParallelDims.from_config(cfg, world, ranks_per_node)
+    dims = ParallelDims.from_config(cfg, world, ranks_per_node)
+    if why := unpriced(experts, dims):
+        raise PlanError(why)
+    return dims
 
 
 def search(base, nodes: int, per_node: int, machine: Machine, facts: ModelFacts | None = None
@@ -110,9 +122,9 @@ def search(base, nodes: int, per_node: int, machine: Machine, facts: ModelFacts 
     facts = facts or ModelFacts.of(base)
     world = nodes * per_node
     ranked, refused, first_of_kind = [], Counter(), {}
-    for cfg in layouts(base, world):
+    for cfg in layouts(base, world, facts.shape.experts):
         try:
-            dims = check(cfg, world, per_node)
+            dims = check(cfg, world, per_node, facts.shape.experts)
             cfg = config_mod.with_global_batch(cfg, dims.dp_size)  # its accumulation, where the global batch is set
         except MeshtrainError as e:
             refused[first_of_kind.setdefault(re.sub(r"\d+", "N", str(e)), str(e))] += 1
@@ -138,7 +150,8 @@ def best(base, nodes: int, per_node: int, machine: Machine) -> Candidate:
     return ranked[0]
 
 
-LAYOUT_KEYS = ("tp", "cp", "pp", "dp_replicate", "dp_shard", "cp_impl", "pp_schedule", "virtual_stages", "microbatches")
+LAYOUT_KEYS = ("tp", "cp", "pp", "ep", "dp_replicate", "dp_shard", "cp_impl", "pp_schedule", "virtual_stages",
+               "microbatches")
 
 
 def layout_of(chosen: Candidate) -> dict:

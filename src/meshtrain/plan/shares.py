@@ -7,9 +7,11 @@ The count follows what each parallelism does to a parameter, in the order the la
           first or the last stage; a tied pair is one parameter on one stage and a copy on each end of a pipeline
     tp    tensor_parallel.SHARDED_DIMS says which dim of which module's weight (and bias) a plan shards; a shard is
           torch.chunk's: rank 0 holds ceil(size / tp), the largest
+    ep    the routed experts' stacked [E, ...] parameters (ModelShape.moe.module) are cut Shard(0) over the ep ranks
     dp    ddp and zero1 replicate parameters and gradients; zero1's ZeroRedundancyOptimizer gives each parameter's
           state to the rank with the fewest elements so far, largest parameters first, group by group; FSDP2 (zero2,
-          fsdp, hsdp) chunks dim 0 of each (tp-local) parameter over the ranks it shards across
+          fsdp, hsdp) chunks dim 0 of each (tp-local) parameter over the ranks it shards across; under ep > 1 the
+          experts' slices over their own group, edp (dp_replicate × efsdp: the ranks that hold the same experts)
 
 The largest share is rank 0's of each stage (every chunk above gives rank 0 the rounded-up part), so `stage_shares`
 reports one row per pipeline stage, for the ranks at coordinate 0 of every other dim.
@@ -44,6 +46,9 @@ class Share:
     last: bool  # holds the head (and computes the loss)
     block_params: int  # one block's parameters after tp (what FSDP gathers per block)
     tensors: int  # parameter tensors the rank's optimizer steps
+    root_params: int = 0  # the stage's parameters outside its blocks, after tp (what FSDP gathers for the root)
+    expert_params: int = 0  # of params: the routed experts' elements the rank keeps (after ep and their own sharding)
+    expert_local: int = 0  # the routed experts' elements after ep, before data-parallel sharding (what edp reduces)
 
 
 def chunk(size: int, parts: int, index: int = 0) -> int:
@@ -101,20 +106,24 @@ def _zero1_partition(groups: list[list[int]], ranks: int) -> int:
 
 def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims, backend: str, *,
                  schedule: str = "1f1b", virtual_stages: int = 1,
-                 token_sharded_grads: Mapping[str, int] = MappingProxyType({})) -> list[Share]:
+                 token_sharded_grads: Mapping[str, int] = MappingProxyType({}), experts: str | None = None) -> list[Share]:
     """What rank 0 of each pipeline stage holds of `model` (the whole model, built anywhere: the meta device is
     free) laid out as `dims` with data-parallel `backend`; `token_sharded_grads`: replicated parameters whose
-    gradient arrives sharded over tokens (ModelShape's, under sequence parallel)."""
+    gradient arrives sharded over tokens (ModelShape's, under sequence parallel); `experts`: the module path suffix
+    of the stacked routed experts (ModelShape.moe.module), which ep shards."""
     chosen = backends.get(backend)
     shard_ranks = (dims.dp_shard if chosen.replicas else dims.size("dp_shard_cp")) if chosen.sharded else 1
+    # Under ep > 1 FSDP2 shards the experts' slices over edp (compose.py); DDP leaves them to the layout's all-reduce
+    expert_ranks = (dims.size("edp") if chosen.sharded else 1) if dims.ep > 1 else shard_ranks
+    is_expert = (lambda n: f".{experts}." in f".{n}") if experts and dims.ep > 1 else (lambda n: False)  # noqa: E731
     n_stages = dims.pp * virtual_stages
     blocks = split_layers(len(model.get_submodule(split.blocks)), n_stages) if dims.pp > 1 and split else None
     shares = []
     for pp_rank, held in enumerate(_stage_parameters(model, split, dims, schedule, virtual_stages)):
-        local = {n: tp_local_shape(n, s, dims.tp) for n, s in held.items()}
+        local = {n: _shard(tp_local_shape(n, s, dims.tp), 0, dims.ep) if is_expert(n) else tp_local_shape(n, s, dims.tp)
+                 for n, s in held.items()}
         numel = {n: math.prod(s) for n, s in local.items()}
-        kept = {n: chunk(s[0], shard_ranks) * math.prod(s[1:]) if s else 1 for n, s in local.items()} \
-            if shard_ranks > 1 else numel
+        kept = {n: _kept(s, expert_ranks if is_expert(n) else shard_ranks) for n, s in local.items()}
         params = sum(kept.values())
         if chosen.shards == "optimizer" and dims.dp_size > 1:  # its groups: matrices (decayed), then the rest
             groups = [[v for n, v in numel.items() if len(local[n]) >= 2], [v for n, v in numel.items() if len(local[n]) < 2]]
@@ -124,14 +133,24 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
         mine = stage_ids(pp_rank, dims.pp, virtual_stages, schedule) if blocks else [0]
         count = sum(len(blocks[s]) for s in mine) if blocks else _count_blocks(held, split)
         block_prefix = f"{split.blocks}." if split else None
-        per_block = _one_block(numel, block_prefix) if block_prefix else 0
+        # what FSDP gathers for a block: its own parameters, and its experts' unless they are held whole (edp = 1)
+        gathered = {n: v for n, v in numel.items() if not is_expert(n) or expert_ranks > 1}
+        in_blocks = sum(v for n, v in numel.items() if block_prefix and n.startswith(block_prefix))
         grads = params - _token_sharded_surplus(local, token_sharded_grads, dims.tp) \
             if not chosen.sharded else params  # a sharded backend (FSDP2) keeps gradients shaped as parameters
         shares.append(Share(stage=pp_rank, params=params, grads=grads, optimizer=optimizer,
                             stage_params=sum(numel.values()), blocks=count, first=0 in mine,
-                            last=n_stages - 1 in mine or dims.pp == 1, block_params=per_block,
-                            tensors=len(held)))
+                            last=n_stages - 1 in mine or dims.pp == 1,
+                            block_params=_largest_block(gathered, block_prefix) if block_prefix else 0,
+                            tensors=len(held), root_params=sum(numel.values()) - in_blocks,
+                            expert_params=sum(v for n, v in kept.items() if is_expert(n)),
+                            expert_local=sum(v for n, v in numel.items() if is_expert(n))))
     return shares
+
+
+def _kept(shape: tuple[int, ...], ranks: int) -> int:
+    """Elements of a tensor of `shape` FSDP2 leaves rank 0 when it chunks dim 0 over `ranks` (a scalar: whole)."""
+    return chunk(shape[0], ranks) * math.prod(shape[1:]) if shape and ranks > 1 else math.prod(shape)
 
 
 def _token_sharded_surplus(local: dict[str, tuple[int, ...]], dims_of: Mapping[str, int], tp: int) -> int:
@@ -147,6 +166,11 @@ def _count_blocks(held: dict, split: StageSplit | None) -> int:
     return len({n[len(split.blocks) + 1:].split(".")[0] for n in held if n.startswith(split.blocks + ".")})
 
 
-def _one_block(numel: dict[str, int], prefix: str) -> int:
-    first = next((n[len(prefix):].split(".")[0] for n in numel if n.startswith(prefix)), None)
-    return sum(v for n, v in numel.items() if n.startswith(f"{prefix}{first}.")) if first is not None else 0
+def _largest_block(numel: dict[str, int], prefix: str) -> int:
+    """The elements of the stage's largest block (a mixture of experts' blocks differ: dense ones and MoE ones)."""
+    sizes: dict[str, int] = {}
+    for n, v in numel.items():
+        if n.startswith(prefix):
+            block = n[len(prefix):].split(".")[0]
+            sizes[block] = sizes.get(block, 0) + v
+    return max(sizes.values(), default=0)

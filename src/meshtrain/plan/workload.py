@@ -34,6 +34,9 @@ class ModelFacts:
     linears: list[tuple[str, tuple[int, int]]]  # (module path, (out, in)) of every nn.Linear
 
     batch_size: int = 0  # per data-parallel rank, once a layout sets dp (for_dp)
+    # A mixture of experts under ep > 1: the rows the busiest rank's experts receive, as a multiple of the balanced
+    # expectation (tokens × top_k); plan/experts.py, `meshtrain plan --expert-imbalance`
+    expert_imbalance: float = 1.25
 
     @classmethod
     def of(cls, cfg: RunConfig, data_facts: dict | None = None) -> ModelFacts:
@@ -41,9 +44,10 @@ class ModelFacts:
         own when planning for data that is not on this machine."""
         spec = registry.spec_of(cfg)
         shape = spec.shape(cfg)
-        if shape.experts:  # its experts' matmuls are not nn.Linears: it would be priced as a much smaller dense model
-            raise PlanError(f"model {spec.name!r}: planning a mixture of experts is not supported yet; choose its "
-                            "layout yourself (parallel.plan=manual, the default)")
+        if shape.experts and shape.moe is None:  # its experts' matmuls are not nn.Linears: priced from ModelShape.moe
+            raise PlanError(f"model {spec.name!r} has experts but its ModelShape gives no `moe` (registry.ExpertShape): "
+                            "the planner prices the routed experts from it; add it, or choose the layout yourself "
+                            "(parallel.plan=manual, the default)")
         if spec.build_model is None or spec.data_facts is None:
             raise registry.RegistryError(f"model {spec.name!r} gives no build_model or data_facts in its ModelSpec: "
                                          "the planner builds the model from them (see docs/models.md)")

@@ -41,14 +41,20 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 # its output.
 
 
+def block_activations(m) -> tuple[int, AutocastActivations]:
+    """What one dense block saves per token (the comment above): fp32 elements, and by dtype under autocast."""
+    return (11 * m.n_embd + 4 * ffn_hidden(m) + m.n_head + m.n_embd // m.n_head // 2 + 2,
+            AutocastActivations(fp32=4 * m.n_embd + m.n_head + 2, low=6 * m.n_embd + 4 * ffn_hidden(m),
+                                attention=4 * m.n_embd, fp32_16bit_weights=4 * m.n_embd + m.n_head + 2,
+                                low_16bit_weights=3 * m.n_embd + 4 * ffn_hidden(m)))
+
+
 def _shape(cfg: LlamaRunConfig) -> ModelShape:
     m = cfg.model
+    saved, autocast = block_activations(m)
     return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head, mlp_hidden=ffn_hidden(m),
                       tokens=m.block_size, causal=True, batch_size=m.batch_size, dropout=m.dropout, keys=_KEYS,
-                      activations_per_token=11 * m.n_embd + 4 * ffn_hidden(m) + m.n_head + m.n_embd // m.n_head // 2 + 2,
-                      autocast_activations=AutocastActivations(
-                          fp32=4 * m.n_embd + m.n_head + 2, low=6 * m.n_embd + 4 * ffn_hidden(m), attention=4 * m.n_embd,
-                          fp32_16bit_weights=4 * m.n_embd + m.n_head + 2, low_16bit_weights=3 * m.n_embd + 4 * ffn_hidden(m)))
+                      activations_per_token=saved, autocast_activations=autocast)
 
 
 def build_model(cfg: LlamaRunConfig, data_facts: dict):

@@ -5,11 +5,14 @@ what its routing needs from outside the model, where the ranks are known.
                                 layers' tallies) and over the data- and context-parallel ranks (one all-reduce over
                                 routing_group), move the routers' biases (router.update_bias, when
                                 model.bias_update_rate > 0): every rank then holds the bias one process with the same
-                                global batch would; under a pipeline each stage moves its own layers'
+                                global batch would; under a pipeline each stage moves its own layers'; under
+                                expert parallelism, the bytes the step's all-to-alls sent are added up
     at each evaluation          the routing of the evaluation's batches (both splits), summed the same way and
                                 gathered from every pipeline stage: balance loss, the experts' shares (min, max,
                                 entropy; per layer × expert under `expert_share`, which the report draws), dropped
-                                assignments
+                                assignments; and `a2a_mib`, what a training step's all-to-alls sent since the last
+                                evaluation, per step and mean per rank (what `meshtrain plan` counts as `sent per
+                                iteration: ep`)
 
 A tally is reset after each step and around each evaluation, so each figure covers exactly its own batches.
 """
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from meshtrain.models.language.workload import LanguageModelWorkload
 from meshtrain.models.moe.model import MoE
 from meshtrain.models.moe.router import load_entropy
+from meshtrain.parallel.expert_parallel import sent_bytes
 from meshtrain.parallel.mesh import submesh
 from meshtrain.runtime.setup import collective
 
@@ -62,6 +66,7 @@ class MoEWorkload(LanguageModelWorkload):
         self.routed_group = routing_group(mesh)
         pp_mesh = submesh(mesh, "pp") if mesh is not None else None
         self.pp_group = pp_mesh.get_group() if pp_mesh is not None else None  # each stage holds its own layers
+        self.model, self.a2a_mark, self.a2a_steps = layout.model, 0, 0  # the tally at the last evaluation's end
         layout.after_step.append(self.after_step)
         return layout
 
@@ -70,14 +75,32 @@ class MoEWorkload(LanguageModelWorkload):
         rate = self.cfg.model.bias_update_rate
         if rate > 0:
             update_biases(self.moe, rate, lambda load: self._summed(load, "the experts' load of the step"))
+        self.a2a_steps += 1
         self._reset()
 
     def evaluate(self, layout, autocast, it: int) -> dict[str, float]:
         self._reset()
+        sent = self.all_to_all_figure()
         out = super().evaluate(layout, autocast, it)
-        out |= self.routing_figures()
+        out |= self.routing_figures() | sent
         self._reset()
+        self.a2a_mark = sent_bytes(self.model)  # the evaluation's own exchanges are not a training step's
         return out
+
+    def all_to_all_figure(self) -> dict[str, float]:
+        """The training steps' all-to-all MiB since the last evaluation, per step, mean over the ranks that route
+        (none without expert parallelism or steps)."""
+        if self.dims.ep == 1:
+            return {}
+        # the tallies only grow (a measurement may reset them: then count from zero)
+        trained = sent_bytes(self.model) - self.a2a_mark
+        trained = trained if trained >= 0 else sent_bytes(self.model)
+        figures = self._summed(torch.tensor([float(trained), float(self.a2a_steps)], dtype=torch.float64,
+                                            device=self.device), "the all-to-all bytes of the steps")
+        self.a2a_steps = 0
+        if figures[1] == 0:
+            return {}
+        return {"a2a_mib": (figures[0] / figures[1]).item() / 2**20}
 
     def routing_figures(self) -> dict:
         """The tallies since the last reset, summed over routing_group's ranks and gathered from every pipeline

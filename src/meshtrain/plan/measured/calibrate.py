@@ -10,6 +10,8 @@ collectives' measured times, latency included).
     tp:N                      fsdp with tp=N                    the difference from fsdp alone
     cp:ring | cp:ulysses      ddp with cp=2                     the difference from ddp alone
     pp:1f1b | pp:gpipe | ...  ddp with pp=2
+    ep:N                      ddp with ep=N                     the difference from ddp alone (dispatch and combine:
+                              (at least N experts)              index arithmetic, host reads, all-to-all waits)
 
 Before them, the collectives' times on these ranks are recorded where the machine profile has none
 (`meshtrain collectives --bench --record`), so that what is left as fixed cost is not a link the model assumed.
@@ -76,6 +78,10 @@ def runs_of(kind: str, model: str) -> tuple[list[str], str | None]:
     """(the tiny model's layout overrides, the kind it is measured against) for `kind`. Tensor parallel is measured
     at the size the layout uses ("tp:4"): its collectives and their waits grow with the group, and a tiny model
     gets as many heads as ranks so that it can be split."""
+    if kind.startswith("ep:"):  # at its size, like tp: the all-to-all's waits grow with the group
+        size, keys = int(kind[3:]), registry.get(model).shape(config_mod.load_config([], model)).keys
+        experts = [f"{keys['experts']}={max(8, size)}"] if "experts" in keys else []
+        return ["train.backend=ddp", f"parallel.ep={size}", *experts], "backend:ddp"
     if not kind.startswith("tp:"):
         return KINDS[kind]
     size, keys = int(kind[3:]), registry.get(model).shape(config_mod.load_config([], model)).keys
@@ -116,8 +122,11 @@ def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | 
     with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
         if spec.text:  # the shipped corpus, which needs no network
             prepare("shakespeare_char", Path(root))
+        # a language model on the corpus prepared here, whatever its own default data (the Llama's and the MoE's
+        # is GPT-2 BPE Shakespeare, which needs a download)
+        corpus = [f"{spec.data_key}=shakespeare_char"] if spec.text else []
         runs = {(kind, depth): [*spec.tiny, f"data.root={root if spec.text else data_root}", f"{depth_key}={depth}",
-                                *runs_of(kind, model)[0], f"train.dtype={dtype}"]
+                                *corpus, *runs_of(kind, model)[0], f"train.dtype={dtype}"]
                 for kind in missing for depth in DEPTHS}
         heartbeat.note(phase=f"measuring the fixed costs of {', '.join(fixed_kind(k, dtype) for k in missing)} on "
                              f"{ranks} ranks ({model}, {len(runs)} tiny runs in one job)")

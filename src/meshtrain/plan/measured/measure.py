@@ -7,6 +7,8 @@ exactly as `train` does (the Trainer, in a scratch directory), steps it, and rec
                                the process's start until each dies (TensorBytes)
     step_s                     the median wall time of a step, timed without the counting, from its batches in
                                hand (data loading is not part of what the planner predicts)
+    a2a_bytes                  what expert parallelism's dispatch and combine passed to all_to_all in the measured
+                               step, forward and backward (parallel/expert_parallel.sent_bytes; 0 without ep)
 
     python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measured.measure gpt preset=cpu train.backend=fsdp
 
@@ -34,6 +36,7 @@ from torch.utils._pytree import tree_map_only
 from meshtrain import config as config_mod
 from meshtrain import registry
 from meshtrain.parallel.data_parallel import bytes_held
+from meshtrain.parallel.expert_parallel import sent_bytes
 from meshtrain.runtime import distributed
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.results import record
@@ -153,8 +156,10 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
             tracker.mark()
         else:
             torch.cuda.reset_peak_memory_stats(device)
+        sent_bytes(trainer.model, reset=True)
         trainer.step(warmup)
     peak = tracker.peak() if tracker else torch.cuda.max_memory_allocated(device)
+    exchanged = sent_bytes(trainer.model, reset=True)
     held = {}
     zero_grad = trainer.optimizer.zero_grad
 
@@ -177,7 +182,7 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
     trainer.batches.next_batch = next_batch
     trainer.batches.close()
     trainer.sinks.close()
-    return {**held, "peak": peak, "step_s": statistics.median(times)}
+    return {**held, "peak": peak, "step_s": statistics.median(times), "a2a_bytes": exchanged}
 
 if __name__ == "__main__":
     main()

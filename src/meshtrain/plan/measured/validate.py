@@ -3,6 +3,8 @@ torchrun, one job per layout), its figures set beside what plan/cost.py predicte
 `plan --validate` reports:
 
     params, grads, optimizer   bytes per rank, predicted exactly or not
+    all-to-all bytes           under expert parallelism, what a step's dispatch and combine sent, mean per rank over
+                               the ranks (exact: the ep group's received rows add up to its sent ones)
     peak                       relative error of the peak (target: within 10%, in fp32 and under autocast)
     step time                  median absolute percentage error over the layouts (target: at most 15%), and
                                Spearman's rank correlation of predicted and measured times (target: at least 0.8)
@@ -52,6 +54,11 @@ class Check:
         return {"params": m["params"], "grads": m["grads"], "optimizer": m["optimizer"], "peak": m["peak"],
                 "step_s": self.candidate.cost.step_s}
 
+    @property
+    def all_to_all_exact(self) -> bool:
+        """Whether the all-to-all bytes a step sent (mean per rank, measured) are the planner's count."""
+        return round(self.candidate.cost.comm_bytes.get("ep", 0.0)) == round(self.measured.get("a2a_bytes", 0))
+
     def relative(self, key: str) -> float:
         return self.predicted[key] / self.measured[key] - 1
 
@@ -75,7 +82,8 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
             stage = candidate.cost.memory_stage  # the stage whose states were predicted; peak and time: the worst
             fullest = min((r for r in rows if candidate.dims.coords(r["rank"]).get("pp", 0) == stage),
                           key=lambda r: r["rank"])
-            fullest = dict(fullest, peak=max(r["peak"] for r in rows), step_s=max(r["step_s"] for r in rows))
+            fullest = dict(fullest, peak=max(r["peak"] for r in rows), step_s=max(r["step_s"] for r in rows),
+                           a2a_bytes=sum(r.get("a2a_bytes", 0) for r in rows) / len(rows))  # the mean is exact
             checks.append(Check(candidate, fullest))
         progress(checks[-1])
     return checks
@@ -88,8 +96,8 @@ def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
     by_mesh: dict[tuple, list[Candidate]] = {}
     for c in ranked:
         p = c.cfg.parallel
-        by_mesh.setdefault((c.dims.tp, c.dims.cp, p.cp_impl, c.dims.pp, p.pp_schedule), []).append(c)
-    kinds = lambda mesh: sum(size > 1 for size in (mesh[0], mesh[1], mesh[3]))  # noqa: E731
+        by_mesh.setdefault((c.dims.tp, c.dims.cp, p.cp_impl, c.dims.pp, p.pp_schedule, c.dims.ep), []).append(c)
+    kinds = lambda mesh: sum(size > 1 for size in (mesh[0], mesh[1], mesh[3], mesh[5]))  # noqa: E731
     by_mesh = dict(sorted(by_mesh.items(), key=lambda item: kinds(item[0])))  # stable: ranked order within
     chosen, depth = [], 0
     while len(chosen) < count and any(len(group) > depth for group in by_mesh.values()):
@@ -118,12 +126,12 @@ def ensure_data(model: str, cfg: RunConfig, progress=print) -> None:
 
 def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list[Candidate], count: int, nodes: int,
                   per_node: int, machine: Callable[[], Machine], *, steps: int = 5,
-                  progress=print) -> tuple[list[Check], Check]:
+                  progress=print, facts: ModelFacts | None = None) -> tuple[list[Check], Check]:
     """`meshtrain plan --validate`: calibrate this machine's fixed costs for the kinds a spread of `count` ranked
     layouts needs, predict them again with those (`machine()` builds the machine afresh), add the layout
     parallel.plan=auto would train now if the spread lacks it, and measure each. Returns the checks and auto's."""
     ensure_data(model, cfg, progress)
-    chosen, facts = spread(ranked, count), ModelFacts.of(cfg)
+    chosen, facts = spread(ranked, count), facts or ModelFacts.of(cfg)
     # with the kinds of the first ranked layouts, among which auto's pick will be once they are calibrated: in one
     # calibration job, where each kind found missing later would start the ranks again
     kinds = sorted({k for c in [*chosen, *ranked[:AUTO_CANDIDATES]] for k in kinds_of(c.cfg, c.dims)})
@@ -185,6 +193,7 @@ def summary(checks: list[Check], auto: Check | None = None) -> dict:
     time_errors = [abs(c.relative("step_s")) for c in done]
     out = {"layouts": len(done), "failed": len(checks) - len(done),
            "states_exact": sum(c.states_exact for c in done),
+           "all_to_all_exact": sum(c.all_to_all_exact for c in done),
            "peak_max_error": max(abs(c.relative("peak")) for c in done),
            "peak_within_10": sum(abs(c.relative("peak")) <= 0.10 for c in done),
            "step_mdape": statistics.median(time_errors), "step_max_error": max(time_errors),

@@ -1,0 +1,206 @@
+"""The planner on a mixture of experts, without processes: the MoE preset `cpu` (width 64, 4 layers: the first dense,
+then 3 MoE layers of 8 experts of 128 hidden, top-2, one shared expert; vocabulary 65) counted on the meta device,
+against numbers worked out by hand from its parameter shapes:
+
+    ends          wte 65×64 + ln_f 64 + lm_head 65×64                               =   8,384
+    attention     ln_1 64 + q 64×64 + k 32×64 + v 32×64 + o 64×64 + ln_2 64         =  12,416 per block
+    dense block   attention + SwiGLU 3 × 192×64                                     =  49,280
+    MoE block     attention + router 8×64 + experts 3 × 8×128×64 + shared 3×128×64 = 234,112 (experts 196,608)
+    all           8,384 + 49,280 + 3 × 234,112                                      = 760,000
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from meshtrain import registry
+from meshtrain.config import load_config
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan import experts, machines, search, systems
+from meshtrain.plan.cost import predict
+from meshtrain.plan.workload import ModelFacts
+
+VOCAB = {"meta": {"vocab_size": 65}}
+EXPERTS = 3 * 196_608  # the routed experts' elements, all three MoE layers
+DENSE = 760_000 - EXPERTS
+
+
+def facts_of(*overrides: str) -> tuple:
+    cfg = load_config(["preset=cpu", "model.batch_size=8", "train.dtype=fp32", *overrides], "moe")
+    return cfg, ModelFacts.of(cfg, VOCAB)
+
+
+@pytest.mark.parametrize("overrides, world, params", [
+    # ep halves the experts; DDP keeps the dense part whole
+    (["train.backend=ddp", "parallel.ep=2"], 2, 760_000 - EXPERTS // 2),
+    # fsdp over 2 with ep 2: edp = 1, so the experts' halves are not sharded further; the dense part halves, but
+    # wte and lm_head (65 rows) leave rank 0 33 rows each: 32 elements more apiece
+    (["train.backend=fsdp", "parallel.ep=2"], 2, DENSE // 2 + 2 * 32 + EXPERTS // 2),
+    # fsdp over 4 with ep 2: the experts' halves sharded over efsdp 2; the dense part over 4 (17 rows of 65)
+    (["train.backend=fsdp", "parallel.ep=2"], 4, DENSE // 4 + 2 * 48 + EXPERTS // 4),
+    # hsdp 2 × 2 with ep 2: dense over dp_shard 2; the experts over edp = dp_replicate 2 × efsdp 1
+    (["train.backend=hsdp", "parallel.dp_replicate=2", "parallel.ep=2"], 4, DENSE // 2 + 2 * 32 + EXPERTS // 4),
+    # ep 1: experts are plain parameters, sharded with their block
+    (["train.backend=fsdp"], 2, DENSE // 2 + 2 * 32 + EXPERTS // 2),
+])
+def test_states_per_rank_are_the_hand_count(overrides, world, params):
+    cfg, facts = facts_of(*overrides)
+    dims = ParallelDims.from_config(cfg, world, world)
+    cost = predict(facts, cfg, dims, machines.from_system(systems.get("polaris")))
+    assert (cost.memory["params"], cost.memory["grads"], cost.memory["optimizer"]) == (4 * params, 4 * params,
+                                                                                      8 * params)
+
+
+def test_ddp_buckets_leave_the_experts_out_and_their_average_is_a_flat_copy():
+    cfg, facts = facts_of("train.backend=ddp", "parallel.ep=2")
+    cost = predict(facts, cfg, ParallelDims.from_config(cfg, 4, 4), machines.from_system(systems.get("polaris")))
+    assert cost.memory["buffers"] == 4 * DENSE  # DDP's buckets hold the dense gradients only
+    assert cost.memory["expert gradient copy"] == 4 * EXPERTS // 2  # average_gradients' torch.cat over edp (2)
+
+
+def test_routed_rows_bound_by_ep_imbalance_worst_case_and_capacity():
+    """512 tokens a rank (batch 8 × 64), top-2, 8 experts."""
+    cfg, facts = facts_of()
+    one, two, four = (ParallelDims(world_size=w, ep=e) for w, e in ((2, 1), (2, 2), (8, 8)))
+    assert experts.routed_rows(facts, one, 512) == 1024  # dropless, no ep: exactly N·k
+    assert experts.routed_rows(facts, two, 512) == 1.25 * 1024  # the default imbalance over the balanced 1024
+    assert experts.routed_rows(replace(facts, expert_imbalance=3.0), two, 512) == 2048  # capped: 2 ranks × 512 × 2
+    # ep 8, one expert a rank: a token reaches a rank once at most, so the worst case is every token: 8 × 512 × 1
+    assert experts.routed_rows(replace(facts, expert_imbalance=10.0), four, 512) == 4096
+    _, capped = facts_of("model.capacity_factor=1.0")
+    assert experts.routed_rows(capped, two, 512) == 8 * 128  # E × ceil(1.0 × 512 × 2 / 8): exact, whatever the routing
+    _, half = facts_of("model.capacity_factor=0.5")
+    assert experts.routed_rows(half, one, 512) == experts.sent_rows(half, 512) == 8 * 64
+
+
+def test_capacity_is_the_routers_rule():
+    from meshtrain.models.moe.router import capacity
+
+    for tokens, k, e, c in ((512, 2, 8, 1.0), (100, 3, 7, 1.25), (1, 8, 256, 0.3)):
+        assert experts.capacity(tokens, k, e, c) == capacity(tokens, k, e, c)
+
+
+def test_all_to_all_bytes_are_the_hand_count():
+    """512 tokens × top-2 = 1024 rows of 64 fp32 a layer: dispatch and combine 2 × 262,144 bytes forward (and the
+    counts, 8 int64), as many backward; three MoE layers; full checkpointing runs the forwards again."""
+    cfg, facts = facts_of("train.backend=ddp", "parallel.ep=2")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    machine = machines.from_system(systems.get("polaris"))
+    forward, backward = 2 * 1024 * 64 * 4 + 64, 2 * 1024 * 64 * 4
+    assert predict(facts, cfg, dims, machine).comm_bytes["ep"] == 3 * (forward + backward)
+    cfg, facts = facts_of("train.backend=fsdp", "parallel.ep=2", "train.activation_checkpointing=full",
+                          "train.grad_accum=2")
+    assert predict(facts, cfg, dims, machine).comm_bytes["ep"] == 2 * 3 * (2 * forward + backward)
+    cfg, facts = facts_of("train.backend=fsdp", "parallel.ep=2", "train.dtype=bf16")  # FSDP2 mixed: 16-bit both ways
+    assert predict(facts, cfg, dims, machine).comm_bytes["ep"] == 3 * (2 * 1024 * 64 * 2 + 64 + 2 * 1024 * 64 * 2)
+
+
+def test_the_all_to_all_crosses_nodes_only_when_the_ep_group_does():
+    cfg, facts = facts_of("train.backend=fsdp", "parallel.ep=4")
+    machine = machines.from_system(systems.get("polaris"))  # 4 devices a node: 25 GB/s inside, 12.5 between
+    inside = experts.all_to_all_s(facts, cfg, ParallelDims.from_config(cfg, 8, 4), 512, machine)
+    cfg8, _ = facts_of("train.backend=fsdp", "parallel.ep=8")
+    across = experts.all_to_all_s(facts, cfg8, ParallelDims.from_config(cfg8, 8, 4), 512, machine)
+    assert across > 5 * inside  # the inter-node link is ~19x slower per device than NVLink on polaris
+
+
+def test_flops_count_the_active_parameters():
+    """6 × the active non-embedding parameters (every dense part, the router, the shared expert, 2 of 8 experts:
+    755,840 - 3 × 6 × 24,576 = 313,472) + 12 · layers · heads · head_dim · tokens, per token."""
+    cfg, facts = facts_of("train.backend=ddp")
+    cost = predict(facts, cfg, ParallelDims.from_config(cfg, 2, 2), machines.from_system(systems.get("polaris")))
+    assert cost.flops_per_iteration == (6 * 313_472 + 12 * 4 * 4 * 16 * 64) * cost.tokens_per_iteration
+
+
+def saved_by_block(block, x: torch.Tensor, kwargs: dict, autocast: bool = False) -> dict[torch.dtype, int]:
+    """Bytes autograd keeps for `block`'s backward, by dtype (each storage once, parameters not counted)."""
+    params, saved = {p.untyped_storage().data_ptr() for p in block.parameters()}, {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = (t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16,
+                                                                                     enabled=autocast):
+        block(x, **kwargs)
+    totals: dict[torch.dtype, int] = {}
+    for dtype, nbytes in saved.values():
+        totals[dtype] = totals.get(dtype, 0) + nbytes
+    return totals
+
+
+CASES = [[], ["model.top_k=3"], ["model.n_shared_experts=0", "model.score=sigmoid"],
+         ["model.norm_topk=false", "model.n_embd=32", "model.n_experts=4"]]
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_an_moe_block_saves_what_the_shape_counts(overrides):
+    """ExpertShape's counts against the bytes autograd keeps for one MoE block's backward (fp32, no ep: N·k rows),
+    each storage once, parameters not counted, as tests/unit/test_registry.py counts a dense block."""
+    cfg = load_config(["preset=cpu", *overrides], "moe")
+    spec = registry.get("moe")
+    torch.manual_seed(0)
+    model = spec.build_model(cfg, VOCAB)
+    block, tokens, moe = model.transformer.h["1"], cfg.model.block_size, spec.shape(cfg).moe
+    x = torch.randn(2, tokens, cfg.model.n_embd, requires_grad=True)
+    n = 2 * tokens
+    counted = moe.saved_per_token * n + n * moe.top_k * moe.saved_per_row
+    # the balance loss's (router.balance_loss), a forward's, not a token's: its sums (E counts, E probability sums,
+    # the tokens) and the E shares f = counts / (tokens · k)
+    saved = saved_by_block(block, x, model.block_kwargs(torch.arange(tokens)))
+    assert sum(saved.values()) / 4 == counted + 3 * cfg.model.n_experts + 1
+
+
+@pytest.mark.parametrize("overrides", CASES)
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_an_moe_block_under_autocast_saves_what_the_shape_counts(overrides, weights):
+    """The same under bf16 autocast on a CPU (attention in fp32), with fp32 weights (DDP) and with 16-bit weights and
+    input (FSDP2's mixed precision): what grows with the tokens (3 samples less 1), by dtype."""
+    cfg = load_config(["preset=cpu", *overrides], "moe")
+    spec = registry.get("moe")
+    torch.manual_seed(0)
+    model = spec.build_model(cfg, VOCAB)
+    block, tokens, moe = model.transformer.h["1"].to(weights), cfg.model.block_size, spec.shape(cfg).moe
+    kwargs = model.block_kwargs(torch.arange(tokens))
+    one, three = (saved_by_block(block, torch.randn(s, tokens, cfg.model.n_embd, dtype=weights, requires_grad=True),
+                                 kwargs, autocast=True) for s in (1, 3))
+    n = 2 * tokens
+    per_token = {d: (three.get(d, 0) - one.get(d, 0)) / n for d in three}
+    saved = moe.autocast_per_token
+    fp32, low = (saved.fp32, saved.low) if weights == torch.float32 else (saved.fp32_16bit_weights,
+                                                                          saved.low_16bit_weights)
+    assert per_token[torch.float32] + per_token[torch.int64] == (fp32 + saved.attention) * 4  # CPU attention: fp32
+    assert per_token[torch.bfloat16] == low * 2 + moe.top_k * moe.autocast_per_row * 2
+
+
+def test_search_enumerates_ep_and_refuses_what_train_refuses():
+    cfg, facts = facts_of()
+    ranked, refused = search.search(cfg, 1, 4, machines.from_system(systems.get("polaris")), facts)
+    labels = {c.label for c in ranked}
+    assert {"ddp dp4 ep2 ac=none", "fsdp dp4 ep4 ac=full", "hsdp dp2×2 ep2 ac=selective"} <= labels
+    assert not any(c.cfg.train.backend == "zero1" and c.dims.ep > 1 for c in ranked)
+    assert any("ZeroRedundancyOptimizer" in why for why in refused)  # mesh.check_layout's own message
+    assert not any(c.dims.tp > 1 or c.dims.cp > 1 or c.dims.pp > 1 for c in ranked)  # trained, not planned yet
+    assert any("its tp, cp and pp layouts train (parallel.plan=manual) but are not planned yet" in why
+               for why in refused)
+    chosen = next(c for c in ranked if c.label == "fsdp dp4 ep4 ac=full")
+    assert "parallel.ep=4" in chosen.overrides
+    assert search.with_layout(cfg, search.layout_of(chosen)).parallel.ep == 4
+
+
+def test_the_imbalance_knob_moves_the_memory_and_refuses_less_than_even(capsys):
+    from meshtrain.commands import main
+
+    cfg, facts = facts_of("train.backend=ddp", "parallel.ep=2")
+    dims, machine = ParallelDims.from_config(cfg, 2, 2), machines.from_system(systems.get("polaris"))
+    even, double = (predict(replace(facts, expert_imbalance=x), cfg, dims, machine).memory["activations"]
+                    for x in (1.0, 2.0))
+    # 1024 more rows a layer, each its input, 4 hidden tensors and 2 int64 orders: (64 + 512 + 4) × 4 bytes
+    assert double - even == 3 * 1024 * (64 + 4 * 128 + 4) * 4
+    assert main(["plan", "moe", "preset=cpu", "--system", "polaris", "--expert-imbalance", "0.5"]) != 0
+    said = capsys.readouterr()
+    assert "--expert-imbalance 0.5: the busiest rank receives at least the mean" in said.out + said.err
