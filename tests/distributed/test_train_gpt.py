@@ -370,9 +370,15 @@ def test_prompt_outside_the_vocabulary_fails_before_training(data_root, tmp_path
 
 
 def test_unknown_key_fails_before_training_and_is_said_once(tmp_path):
-    """Every rank fails alike on a bad key: rank 0 says so, once; `meshtrain launch` says so before any rank starts."""
+    """Every rank fails alike on a bad key: rank 0 says so, once, even when it is the last to start (here 2 s after
+    rank 1, whose exit would once let torchrun stop rank 0 before it spoke: seen on a slow box); `meshtrain launch`
+    says so before any rank starts."""
     said = "unknown key 'train.max_iter': did you mean train.max_iters?"
-    out = train(2, tmp_path, tmp_path, "train.max_iter=1")
+    late = tmp_path / "rank0_starts_late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text('import os, time\nif os.environ.get("RANK") == "0":\n    time.sleep(2)\n')
+    path = os.pathsep.join(p for p in (str(late), os.environ.get("PYTHONPATH")) if p)
+    out = train(2, tmp_path, tmp_path, "train.max_iter=1", env={"PYTHONPATH": path})
     assert out.returncode != 0 and output(out).count(said) == 1, output(out)
     launched = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "--", "python", "-m", "meshtrain", "train",
                                "gpt", "train.max_iter=1"], capture_output=True, text=True, env=clean_env(), cwd=REPO,

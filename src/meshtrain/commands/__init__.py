@@ -10,6 +10,7 @@ import argparse
 import gc
 import importlib
 import sys
+import time
 from importlib import metadata
 
 from meshtrain import __version__
@@ -168,6 +169,18 @@ def _launched_as() -> tuple[int, int]:
     return launch.rank, launch.world_size
 
 
+RANK_0_SAYS_IT_WITHIN_S = 30.0
+
+
+def _leave_it_to_rank_0(error: Exception, log) -> None:
+    """An error every rank meets alike is rank 0's to say. A launcher stops the whole job when its first rank exits
+    (torchrun, mpiexec): were this rank to exit first, rank 0, slower to start, would be stopped before it said why.
+    So this one waits for rank 0 to fail and the launcher to end it; past RANK_0_SAYS_IT_WITHIN_S (a launcher that
+    lets the other ranks run on, srun without --kill-on-bad-exit), it says the error itself."""
+    time.sleep(RANK_0_SAYS_IT_WITHIN_S)
+    log.error("%s", error)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     # Imported once the arguments are parsed: meshtrain.runtime brings torch in, which --version and --help skip.
@@ -181,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     except MeshtrainError as e:
         if rank == 0 or not e.same_on_every_rank:  # a bad config fails every rank alike: say it once
             get_logger().error("%s", e)
+        else:
+            _leave_it_to_rank_0(e, get_logger())
         return 1
     except KeyboardInterrupt:
         return 130
