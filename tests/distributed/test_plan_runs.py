@@ -57,10 +57,7 @@ def checks(data_root) -> dict[tuple[str, str], validate.Check]:
             candidate = Candidate(cfg, dims, predict(ModelFacts.of(cfg), cfg, dims, machine[case.split()[-1]]),
                                   fits=True)
             rows = [job.results[rank][case] for rank in range(ranks)]
-            # the stage whose states were predicted (its first rank); the peak: the largest of any rank
-            fullest = min((r for r in rows if dims.coords(r["rank"]).get("pp", 0) == candidate.cost.memory_stage),
-                          key=lambda r: r["rank"])
-            found[tuple(case.rsplit(" ", 1))] = validate.Check(candidate, dict(fullest, peak=max(r["peak"] for r in rows)))
+            found[tuple(case.rsplit(" ", 1))] = validate.Check(candidate, validate.measured_of(candidate, rows))
     return found
 
 

@@ -79,14 +79,19 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
         if job.returncode or len(rows) != ranks:
             checks.append(Check(candidate, None, f"exit {job.returncode}: {first_error(job.output)}"))
         else:
-            stage = candidate.cost.memory_stage  # the stage whose states were predicted; peak and time: the worst
-            fullest = min((r for r in rows if candidate.dims.coords(r["rank"]).get("pp", 0) == stage),
-                          key=lambda r: r["rank"])
-            fullest = dict(fullest, peak=max(r["peak"] for r in rows), step_s=max(r["step_s"] for r in rows),
-                           a2a_bytes=sum(r.get("a2a_bytes", 0) for r in rows) / len(rows))  # the mean is exact
-            checks.append(Check(candidate, fullest))
+            checks.append(Check(candidate, measured_of(candidate, rows)))
         progress(checks[-1])
     return checks
+
+
+def measured_of(candidate: Candidate, rows: list[dict]) -> dict:
+    """What the ranks of one measured layout recorded (one row a rank), as a Check compares it: the states of the
+    first rank of the stage whose states were predicted; the peak and step time of the worst rank; the all-to-all
+    bytes, mean per rank (exact: the ep group's received rows add up to its sent ones)."""
+    stage = candidate.cost.memory_stage
+    fullest = min((r for r in rows if candidate.dims.coords(r["rank"]).get("pp", 0) == stage), key=lambda r: r["rank"])
+    return dict(fullest, peak=max(r["peak"] for r in rows), step_s=max(r["step_s"] for r in rows),
+                a2a_bytes=sum(r.get("a2a_bytes", 0) for r in rows) / len(rows))
 
 
 def spread(ranked: list[Candidate], count: int) -> list[Candidate]:
