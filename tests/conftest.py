@@ -72,7 +72,7 @@ def uninterrupted_gpt(tmp_path_factory) -> tuple[Path, Path]:
     run resumed in another layout (test_resume_anywhere.py) or restarted on fewer nodes (test_multinode.py) follows."""
     data_root = prepare_data(tmp_path_factory.mktemp("resumable_gpt_data"))
     out_dir = tmp_path_factory.mktemp("uninterrupted_gpt")
-    run = torchrun(4, *RESUMABLE_GPT, f"data.root={data_root}", f"train.out_dir={out_dir}", "train.backend=ddp",
+    run = fork_ranks(4, *RESUMABLE_GPT, f"data.root={data_root}", f"train.out_dir={out_dir}", "train.backend=ddp",
                    "train.async_checkpoint=true", timeout=300)
     assert run.returncode == 0, output(run)[-3000:]
     return data_root, (out_dir / "gpt" / "ddp" / "latest").resolve()
@@ -105,9 +105,16 @@ def assert_follows_the_uninterrupted_run(out_dir, uninterrupted) -> None:
 torchrun_cmd = torchrun_argv  # `torchrun --standalone --nproc-per-node N ARGS` with this interpreter
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
-    """`torchrun --standalone --nproc-per-node nproc -m meshtrain ARGS`; returns the CompletedProcess."""
-    return subprocess.run(torchrun_cmd(nproc, "-m", "meshtrain", *args), capture_output=True, text=True,
+def forked_cmd(nproc: int, *args: str) -> list[str]:
+    """torchrun_cmd's job with its ranks forked from one process that imported torch and meshtrain (forked_ranks.py):
+    the same elastic agent, rendezvous and environment, a third of the CPU on two cores. For the tests whose subject
+    is what the ranks compute; those about the launcher itself (signals, restarts, hangs) run torchrun_cmd."""
+    return [sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), *args]
+
+
+def fork_ranks(nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
+    """`-m meshtrain ARGS` on `nproc` forked ranks (forked_cmd); returns the CompletedProcess."""
+    return subprocess.run(forked_cmd(nproc, "-m", "meshtrain", *args), capture_output=True, text=True,
                           timeout=timeout, env=env or clean_env(), cwd=REPO)
 
 
@@ -118,7 +125,8 @@ def launch_seconds(nproc: int) -> float:
     measured rather than tuned on one box: it follows the CPU's speed, the cores per rank and the load together."""
     __tracebackhide__ = True
     started = time.monotonic()
-    out = torchrun(nproc, "test-dist", "--iters", "1", timeout=300)
+    out = subprocess.run(torchrun_cmd(nproc, "-m", "meshtrain", "test-dist", "--iters", "1"), capture_output=True,
+                         text=True, timeout=300, env=clean_env(), cwd=REPO)
     assert out.returncode == 0, output(out)[-3000:]
     return time.monotonic() - started
 
@@ -141,10 +149,11 @@ requires_mpirun = pytest.mark.skipif(
 
 
 def run_driver(script: str | Path, ranks: int, *args: str, timeout: float = 180) -> dict[int, dict[str, dict]]:
-    """torchrun the test driver `script ARGS` on `ranks` ranks (meshtrain.runtime.results.run_ranks); it must exit 0.
+    """The test driver `script ARGS` on `ranks` forked ranks (forked_cmd, meshtrain.runtime.results.run_ranks); it
+    must exit 0.
     Returns what its ranks recorded: {rank: {case: fields}}. Either failure shows the end of the job's output."""
     __tracebackhide__ = True
-    job = run_ranks(script, ranks, *args, timeout=timeout, env=clean_env(), cwd=REPO)
+    job = run_ranks(script, ranks, *args, timeout=timeout, env=clean_env(), cwd=REPO, launcher=forked_cmd)
     if job.returncode is None:
         pytest.fail(f"{Path(script).name} {' '.join(args)} ran past {timeout} s:\n{job.output[-4000:]}")
     if job.returncode != 0:

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from tests.conftest import ANSI, REPO, clean_env, mpirun, requires_mpirun, torchrun, torchrun_cmd
+from tests.conftest import ANSI, REPO, clean_env, fork_ranks, mpirun, requires_mpirun, torchrun_cmd
 
 from meshtrain.runtime.collectives import (
     BENCH_OPS,
@@ -66,7 +66,7 @@ def _assert_demo_passed(result, n: int) -> None:
 
 @pytest.mark.parametrize("n", [4])  # 2 ranks: README's `meshtrain launch -- … collectives --demo` (test_docs_run.py)
 def test_demo_passes_and_shows_every_collective(n):
-    _assert_demo_passed(torchrun(n, "collectives", "--demo"), n)
+    _assert_demo_passed(fork_ranks(n, "collectives", "--demo"), n)
 
 
 def test_demo_runs_as_one_plain_process():
@@ -81,7 +81,7 @@ def test_demo_runs_as_one_plain_process():
 def test_demo_fallbacks_are_right_on_three_ranks():
     """The hand-built AVG, reduce_scatter and all_to_all (for backends without them) on a world that is
     not a power of two."""
-    result = torchrun(3, "collectives", "--demo", "--force-fallbacks")
+    result = fork_ranks(3, "collectives", "--demo", "--force-fallbacks")
     _assert_demo_passed(result, 3)
     assert "hand-built fallback for avg, reduce_scatter, all_to_all (forced)" in result.stdout
     assert "fallback: one scatter from each rank in turn" in result.stdout
@@ -151,7 +151,7 @@ def test_expected_values_are_the_analytic_ones():
 
 def test_bench_reports_every_size_of_every_op_with_nccl_tests_bandwidths():
     n = 2
-    result = torchrun(n, "collectives", "--bench", "--max-bytes", "65536", "--iters", "3", "--warmup", "1")
+    result = fork_ranks(n, "collectives", "--bench", "--max-bytes", "65536", "--iters", "3", "--warmup", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     tables, op = {}, None
     for line in result.stdout.splitlines():
@@ -181,7 +181,7 @@ def test_bench_reports_every_size_of_every_op_with_nccl_tests_bandwidths():
 
 
 def test_bench_skips_ops_without_a_native_collective():
-    result = torchrun(2, "collectives", "--bench", "--ops", "all_reduce,all_to_all", "--force-fallbacks",
+    result = fork_ranks(2, "collectives", "--bench", "--ops", "all_reduce,all_to_all", "--force-fallbacks",
                       "--max-bytes", "64", "--iters", "2", "--warmup", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "skipping all_to_all: --force-fallbacks" in result.stdout

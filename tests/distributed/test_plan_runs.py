@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from tests.conftest import output, prepare_data, torchrun
+from tests.conftest import fork_ranks, output, prepare_data
 
 from meshtrain import config as config_mod
 from meshtrain.parallel.mesh import ParallelDims
@@ -81,7 +81,7 @@ def test_predicted_peak_under_bf16_autocast_is_the_ranks_peak(checks, name):
 
 
 def test_auto_plan_trains_with_the_layout_it_chose(data_root, tmp_path):
-    out = torchrun(2, "train", "gpt", "preset=cpu", f"data.root={data_root}", f"train.out_dir={tmp_path}",
+    out = fork_ranks(2, "train", "gpt", "preset=cpu", f"data.root={data_root}", f"train.out_dir={tmp_path}",
                    "parallel.plan=auto", "train.max_iters=4", "train.eval_interval=4", "train.eval_iters=1",
                    "train.save_checkpoints=false", timeout=300)
     assert out.returncode == 0, output(out)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, RESUMABLE_GPT, clean_env, output, rewound_copy, torchrun
+from tests.conftest import REPO, RESUMABLE_GPT, clean_env, fork_ranks, output, rewound_copy
 
 from meshtrain.train.ledger import read_ledger
 
@@ -46,7 +46,7 @@ def uninterrupted_vit(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def train(ranks: int, args: list[str], out_dir: Path, *overrides: str):
-    run = torchrun(ranks, *args, f"train.out_dir={out_dir}", *overrides, timeout=300)
+    run = fork_ranks(ranks, *args, f"train.out_dir={out_dir}", *overrides, timeout=300)
     assert run.returncode == 0, output(run)[-3000:]
     return run
 

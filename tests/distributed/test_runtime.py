@@ -17,7 +17,6 @@ from tests.conftest import (
     mpirun_cmd,
     output,
     requires_mpirun,
-    torchrun,
     torchrun_cmd,
 )
 
@@ -43,11 +42,8 @@ def test_test_dist_single_process_without_launcher():
     assert_test_dist_passed(out, 1, 3, "none")
 
 
-def run_faulty(mode: str, launcher=torchrun, timeout_s: int = 10):
-    if launcher is torchrun:
-        cmd = torchrun_cmd(2, DRIVER)
-    else:
-        cmd = mpirun_cmd(2, sys.executable, DRIVER)
+def run_faulty(mode: str, launcher=torchrun_cmd, timeout_s: int = 10):
+    cmd = launcher(2, DRIVER) if launcher is torchrun_cmd else mpirun_cmd(2, sys.executable, DRIVER)
     return subprocess.run([*cmd, mode, "1", "--iters", "5", "--timeout", str(timeout_s)], capture_output=True,
                           text=True, env=clean_env(), cwd=REPO, timeout=120)
 

@@ -14,11 +14,12 @@ import pytest
 from tests.conftest import (
     REPO,
     clean_env,
+    fork_ranks,
+    forked_cmd,
     output,
     prepare_data,
     requires_mpirun,
     rewound_copy,
-    torchrun,
     torchrun_cmd,
 )
 
@@ -32,13 +33,14 @@ def data_root(tmp_path_factory) -> Path:
     return prepare_data(tmp_path_factory.mktemp("data"))
 
 
-def train(world: int, data_root: Path, out_dir: Path, *overrides: str, env: dict[str, str] | None = None):
-    args = ["train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}", *overrides]
-    env = {**clean_env(), **(env or {})}
-    if world == 1:
-        return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True,
-                              env=env, cwd=REPO, timeout=300)
-    return torchrun(world, *args, timeout=300, env=env)
+def train(world: int, data_root: Path, out_dir: Path, *overrides: str, env: dict[str, str] | None = None,
+          launcher=forked_cmd):
+    """`meshtrain train gpt` of the TINY model: one process, or `world` ranks of `launcher` (forked ranks; the
+    tests of signals and of how ranks start pass torchrun_cmd)."""
+    args = ["-m", "meshtrain", "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}", *overrides]
+    cmd = launcher(world, *args) if world > 1 else [sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**clean_env(), **(env or {})}, cwd=REPO,
+                          timeout=300)
 
 
 RESUMABLE = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30"]
@@ -241,7 +243,8 @@ def test_preemption_on_one_rank_then_auto_resume_is_bit_exact(data_root, ddp_ref
     common = [*RESUMABLE, "train.max_iters=30", "train.init_from=auto"]
     reference = {r["step"]: r["loss"] for r in ddp_reference if "loss" in r}
     out_dir = tmp_path / "preempted"
-    preempted = train(2, data_root, out_dir, *common, env={"MESHTRAIN_FAULT": "signal:rank=1:step=5"})
+    preempted = train(2, data_root, out_dir, *common, env={"MESHTRAIN_FAULT": "signal:rank=1:step=5"},
+                      launcher=torchrun_cmd)
     text = output(preempted)
     assert "exitcode  : 75" in text and "stopped by a signal (SIGUSR1 on this rank) after iteration 5" in text, text[-3000:]
     assert saved_iteration(run_dir_of(out_dir)) == 5
@@ -378,7 +381,7 @@ def test_unknown_key_fails_before_training_and_is_said_once(tmp_path):
     late.mkdir()
     (late / "sitecustomize.py").write_text('import os, time\nif os.environ.get("RANK") == "0":\n    time.sleep(2)\n')
     path = os.pathsep.join(p for p in (str(late), os.environ.get("PYTHONPATH")) if p)
-    out = train(2, tmp_path, tmp_path, "train.max_iter=1", env={"PYTHONPATH": path})
+    out = train(2, tmp_path, tmp_path, "train.max_iter=1", env={"PYTHONPATH": path}, launcher=torchrun_cmd)
     assert out.returncode != 0 and output(out).count(said) == 1, output(out)
     launched = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "--", "python", "-m", "meshtrain", "train",
                                "gpt", "train.max_iter=1"], capture_output=True, text=True, env=clean_env(), cwd=REPO,
@@ -540,8 +543,8 @@ def test_fsdp_on_one_rank_under_a_launcher_offloads_and_trains_like_one_process(
     common = ["train.max_iters=6", "train.eval_interval=6", "train.log_interval=1", "train.dtype=fp32",
               "model.dropout=0.0"]
     plain = train(1, data_root, tmp_path / "plain", *common)
-    fsdp = torchrun(1, "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path / 'fsdp'}",
-                    *common, "train.backend=fsdp", "parallel.cpu_offload=true", timeout=300, env=clean_env())
+    fsdp = fork_ranks(1, "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path / 'fsdp'}",
+                      *common, "train.backend=fsdp", "parallel.cpu_offload=true", timeout=300, env=clean_env())
     assert plain.returncode == 0 and fsdp.returncode == 0, output(fsdp)[-3000:]
     want = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "plain")) if "loss" in r}
     got = {r["step"]: r["loss"] for r in metrics_of(run_dir_of(tmp_path / "fsdp", "fsdp")) if "loss" in r}

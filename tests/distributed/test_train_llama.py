@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, prepare_data, rewound_copy, torchrun
+from tests.conftest import REPO, clean_env, fork_ranks, output, prepare_data, rewound_copy
 
 TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
         "model.block_size=32", "model.batch_size=4", "train.eval_iters=2", "train.dtype=fp32", "train.log_interval=1",
@@ -23,7 +23,7 @@ def data_root(tmp_path_factory) -> Path:
 
 
 def train(data_root: Path, out_dir: Path, *overrides: str):
-    return torchrun(2, "train", "llama", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}", *overrides,
+    return fork_ranks(2, "train", "llama", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}", *overrides,
                     timeout=300)
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, prepare_data, torchrun
+from tests.conftest import REPO, clean_env, fork_ranks, output, prepare_data
 
 # The cpu preset made smaller (2 MoE layers after 1 dense), with a bias update fast enough to change routing within
 # the run, so that a wrongly summed load would show in the losses and shares.
@@ -57,7 +57,7 @@ def test_one_process_logs_the_routing_and_its_report_draws_it(data_root, tmp_pat
 
 
 def test_two_ddp_ranks_route_and_learn_as_one_process_with_the_whole_batch(data_root, tmp_path):
-    ranks = torchrun(2, "train", "moe", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path / 'ddp'}",
+    ranks = fork_ranks(2, "train", "moe", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path / 'ddp'}",
                      timeout=180)
     assert ranks.returncode == 0, output(ranks)[-3000:]
     one = one_process(data_root, tmp_path / "one", "train.grad_accum=2")
@@ -92,7 +92,7 @@ def test_a_run_saved_under_ep4_resumes_under_ep2_and_ep1_as_if_uninterrupted(dat
 
     from meshtrain.train.ledger import read_ledger
 
-    full = torchrun(4, "train", "moe", *RESUMABLE, f"data.root={data_root}", f"train.out_dir={tmp_path / 'full'}",
+    full = fork_ranks(4, "train", "moe", *RESUMABLE, f"data.root={data_root}", f"train.out_dir={tmp_path / 'full'}",
                     "train.backend=fsdp", "parallel.ep=4", timeout=240)
     assert full.returncode == 0, output(full)[-3000:]
     full_dir = (tmp_path / "full" / "moe" / "fsdp" / "latest").resolve()
@@ -100,7 +100,7 @@ def test_a_run_saved_under_ep4_resumes_under_ep2_and_ep1_as_if_uninterrupted(dat
     assert sorted(want_ledger) == list(range(12))
     for number, (ranks, layout) in enumerate(RESUMED_INTO):
         split = rewound_copy(full_dir, tmp_path / f"split{number}", 6)
-        run = torchrun(ranks, "train", "moe", *RESUMABLE, f"data.root={data_root}", f"train.out_dir={tmp_path / 'r'}",
+        run = fork_ranks(ranks, "train", "moe", *RESUMABLE, f"data.root={data_root}", f"train.out_dir={tmp_path / 'r'}",
                        *layout, "train.init_from=resume", f"train.run_dir={split}", timeout=240)
         assert run.returncode == 0 and "resuming at iteration 6" in output(run), output(run)[-3000:]
         got = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, output, torchrun
+from tests.conftest import REPO, clean_env, fork_ranks, output
 
 # 4 channels on a 32 x 64 crop in patches of 4: 128 tokens; fp32 and no dropout so layouts can be compared.
 SMALL = ["model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=4", "data.crop=[32,64]",
@@ -33,7 +33,7 @@ def train(world: int, data: Path, out_dir: Path, *overrides: str, preset: str = 
     if world == 1:
         return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True,
                               env=clean_env(), cwd=REPO, timeout=timeout)
-    return torchrun(world, *args, timeout=timeout)
+    return fork_ranks(world, *args, timeout=timeout)
 
 
 def rows_of(out_dir: Path, backend: str = "ddp") -> list[dict]:

@@ -1,0 +1,72 @@
+"""`torchrun --standalone --nproc-per-node N` for the suite's own jobs, with ranks forked from a process that has
+imported torch and meshtrain once:
+
+    python tests/forked_ranks.py N -m meshtrain train gpt ...
+    python tests/forked_ranks.py N tests/distributed/layout_check.py CASES...
+
+Why: each rank of a torchrun job is a fresh interpreter that imports torch, DTensor, DCP and torch._dynamo (about
+2.3 CPU seconds of the 3 a small training rank costs), and the suite starts hundreds of ranks on two cores. Forked
+ranks share one import. The ranks are started by torch's own elastic agent (torch.distributed.launcher.api, what
+torchrun runs), with its rendezvous, its environment (RANK, WORLD_SIZE, TORCHELASTIC_*, MASTER_ADDR/PORT) and its
+failure reporting; only the start method differs ("fork" where torchrun execs a new interpreter).
+
+Tests whose subject is the launcher itself (signals and restarts, hangs, the examples' launch lines, the documented
+commands, what a rank's memory peaks at) run real torchrun (tests/conftest.py: torchrun_cmd).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import uuid
+
+# Imported here, before the fork, so that no rank pays for them again: every module a training rank or a parity
+# driver reaches for (importing one that a job does not use costs this process only).
+import torch  # noqa: F401
+import torch._dynamo  # noqa: F401  (the optimizer's step imports it)
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.pipelining  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+import meshtrain.commands.train  # noqa: F401
+import meshtrain.plan.measured.auto  # noqa: F401
+import meshtrain.train.trainer  # noqa: F401
+
+
+def rank_main(argv: list[str]) -> None:
+    """One rank: `python -m MODULE ARGS` or `python SCRIPT ARGS`, as the interpreter would run it. An exit of 0 (or
+    None) returns, as the elastic agent expects of a finished rank; any other exit code is the rank's failure."""
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        sys.path[0] = os.getcwd()  # as `python -m` sets it
+        run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)  # noqa: E731
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` sets it
+        run = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
+    try:
+        run()
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise
+
+
+def main() -> int:
+    ranks, argv = int(sys.argv[1]), sys.argv[2:]
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
+                          monitor_interval=0.1)
+    try:
+        elastic_launch(config, rank_main)(argv)
+    except ChildFailedError as failed:  # the agent has logged each rank's error; the job's exit says it failed
+        print(failed.format_msg(), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
