@@ -285,3 +285,12 @@ def test_under_tp_an_moe_block_reduces_its_attention_only(sequence_parallel):
     cost = predict(facts, cfg, ParallelDims.from_config(cfg, 2, 2), machines.from_system(systems.get("polaris")))
     collectives = 4 + 3 * 2 + (3 * 2 if sequence_parallel else 0)
     assert cost.comm_bytes["tp"] == collectives * 512 * 64 * 4
+
+
+def test_under_cp_the_balance_loss_sums_over_the_cp_ranks():
+    """Each MoE layer's forward all-reduces 8 counts, 8 probability sums and the token count (68 bytes) over cp, its
+    backward once more, and under full checkpointing its recomputed forward again: 3 layers × 3 a micro-batch."""
+    cfg, facts = facts_of("train.backend=fsdp", "parallel.cp=2", "train.activation_checkpointing=full")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    assert experts.balance_loss_collectives(facts, cfg, dims, None, 2) == [("all_reduce", "cp", 68, 2 * 9)]
+    assert experts.balance_loss_collectives(facts, cfg, ParallelDims(world_size=2), None, 2) == []

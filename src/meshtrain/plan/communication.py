@@ -65,6 +65,9 @@ def communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: 
         else:  # Ulysses: q, k, v in one all-to-all and the output in another, forward and again backward
             add("cp", "all_to_all", "cp", 3 * stream / dims.tp, 2 * share.blocks * micro.count)
             add("cp", "all_to_all", "cp", stream / dims.tp, 2 * share.blocks * micro.count)
+    if facts.shape.moe is not None:
+        for op, dim, nbytes, times in experts.balance_loss_collectives(facts, cfg, dims, share.parts, micro.count):
+            add("cp", op, dim, nbytes, times)
     if facts.shape.moe is not None and dims.ep > 1:  # dispatch and combine, forward, backward, recomputed
         exchanged = experts.all_to_all_bytes(facts, cfg, dims, micro.tokens, share.parts)
         sent["ep"] = sum(exchanged.values()) * micro.count

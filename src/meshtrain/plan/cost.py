@@ -10,8 +10,8 @@ plan/measured/measure.py, docs/plan.md):
                  the stage, plus each chunk's input; under tp, the parts of a block the plan shards divide by tp
                  (with sequence parallel all but the two gathered inputs of attention and MLP, without it all but
                  the four norm inputs and outputs); a mixture of experts' MoE blocks by their routed rows
-                 (plan/experts.py); activation checkpointing keeps a block's input instead; under
-                 autocast all but the two norms' inputs are 16-bit. Times the micro-batches the stage holds when a
+                 (plan/experts.py; plan/activations.py cuts a block over tp); activation checkpointing keeps a
+                 block's input instead; under autocast all but the two norms' inputs are 16-bit. Times the micro-batches the stage holds when a
                  backward starts (`held`: the pipeline schedule's own order)
     head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
                  bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
@@ -205,8 +205,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
                     "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
     kept = (share.blocks - checkpointed) * block + checkpointed * block_input
     if facts.shape.moe is not None:  # dense and MoE blocks differ (plan/experts.py: the routed rows' bound)
-        kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine,
-                                               share.parts)
+        kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine, share.parts)
     # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
     # embedding keeps its own input
     virtual = p.virtual_stages if dims.pp > 1 else 1

@@ -27,6 +27,16 @@ layer (dropless; an upper bound under a capacity factor, whose dropped rows are 
 A layer that activation checkpointing recomputes runs its forward exchanges again. The count includes the part of
 each buffer a rank sends to itself; the time prices it as nccl-tests do, (ep - 1)/ep of it over the link the ep group
 crosses (inside a node or between nodes, Machine.collective_s), times the imbalance for the busiest rank.
+
+With tp, cp and pp, as the trainer lays them out (models/moe/parallelize.py):
+
+    tp    each MoE layer runs whole on every tp rank, on all of the rank's tokens (gathered in under sequence
+          parallel): the experts' states, saved rows, matmuls and all-to-alls are not divided by tp (shares.py leaves
+          their names unsharded); the block's attention half is cut as a dense block's (plan/activations.py), and the
+          block reduces only its attention's stream (2 all-reduces, plus 2 all-gathers under sequence parallel)
+    cp    each cp rank routes its own positions: N is the tokens a micro-batch puts on the rank (already / cp); the
+          balance loss sums its statistics over cp (balance_loss_collectives)
+    pp    a stage holds, keeps, computes and exchanges its own MoE layers only (Share.parts: the pipeline's split)
 """
 
 from __future__ import annotations
@@ -216,3 +226,15 @@ def expert_dp_collectives(share: Share, cfg: RunConfig, dims: ParallelDims, coun
     gathers = count * (2 if chosen.reshard_after_forward else 1)
     gathered = share.expert_local * (2 if cfg.train.dtype != "fp32" else FP32)
     return [("all_gather", "edp", gathered, gathers), ("reduce_scatter", "edp", grads, 1)]
+
+
+def balance_loss_collectives(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, parts: Parts | None, count: int
+                             ) -> list[tuple[str, str, float, float]]:
+    """(op, dim, bytes, times) of the balance loss's sums under cp (models/moe/parallelize.py): each MoE layer's
+    forward all-reduces its E counts, E probability sums and its token count over the cp ranks, autograd's backward
+    once more, a recomputed layer's forward again; per micro-batch."""
+    if dims.cp == 1:
+        return []
+    layers = moe_layers_of(facts, parts)
+    again = len(checkpointed_layers(cfg, parts or whole_model(facts)) & set(layers))
+    return [("all_reduce", "cp", (2 * facts.shape.experts + 1) * FP32, (2 * len(layers) + again) * count)]
