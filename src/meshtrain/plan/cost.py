@@ -11,8 +11,8 @@ plan/measured/measure.py, docs/plan.md):
                  (with sequence parallel all but the two gathered inputs of attention and MLP, without it all but
                  the four norm inputs and outputs); a mixture of experts' MoE blocks by their routed rows
                  (plan/experts.py; plan/activations.py cuts a block over tp); activation checkpointing keeps a
-                 block's input instead; under autocast all but the two norms' inputs are 16-bit. Times the micro-batches the stage holds when a
-                 backward starts (`held`: the pipeline schedule's own order)
+                 block's input instead; under autocast all but the two norms' inputs are 16-bit. Times the
+                 micro-batches the stage holds when a backward starts (`held`: the pipeline schedule's own order)
     head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
                  bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
                  for the ViT's whole field on every rank (its patches are copied once more into the field)

@@ -109,6 +109,12 @@ def checkpointed_layers(cfg: RunConfig, parts: Parts) -> set[int]:
     return {layer for part in parts for i, layer in enumerate(part) if i % step == 0}
 
 
+def _run_again(facts: ModelFacts, cfg: RunConfig, parts: Parts | None) -> tuple[list[int], int]:
+    """The MoE layers of `parts`, and how many of them activation checkpointing runs forward a second time."""
+    layers = moe_layers_of(facts, parts)
+    return layers, len(checkpointed_layers(cfg, parts or whole_model(facts)) & set(layers))
+
+
 def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine) -> float:
     """Bytes one MoE block saves for backward for one micro-batch of `tokens` tokens on the busiest rank: the part
     that grows with its tokens, and the routed rows its experts compute (ExpertShape's counts; under autocast by the
@@ -118,9 +124,9 @@ def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, token
     moe = facts.shape.moe
     rows = routed_rows(facts, dims, tokens)
     exchanged = moe.saved_per_row_ep if dims.ep > 1 else 0
-    in_attention = (lambda name: ".attn." in name)  # noqa: E731  (its column-parallel inputs stay whole)
+    # the attention half, whose column-parallel linears (attn.*) keep their inputs whole
     half = activations.per_token_bytes(facts, cfg, dims, machine, moe.attention_per_token, moe.attention_autocast,
-                                       in_attention) if moe.attention_per_token else 0.0
+                                       lambda name: ".attn." in name) if moe.attention_per_token else 0.0
     if not activations.autocast(cfg) or moe.autocast_per_token is None:
         rest = (moe.saved_per_token - moe.attention_per_token) * FP32
         return (half + rest) * tokens + rows * (moe.saved_per_row + exchanged) * FP32
@@ -130,8 +136,8 @@ def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, token
     else:
         fp32, low = saved.fp32 - cut.fp32, saved.low - cut.low
     rest = fp32 * FP32 + low * 2 + (saved.attention - cut.attention) * (FP32 if machine.cpu else 2)
-    return (half + rest) * tokens + rows * (moe.autocast_per_row * 2 + exchanged * FP32) + _weight_casts(facts, cfg,
-                                                                                                         dims)
+    copies = _weight_casts(facts, cfg, dims)
+    return (half + rest) * tokens + rows * (moe.autocast_per_row * 2 + exchanged * FP32) + copies
 
 
 def _weight_casts(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> float:
@@ -141,7 +147,7 @@ def _weight_casts(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> floa
     precision, whose gathered weights are already 16-bit)."""
     if activations.fsdp_mixed(cfg, dims):
         return 0.0
-    return 2.0 * 3 * facts.shape.experts // dims.ep * facts.shape.width * facts.shape.moe.hidden
+    return 2.0 * 3 * (facts.shape.experts // dims.ep) * facts.shape.width * facts.shape.moe.hidden
 
 
 def kept_activations(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, dense_block: float,
@@ -168,23 +174,24 @@ def row_bytes(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int]:
 def all_to_all_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int,
                      parts: Parts | None = None) -> dict[str, float]:
     """Bytes a rank passes to all_to_all for one micro-batch of `tokens` tokens, summed over the MoE layers of `parts`
-    (a stage's; the whole model's when None), mean over an ep group (module docstring): {"forward": dispatch + combine + counts, "backward": their gradients,
-    "recompute": the forward exchanges of the layers activation checkpointing runs again}. Nothing without ep."""
+    (a stage's; the whole model's when None), mean over an ep group (module docstring): {"forward": dispatch +
+    combine + counts, "backward": their gradients, "recompute": the forward exchanges of the layers activation
+    checkpointing runs again}. Nothing without ep."""
     if dims.ep == 1:
         return {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
     dispatch, combine = row_bytes(cfg, dims)
     rows = sent_rows(facts, tokens) * facts.shape.width
     forward = rows * (dispatch + combine) + facts.shape.experts * INT64
     backward = rows * (dispatch + combine)
-    layers = moe_layers_of(facts, parts)
-    again = len(checkpointed_layers(cfg, parts or whole_model(facts)) & set(layers))
+    layers, again = _run_again(facts, cfg, parts)
     return {"forward": forward * len(layers), "backward": backward * len(layers), "recompute": forward * again}
 
 
 def all_to_all_s(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine,
                  parts: Parts | None = None) -> float:
-    """Seconds of one micro-batch's all-to-alls on the busiest rank, in the MoE layers of `parts`: each exchange over the ep group's link, its rows
-    scaled by the imbalance (the slowest rank sets the pace), its count exchange at latency."""
+    """Seconds of one micro-batch's all-to-alls on the busiest rank, in the MoE layers of `parts`: each exchange over
+    the ep group's link, its rows scaled by the imbalance (the slowest rank sets the pace), its count exchange at
+    latency."""
     if dims.ep == 1:
         return 0.0
     dispatch, combine = row_bytes(cfg, dims)
@@ -192,8 +199,7 @@ def all_to_all_s(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: 
     one = (machine.collective_s("all_to_all", rows * dispatch, dims, "ep")
            + machine.collective_s("all_to_all", rows * combine, dims, "ep"))
     counts = machine.collective_s("all_to_all", facts.shape.experts * INT64, dims, "ep")
-    layers = moe_layers_of(facts, parts)
-    again = len(checkpointed_layers(cfg, parts or whole_model(facts)) & set(layers))
+    layers, again = _run_again(facts, cfg, parts)
     return (2 * one + counts) * len(layers) + (one + counts) * again
 
 
@@ -235,6 +241,5 @@ def balance_loss_collectives(facts: ModelFacts, cfg: RunConfig, dims: ParallelDi
     once more, a recomputed layer's forward again; per micro-batch."""
     if dims.cp == 1:
         return []
-    layers = moe_layers_of(facts, parts)
-    again = len(checkpointed_layers(cfg, parts or whole_model(facts)) & set(layers))
+    layers, again = _run_again(facts, cfg, parts)
     return [("all_reduce", "cp", (2 * facts.shape.experts + 1) * FP32, (2 * len(layers) + again) * count)]
