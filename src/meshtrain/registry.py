@@ -64,6 +64,10 @@ class ExpertShape:
     saved_per_row_ep: int = 0  # more per row when the rows are exchanged (expert parallelism's index tensors)
     autocast_per_token: AutocastActivations | None = None  # per token under autocast, by dtype (int64 as 2 fp32)
     autocast_per_row: int = 0  # per routed row under autocast: all 16-bit (the experts' input and hidden tensors)
+    # Of saved_per_token, the block's tensor-parallel half (attention and norms, cut over tp as a dense block's are,
+    # plan/activations.py); the rest, the MoE layer's, is whole on every tp rank. 0 / None: all of it whole.
+    attention_per_token: int = 0
+    attention_autocast: AutocastActivations | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from meshtrain import registry
 from meshtrain.config import load_config
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan import experts, machines, search, systems
+from meshtrain.plan import experts, machines, search, shares, systems
 from meshtrain.plan.cost import predict
 from meshtrain.plan.workload import ModelFacts
 
@@ -175,6 +175,15 @@ def test_an_moe_block_under_autocast_saves_what_the_shape_counts(overrides, weig
                                                                           saved.low_16bit_weights)
     assert per_token[torch.float32] + per_token[torch.int64] == (fp32 + saved.attention) * 4  # CPU attention: fp32
     assert per_token[torch.bfloat16] == low * 2 + moe.top_k * moe.autocast_per_row * 2
+    # What does not grow with the tokens: with fp32 weights, the 16-bit weight copies, the linears' from autocast's
+    # cache (the planner's `16-bit weight copies`) and the experts' of each forward (plan/experts.py's, in the block)
+    constant = one[torch.bfloat16] - tokens * per_token[torch.bfloat16]
+    linears = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+    planned, facts = facts_of(*overrides, "train.dtype=bf16")
+    experts_copy = experts.moe_block_bytes(facts, planned, ParallelDims(world_size=1), 0,  # 0 tokens: the copy alone
+                                           machines.from_system(systems.get("polaris")))
+    assert experts_copy == 2 * 3 * cfg.model.n_experts * cfg.model.n_embd * moe.hidden
+    assert constant == (2 * linears + experts_copy if weights == torch.float32 else 0)
 
 
 def test_search_enumerates_ep_and_refuses_what_train_refuses():
@@ -184,9 +193,11 @@ def test_search_enumerates_ep_and_refuses_what_train_refuses():
     assert {"ddp dp4 ep2 ac=none", "fsdp dp4 ep4 ac=full", "hsdp dp2×2 ep2 ac=selective"} <= labels
     assert not any(c.cfg.train.backend == "zero1" and c.dims.ep > 1 for c in ranked)
     assert any("ZeroRedundancyOptimizer" in why for why in refused)  # mesh.check_layout's own message
-    assert not any(c.dims.tp > 1 or c.dims.cp > 1 or c.dims.pp > 1 for c in ranked)  # trained, not planned yet
-    assert any("its tp, cp and pp layouts train (parallel.plan=manual) but are not planned yet" in why
-               for why in refused)
+    # tp, cp and pp are planned too, alone and with ep
+    assert {"fsdp dp2 tp2 ac=none", "fsdp dp2 tp2 ep2 ac=none", "ddp dp2 pp2:gpipe/mb2 ac=none",
+            "fsdp dp2 ep2 pp2:1f1b/mb2 ac=none", "fsdp dp2 cp2:ring ep2 ac=none",
+            "ddp dp1 cp4:ulysses ac=none"} <= labels
+    assert not any("not planned" in why for why in refused)
     chosen = next(c for c in ranked if c.label == "fsdp dp4 ep4 ac=full")
     assert "parallel.ep=4" in chosen.overrides
     assert search.with_layout(cfg, search.layout_of(chosen)).parallel.ep == 4
@@ -204,3 +215,85 @@ def test_the_imbalance_knob_moves_the_memory_and_refuses_less_than_even(capsys):
     assert main(["plan", "moe", "preset=cpu", "--system", "polaris", "--expert-imbalance", "0.5"]) != 0
     said = capsys.readouterr()
     assert "--expert-imbalance 0.5: the busiest rank receives at least the mean" in said.out + said.err
+
+
+# Tensor parallelism: attention, the dense SwiGLU and the ends halved (wte and lm_head: 33 rows of 65 on rank 0); each
+# MoE layer (router, experts, shared expert) whole on every tp rank
+TP_ENDS = 33 * 64 + 64 + 33 * 64
+TP_ATTENTION = 64 + 64 * 64 // 2 + 2 * (32 * 64 // 2) + 64 * 64 // 2 + 64
+TP2 = TP_ENDS + TP_ATTENTION + 3 * 192 * 64 // 2 + 3 * (TP_ATTENTION + 512 + 196_608 + 3 * 128 * 64)
+
+
+def test_under_tp_the_experts_are_whole_on_every_tp_rank():
+    """ddp × tp 2 on 2 ranks: 712,896 elements, the experts' 3 × 196,608 among them; the untied embedding's gradient
+    arrives whole (tensor_parallel.WHOLE_GRADIENTS: 32 rows of 64 more than its shard). fsdp × tp 2 on 4 ranks: FSDP2
+    halves each tp-local tensor's dim 0 (17 of wte's and lm_head's 33 rows), experts included."""
+    polaris = machines.from_system(systems.get("polaris"))
+    cfg, facts = facts_of("train.backend=ddp", "parallel.tp=2")
+    memory = predict(facts, cfg, ParallelDims.from_config(cfg, 2, 2), polaris).memory
+    assert TP2 == 712_896
+    assert (memory["params"], memory["grads"], memory["optimizer"]) == (4 * TP2, 4 * (TP2 + 32 * 64), 8 * TP2)
+    cfg, facts = facts_of("train.backend=fsdp", "parallel.tp=2")
+    memory = predict(facts, cfg, ParallelDims.from_config(cfg, 4, 4), polaris).memory
+    assert memory["params"] == memory["grads"] == 4 * (TP2 // 2 + 2 * 32)
+
+
+def test_under_pp_each_stage_holds_and_keeps_its_own_moe_layers():
+    """pp 2 splits the 4 blocks [0, 1] | [2, 3] (the embedding and the head weigh a block each): stage 0 holds the
+    dense block and one MoE block, stage 1 two MoE blocks; each keeps for backward, runs and exchanges only its own."""
+    cfg, facts = facts_of("train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.ep=1")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    first, last = shares.stage_shares(facts.model, facts.split, dims, "ddp", schedule="gpipe",
+                                      experts=facts.shape.moe.module)
+    assert (first.parts, last.parts) == (((0, 1),), ((2, 3),))
+    assert (first.params, last.params) == (65 * 64 + 49_280 + 234_112, 2 * 234_112 + 64 + 65 * 64)
+    machine = machines.from_system(systems.get("polaris"))
+    dense, block_input, tokens = 1000.0, 10.0, 512
+    moe_block = experts.moe_block_bytes(facts, cfg, dims, tokens, machine)
+    assert experts.kept_activations(facts, cfg, dims, tokens, dense, block_input, machine, first.parts) == (
+        dense + moe_block, moe_block)
+    kept, _ = experts.kept_activations(facts, cfg, dims, tokens, dense, block_input, machine, last.parts)
+    assert kept == 2 * moe_block
+    whole = experts.expert_matmul_s(facts, cfg, dims, tokens, machine, "fp32")
+    assert experts.expert_matmul_s(facts, cfg, dims, tokens, machine, "fp32", first.parts) == pytest.approx(whole / 3)
+    # activation checkpointing counts each stage's blocks from its first (parallel/checkpointing.py)
+    selective, _ = facts_of("train.activation_checkpointing=selective", "train.ac_every=3")
+    assert experts.checkpointed_layers(selective, ((0, 1), (2, 3))) == {0, 2}
+    assert experts.checkpointed_layers(selective, ((0, 1, 2, 3),)) == {0, 3}
+
+
+def test_under_tp_an_moe_block_cuts_its_attention_half_only():
+    """What an MoE block saves at tp 2: its attention half (the Llama block's count without the SwiGLU: 11 × 64 +
+    4 heads + half a head + 2 = 718 a token) cut as a dense block's is (sequence parallel: the two gathered inputs
+    whole, the rest halved), the MoE layer's part and the routed rows (all of the rank's tokens) whole."""
+    machine = machines.from_system(systems.get("polaris"))
+    cfg, facts = facts_of("train.backend=ddp", "parallel.tp=2")
+    moe, tokens = facts.shape.moe, 512
+    assert moe.attention_per_token == 718
+    one = experts.moe_block_bytes(facts, cfg, ParallelDims(world_size=2), tokens, machine)
+    two = experts.moe_block_bytes(facts, cfg, ParallelDims.from_config(cfg, 2, 2), tokens, machine)
+    assert one - two == (718 - (2 * 64 + (718 - 2 * 64) / 2)) * tokens * 4
+    # the experts' compute is not divided either: every tp rank runs them on the same rows
+    assert experts.expert_matmul_s(facts, cfg, ParallelDims.from_config(cfg, 2, 2), tokens, machine, "fp32") == \
+        experts.expert_matmul_s(facts, cfg, ParallelDims(world_size=2), tokens, machine, "fp32")
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_under_tp_an_moe_block_reduces_its_attention_only(sequence_parallel):
+    """A dense block all-reduces its stream 4 times a micro-batch (2 forward, 2 backward); an MoE block 2 (its
+    attention's), and under sequence parallel gathers the MoE layer's input and its output's gradient: 2 all-gathers.
+    512 tokens × 64 fp32 = 131,072 bytes each."""
+    cfg, facts = facts_of("train.backend=ddp", "parallel.tp=2", f"parallel.sequence_parallel={sequence_parallel}",
+                          f"parallel.loss_parallel={sequence_parallel}")
+    cost = predict(facts, cfg, ParallelDims.from_config(cfg, 2, 2), machines.from_system(systems.get("polaris")))
+    collectives = 4 + 3 * 2 + (3 * 2 if sequence_parallel else 0)
+    assert cost.comm_bytes["tp"] == collectives * 512 * 64 * 4
+
+
+def test_under_cp_the_balance_loss_sums_over_the_cp_ranks():
+    """Each MoE layer's forward all-reduces 8 counts, 8 probability sums and the token count (68 bytes) over cp, its
+    backward once more, and under full checkpointing its recomputed forward again: 3 layers × 3 a micro-batch."""
+    cfg, facts = facts_of("train.backend=fsdp", "parallel.cp=2", "train.activation_checkpointing=full")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    assert experts.balance_loss_collectives(facts, cfg, dims, None, 2) == [("all_reduce", "cp", 68, 2 * 9)]
+    assert experts.balance_loss_collectives(facts, cfg, ParallelDims(world_size=2), None, 2) == []

@@ -70,6 +70,11 @@ BLOCKS = "transformer.h.*"  # a decoder's blocks; parallelize_module matches eac
 SHARDED_DIMS = {"attn.q_proj": 0, "attn.k_proj": 0, "attn.v_proj": 0, "mlp.c_fc": 0, "mlp.c_gate": 0, "lm_head": 0,
                 "attn.c_proj": 1, "mlp.c_proj": 1, "transformer.wte": 0}
 SHARDED_BIASES = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc", "mlp.c_gate", "lm_head")
+# Sharded weights whose gradient comes back whole: DTensor's embedding backward hands the vocab-parallel embedding's
+# gradient back Replicate, all [V, C] of it on every tp rank (measured on the Llama's and the MoE's untied wte under
+# ddp × tp2), and it stays so unless FSDP2 reduces it into its shard. Tied to lm_head (the GPT), the sum with the
+# head's Shard(0) gradient is a shard. plan/shares.py counts it.
+WHOLE_GRADIENTS = ("transformer.wte",)
 
 
 def check_tp_mesh(tp_mesh: DeviceMesh, who: str) -> None:

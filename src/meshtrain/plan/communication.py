@@ -51,7 +51,12 @@ def communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: 
             add("dp", "all_reduce", "dp_replicate", grads / dims.dp_shard, 1)
     stream = micro.tokens * facts.shape.width * act_bytes  # one block's input on this rank (whole sequence over tp)
     if dims.tp > 1:  # two all-reduces (or all-gather + reduce-scatter pairs) forward, two backward, per block
-        add("tp", "all_reduce", "tp", stream, 4 * share.blocks * micro.count)
+        whole = len(experts.moe_layers_of(facts, share.parts)) if facts.shape.moe is not None else 0
+        # an MoE layer runs whole on every tp rank: only its block's attention reduces (forward, backward); under
+        # sequence parallel it gathers its input forward and its output's gradient backward
+        add("tp", "all_reduce", "tp", stream, (4 * share.blocks - 2 * whole) * micro.count)
+        if cfg.parallel.sequence_parallel and dims.pp == 1:
+            add("tp", "all_gather", "tp", stream, 2 * whole * micro.count)
     if dims.cp > 1:
         kv = 2 * stream / dims.tp * facts.shape.kv_heads / facts.shape.heads
         if p.cp_impl == "ring":  # K and V go round the ring forward and again backward, then their fp32 gradients
@@ -60,10 +65,13 @@ def communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: 
         else:  # Ulysses: q, k, v in one all-to-all and the output in another, forward and again backward
             add("cp", "all_to_all", "cp", 3 * stream / dims.tp, 2 * share.blocks * micro.count)
             add("cp", "all_to_all", "cp", stream / dims.tp, 2 * share.blocks * micro.count)
+    if facts.shape.moe is not None:
+        for op, dim, nbytes, times in experts.balance_loss_collectives(facts, cfg, dims, share.parts, micro.count):
+            add("cp", op, dim, nbytes, times)
     if facts.shape.moe is not None and dims.ep > 1:  # dispatch and combine, forward, backward, recomputed
-        exchanged = experts.all_to_all_bytes(facts, cfg, dims, micro.tokens)
+        exchanged = experts.all_to_all_bytes(facts, cfg, dims, micro.tokens, share.parts)
         sent["ep"] = sum(exchanged.values()) * micro.count
-        seconds["ep"] = experts.all_to_all_s(facts, cfg, dims, micro.tokens, machine) * micro.count
+        seconds["ep"] = experts.all_to_all_s(facts, cfg, dims, micro.tokens, machine, share.parts) * micro.count
     if dims.pp > 1:  # activations forward, their gradients backward, per micro-batch and boundary
         boundaries = 2 * p.virtual_stages if not (share.first or share.last) else 2 * p.virtual_stages - 1
         add("pp", "send_recv", "pp", micro.samples * facts.tokens * facts.shape.width * act_bytes,

@@ -10,9 +10,9 @@ plan/measured/measure.py, docs/plan.md):
                  the stage, plus each chunk's input; under tp, the parts of a block the plan shards divide by tp
                  (with sequence parallel all but the two gathered inputs of attention and MLP, without it all but
                  the four norm inputs and outputs); a mixture of experts' MoE blocks by their routed rows
-                 (plan/experts.py); activation checkpointing keeps a block's input instead; under
-                 autocast all but the two norms' inputs are 16-bit. Times the micro-batches the stage holds when a
-                 backward starts (`held`: the pipeline schedule's own order)
+                 (plan/experts.py; plan/activations.py cuts a block over tp); activation checkpointing keeps a
+                 block's input instead; under autocast all but the two norms' inputs are 16-bit. Times the
+                 micro-batches the stage holds when a backward starts (`held`: the pipeline schedule's own order)
     head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
                  bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
                  for the ViT's whole field on every rank (its patches are copied once more into the field)
@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import experts
+from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed
 from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.pipeline_time import pipeline_time
@@ -162,58 +163,10 @@ def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) ->
     return first / virtual, later / virtual
 
 
-def _block_activation_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int,
-                            machine: Machine) -> tuple[float, float]:
-    """(bytes one block saves for one micro-batch on this rank, bytes of its input alone)."""
-    width, sp = facts.shape.width, cfg.parallel.sequence_parallel and dims.pp == 1
-    block_input = width / (dims.tp if sp else 1) * tokens * FP32
-    if _autocast(cfg) and facts.shape.autocast_activations:
-        return _autocast_block_bytes(facts, cfg, dims, machine, sp) * tokens, block_input
-    whole = facts.shape.activations_per_token
-    kept_whole = (2 if sp else 4) * width if dims.tp > 1 else 0  # gathered inputs (sp) / norm ins and outs (no sp)
-    per_token = kept_whole + (whole - kept_whole) / dims.tp
-    return per_token * tokens * FP32, block_input
-
-
-def _autocast(cfg: RunConfig) -> bool:
-    return cfg.train.dtype in ("bf16", "fp16")
-
-
-def _autocast_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine, sp: bool) -> float:
-    """Bytes per token one block saves under autocast on tp rank 0 (ModelShape.autocast_activations): the inputs
-    of column-parallel linears are whole on every tp rank (replicated, or gathered under sequence parallel), all
-    else the plan shards is divided by tp; the fp32 part is sharded only by sequence parallel. With 16-bit weights
-    (FSDP2's mixed precision) the linears of one module share their input, else each keeps its own cast."""
-    saved = facts.shape.autocast_activations
-    sixteen_bit_weights = _fsdp_mixed(cfg, dims)
-    fp32, low = ((saved.fp32_16bit_weights, saved.low_16bit_weights) if sixteen_bit_weights
-                 else (saved.fp32, saved.low))
-    column_inputs: dict[str, int] = {}  # by the module the linear sits in, or by the linear
-    if dims.tp > 1:
-        for name, shape in _first_block_linears(facts):
-            if tp_local_shape(name + ".weight", shape, dims.tp)[0] != shape[0]:  # sharded by output: column
-                column_inputs[name.rpartition(".")[0] if sixteen_bit_weights else name] = shape[1]
-    whole = sum(column_inputs.values())
-    low_local = whole + (low - whole) / dims.tp
-    fp32_local = fp32 / dims.tp if sp else fp32
-    attention_bytes = FP32 if machine.cpu else 2
-    return fp32_local * FP32 + low_local * 2 + saved.attention / dims.tp * attention_bytes
-
-
-def _first_block_linears(facts: ModelFacts) -> list[tuple[str, tuple[int, int]]]:
-    prefix = f"{facts.split.blocks}.0." if facts.split else ""
-    return [(n, s) for n, s in facts.linears if n.startswith(prefix)] if prefix else []
-
-
-def _fsdp_mixed(cfg: RunConfig, dims: ParallelDims) -> bool:
-    """FSDP2 gathers 16-bit parameters under autocast (parallel/compose.py's param_dtype)."""
-    return _autocast(cfg) and backends.get(cfg.train.backend).sharded and dims.size("dp_shard_cp") > 1
-
-
 def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share) -> float:
     """Autocast's 16-bit copy of every linear weight this rank runs, cached for the forward and saved for backward
     (none under FSDP2, whose gathered parameters are already 16-bit)."""
-    if not _autocast(cfg) or _fsdp_mixed(cfg, dims):
+    if not autocast(cfg) or fsdp_mixed(cfg, dims):
         return 0.0
     total = 0
     for name, shape in facts.linears:
@@ -234,25 +187,25 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     if chunk:  # nn/chunked_loss.py: a chunk's logits and their fp32 log-probabilities (under autocast, the fp32 copy
         # they are taken from too), beside the fp32 gradients the forward makes for backward (the hidden states' and
         # the output layer's)
-        per_feature = 2 + 2 * FP32 if _autocast(cfg) else 2 * FP32
+        per_feature = 2 + 2 * FP32 if autocast(cfg) else 2 * FP32
         return (min(chunk, micro.tokens) * facts.head_features * per_feature +
                 (facts.head_features + micro.tokens) * facts.shape.width * FP32)
     # where backward starts: the loss's fp32 log-softmax (saved) and its gradient, and the logits' gradient: fp32 on
     # a CPU, 16-bit under autocast on a GPU (measured: docs/plan.md). The logits themselves are gone: the loss kept
     # the log-softmax of its fp32 copy, not them.
-    per_feature = 2 * FP32 + (2 if _autocast(cfg) and not cpu else FP32)
+    per_feature = 2 * FP32 + (2 if autocast(cfg) and not cpu else FP32)
     return micro.tokens * facts.head_features / sharded * per_feature
 
 
 def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
             machine: Machine) -> dict[str, float]:
     t, p = cfg.train, cfg.parallel
-    block, block_input = _block_activation_bytes(facts, cfg, dims, micro.tokens, machine)
+    block, block_input = block_bytes(facts, cfg, dims, micro.tokens, machine)
     checkpointed = {"none": 0, "full": share.blocks,
                     "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
     kept = (share.blocks - checkpointed) * block + checkpointed * block_input
     if facts.shape.moe is not None:  # dense and MoE blocks differ (plan/experts.py: the routed rows' bound)
-        kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine)
+        kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine, share.parts)
     # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
     # embedding keeps its own input
     virtual = p.virtual_stages if dims.pp > 1 else 1
@@ -264,7 +217,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
-    act_bytes = 2 if _autocast(cfg) else FP32
+    act_bytes = 2 if autocast(cfg) else FP32
     working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
     blocks_per_chunk = share.blocks // virtual
     step = 1 if t.activation_checkpointing == "full" else t.ac_every
@@ -284,7 +237,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     elif chosen.sharded and dims.size("dp_shard_cp") > 1:
         gathered = share.root_params  # the root's (embeddings, head, norms)
         blocks_gathered = 2 if chosen.reshard_after_forward else share.blocks  # in use + prefetched, or all
-        gathered_bytes = 2 if _fsdp_mixed(cfg, dims) else FP32  # gathered in the compute dtype, reduced in fp32
+        gathered_bytes = 2 if fsdp_mixed(cfg, dims) else FP32  # gathered in the compute dtype, reduced in fp32
         buffers = (gathered + blocks_gathered * share.block_params) * gathered_bytes + share.block_params * FP32
     if dims.pp > 1:  # a receive buffer per micro-batch for each stage's input and its output's gradient
         stages = [share.stage + k * dims.pp for k in range(virtual)]
@@ -308,7 +261,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
 def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
           machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
     t, p = cfg.train, cfg.parallel
-    label = "bf16" if _autocast(cfg) else "fp32"
+    label = "bf16" if autocast(cfg) else "fp32"
     tokens = micro.tokens
     # compute of one micro-batch on this stage
     matmul = 0.0
@@ -319,7 +272,7 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
         matmul += 6 * tokens * in_features * out_features / machine.matmul_rate(label, tokens, in_features,
                                                                                  out_features)
     if facts.shape.moe is not None:  # the routed experts' matmuls (not nn.Linears), on the busiest rank's rows
-        matmul += experts.expert_matmul_s(facts, cfg, dims, tokens, machine, label)
+        matmul += experts.expert_matmul_s(facts, cfg, dims, tokens, machine, label, share.parts)
     heads, head_dim = facts.shape.heads // dims.tp, facts.shape.width // facts.shape.heads
     causal = facts.shape.causal
     if dims.cp > 1 and p.cp_impl == "ring":  # this rank's queries against every rank's keys, a block at a time
@@ -328,13 +281,13 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
     else:  # Ulysses: the whole sequence on 1/cp of the heads
         one = machine.attention_s(label, micro.samples, heads // dims.cp, facts.tokens, head_dim, causal=causal)
     attention = share.blocks * one
-    block, _ = _block_activation_bytes(facts, cfg, dims, tokens, machine)
+    block, _ = block_bytes(facts, cfg, dims, tokens, machine)
     recompute = {"none": 0, "full": 1, "selective": 1 / t.ac_every}[t.activation_checkpointing]
     elementwise = 4 * share.blocks * block / machine.memory_bps
     forward = matmul + attention + elementwise
     per_micro = forward * (1 + recompute / 3)
     optimizer_s = 10 * share.params * FP32 / machine.memory_bps
-    slowdown = machine.slowdown_under_autocast if _autocast(cfg) and machine.slowdown_under_autocast else \
+    slowdown = machine.slowdown_under_autocast if autocast(cfg) and machine.slowdown_under_autocast else \
         machine.slowdown
     pipelined, bubble = per_micro * micro.count * slowdown, 0.0
     if dims.pp > 1:  # the schedule played out: ranks waiting for their input leave shared cores to the busy ones

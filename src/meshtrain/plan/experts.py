@@ -27,6 +27,16 @@ layer (dropless; an upper bound under a capacity factor, whose dropped rows are 
 A layer that activation checkpointing recomputes runs its forward exchanges again. The count includes the part of
 each buffer a rank sends to itself; the time prices it as nccl-tests do, (ep - 1)/ep of it over the link the ep group
 crosses (inside a node or between nodes, Machine.collective_s), times the imbalance for the busiest rank.
+
+With tp, cp and pp, as the trainer lays them out (models/moe/parallelize.py):
+
+    tp    each MoE layer runs whole on every tp rank, on all of the rank's tokens (gathered in under sequence
+          parallel): the experts' states, saved rows, matmuls and all-to-alls are not divided by tp (shares.py leaves
+          their names unsharded); the block's attention half is cut as a dense block's (plan/activations.py), and the
+          block reduces only its attention's stream (2 all-reduces, plus 2 all-gathers under sequence parallel)
+    cp    each cp rank routes its own positions: N is the tokens a micro-batch puts on the rank (already / cp); the
+          balance loss sums its statistics over cp (balance_loss_collectives)
+    pp    a stage holds, keeps, computes and exchanges its own MoE layers only (Share.parts: the pipeline's split)
 """
 
 from __future__ import annotations
@@ -34,8 +44,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from meshtrain.nn.transformer import AutocastActivations
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan import activations
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.shares import Share
 
@@ -45,16 +57,6 @@ if TYPE_CHECKING:  # for annotations only
 
 FP32 = 4
 INT64 = 8
-
-
-def unpriced(experts: int, dims: ParallelDims) -> str | None:
-    """Why the planner does not price this layout of a mixture of experts (None: it does). Under tp, cp and pp the
-    trainer runs each MoE layer whole on every tp rank, routes each cp rank's positions, splits the layers over
-    stages: memory and time this module does not model yet (the parity tests check those layouts, not their plan)."""
-    if experts and (dims.tp > 1 or dims.cp > 1 or dims.pp > 1):
-        return ("the planner prices a mixture of experts under data and expert parallelism only; its tp, cp and pp "
-                "layouts train (parallel.plan=manual) but are not planned yet")
-    return None
 
 
 def capacity(tokens: int, top_k: int, n_experts: int, factor: float) -> int:
@@ -83,73 +85,113 @@ def routed_rows(facts: ModelFacts, dims: ParallelDims, tokens: int) -> float:
     return float(min(worst, facts.expert_imbalance * tokens * moe.top_k))
 
 
-def checkpointed_layers(cfg: RunConfig, layers: int) -> set[int]:
-    """The blocks activation checkpointing wraps (parallel/checkpointing.py: every `step`-th, the first included)."""
+Parts = tuple[tuple[int, ...], ...]  # the blocks a pp rank runs, one tuple per stage it holds (Share.parts)
+
+
+def whole_model(facts: ModelFacts) -> Parts:
+    """Every block, as one part: a rank without a pipeline."""
+    return (tuple(range(facts.shape.layers)),)
+
+
+def moe_layers_of(facts: ModelFacts, parts: Parts | None) -> list[int]:
+    """The MoE layers among `parts` (the whole model when None): under pp a stage's own."""
+    moe = set(facts.shape.moe.layers)
+    return [i for part in parts or whole_model(facts) for i in part if i in moe]
+
+
+def checkpointed_layers(cfg: RunConfig, parts: Parts) -> set[int]:
+    """The blocks activation checkpointing wraps (parallel/checkpointing.py: in each part, a stage's blocks or the
+    whole model's, every `step`-th counted from its first)."""
     t = cfg.train
     if t.activation_checkpointing == "none":
         return set()
     step = 1 if t.activation_checkpointing == "full" else t.ac_every
-    return {i for i in range(layers) if i % step == 0}
+    return {layer for part in parts for i, layer in enumerate(part) if i % step == 0}
+
+
+def _run_again(facts: ModelFacts, cfg: RunConfig, parts: Parts | None) -> tuple[list[int], int]:
+    """The MoE layers of `parts`, and how many of them activation checkpointing runs forward a second time."""
+    layers = moe_layers_of(facts, parts)
+    return layers, len(checkpointed_layers(cfg, parts or whole_model(facts)) & set(layers))
 
 
 def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine) -> float:
     """Bytes one MoE block saves for backward for one micro-batch of `tokens` tokens on the busiest rank: the part
     that grows with its tokens, and the routed rows its experts compute (ExpertShape's counts; under autocast by the
-    dtype each is kept in, with 16-bit weights under FSDP2's mixed precision, attention in the machine's dtype)."""
+    dtype each is kept in, with 16-bit weights under FSDP2's mixed precision, attention in the machine's dtype).
+    Under tp the block's attention half is cut as a dense block's is (plan/activations.py); the MoE layer runs whole
+    on every tp rank, on all of the rank's tokens (gathered under sequence parallel): its part is not divided."""
     moe = facts.shape.moe
     rows = routed_rows(facts, dims, tokens)
     exchanged = moe.saved_per_row_ep if dims.ep > 1 else 0
-    if cfg.train.dtype not in ("bf16", "fp16") or moe.autocast_per_token is None:
-        return moe.saved_per_token * tokens * FP32 + rows * (moe.saved_per_row + exchanged) * FP32
-    saved = moe.autocast_per_token
-    fp32, low = (saved.fp32_16bit_weights, saved.low_16bit_weights) if _fsdp_mixed(cfg, dims) else (saved.fp32,
-                                                                                                     saved.low)
-    per_token = fp32 * FP32 + low * 2 + saved.attention * (FP32 if machine.cpu else 2)
-    return per_token * tokens + rows * (moe.autocast_per_row * 2 + exchanged * FP32)
+    # the attention half, whose column-parallel linears (attn.*) keep their inputs whole
+    half = activations.per_token_bytes(facts, cfg, dims, machine, moe.attention_per_token, moe.attention_autocast,
+                                       lambda name: ".attn." in name) if moe.attention_per_token else 0.0
+    if not activations.autocast(cfg) or moe.autocast_per_token is None:
+        rest = (moe.saved_per_token - moe.attention_per_token) * FP32
+        return (half + rest) * tokens + rows * (moe.saved_per_row + exchanged) * FP32
+    saved, cut = moe.autocast_per_token, moe.attention_autocast or AutocastActivations(0, 0, 0, 0, 0)
+    if activations.fsdp_mixed(cfg, dims):
+        fp32, low = saved.fp32_16bit_weights - cut.fp32_16bit_weights, saved.low_16bit_weights - cut.low_16bit_weights
+    else:
+        fp32, low = saved.fp32 - cut.fp32, saved.low - cut.low
+    rest = fp32 * FP32 + low * 2 + (saved.attention - cut.attention) * (FP32 if machine.cpu else 2)
+    copies = _weight_casts(facts, cfg, dims)
+    return (half + rest) * tokens + rows * (moe.autocast_per_row * 2 + exchanged * FP32) + copies
 
 
-def _fsdp_mixed(cfg: RunConfig, dims: ParallelDims) -> bool:
-    """FSDP2 gathers 16-bit parameters under autocast, and the blocks' inputs are 16-bit (compose.py's policy)."""
-    return (cfg.train.dtype in ("bf16", "fp16") and backends.get(cfg.train.backend).sharded
-            and dims.size("dp_shard_cp") > 1)
+def _weight_casts(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> float:
+    """The 16-bit copy of this rank's experts that each forward of an MoE layer saves under autocast with fp32
+    weights: its matmuls read slices of the stacked weights (or cast them whole for the grouped GEMM), which
+    autocast's cache of weight casts does not keep, so every micro-batch held keeps its own (none under FSDP2's mixed
+    precision, whose gathered weights are already 16-bit)."""
+    if activations.fsdp_mixed(cfg, dims):
+        return 0.0
+    return 2.0 * 3 * (facts.shape.experts // dims.ep) * facts.shape.width * facts.shape.moe.hidden
 
 
 def kept_activations(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, dense_block: float,
-                     block_input: float, machine: Machine) -> tuple[float, float]:
-    """(what the blocks keep for backward for one micro-batch, the largest block's bytes): each checkpointed block its
-    input, every other its own saved tensors, dense blocks `dense_block`, MoE blocks moe_block_bytes."""
+                     block_input: float, machine: Machine, parts: Parts | None = None) -> tuple[float, float]:
+    """(what the blocks of `parts` keep for backward for one micro-batch, the largest such block's bytes): each
+    checkpointed block its input, every other its own saved tensors, dense blocks `dense_block`, MoE blocks
+    moe_block_bytes."""
+    parts = parts or whole_model(facts)
     moe_layers = set(facts.shape.moe.layers)
     moe_block = moe_block_bytes(facts, cfg, dims, tokens, machine)
-    checkpointed = checkpointed_layers(cfg, facts.shape.layers)
-    kept = sum(block_input if i in checkpointed else moe_block if i in moe_layers else dense_block
-               for i in range(facts.shape.layers))
-    return kept, max(moe_block, dense_block)
+    checkpointed = checkpointed_layers(cfg, parts)
+    mine = [i for part in parts for i in part]
+    own = {i: moe_block if i in moe_layers else dense_block for i in mine}
+    kept = sum(block_input if i in checkpointed else own[i] for i in mine)
+    return kept, max(own.values(), default=0.0)
 
 
 def row_bytes(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int]:
     """Bytes per element of the rows dispatched (the stream's dtype: 16-bit under FSDP2's mixed precision, else fp32)
     and of the outputs combined (the experts' compute dtype: 16-bit under autocast)."""
-    return (2 if _fsdp_mixed(cfg, dims) else FP32), (2 if cfg.train.dtype in ("bf16", "fp16") else FP32)
+    return (2 if activations.fsdp_mixed(cfg, dims) else FP32), (2 if activations.autocast(cfg) else FP32)
 
 
-def all_to_all_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int) -> dict[str, float]:
-    """Bytes a rank passes to all_to_all for one micro-batch of `tokens` tokens, summed over the MoE layers, mean over
-    an ep group (module docstring): {"forward": dispatch + combine + counts, "backward": their gradients,
-    "recompute": the forward exchanges of the layers activation checkpointing runs again}. Nothing without ep."""
+def all_to_all_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int,
+                     parts: Parts | None = None) -> dict[str, float]:
+    """Bytes a rank passes to all_to_all for one micro-batch of `tokens` tokens, summed over the MoE layers of `parts`
+    (a stage's; the whole model's when None), mean over an ep group (module docstring): {"forward": dispatch +
+    combine + counts, "backward": their gradients, "recompute": the forward exchanges of the layers activation
+    checkpointing runs again}. Nothing without ep."""
     if dims.ep == 1:
         return {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
     dispatch, combine = row_bytes(cfg, dims)
     rows = sent_rows(facts, tokens) * facts.shape.width
     forward = rows * (dispatch + combine) + facts.shape.experts * INT64
     backward = rows * (dispatch + combine)
-    layers = facts.shape.moe.layers
-    again = len(checkpointed_layers(cfg, facts.shape.layers) & set(layers))
+    layers, again = _run_again(facts, cfg, parts)
     return {"forward": forward * len(layers), "backward": backward * len(layers), "recompute": forward * again}
 
 
-def all_to_all_s(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine) -> float:
-    """Seconds of one micro-batch's all-to-alls on the busiest rank: each exchange over the ep group's link, its rows
-    scaled by the imbalance (the slowest rank sets the pace), its count exchange at latency."""
+def all_to_all_s(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine,
+                 parts: Parts | None = None) -> float:
+    """Seconds of one micro-batch's all-to-alls on the busiest rank, in the MoE layers of `parts`: each exchange over
+    the ep group's link, its rows scaled by the imbalance (the slowest rank sets the pace), its count exchange at
+    latency."""
     if dims.ep == 1:
         return 0.0
     dispatch, combine = row_bytes(cfg, dims)
@@ -157,23 +199,23 @@ def all_to_all_s(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: 
     one = (machine.collective_s("all_to_all", rows * dispatch, dims, "ep")
            + machine.collective_s("all_to_all", rows * combine, dims, "ep"))
     counts = machine.collective_s("all_to_all", facts.shape.experts * INT64, dims, "ep")
-    layers = facts.shape.moe.layers
-    again = len(checkpointed_layers(cfg, facts.shape.layers) & set(layers))
+    layers, again = _run_again(facts, cfg, parts)
     return (2 * one + counts) * len(layers) + (one + counts) * again
 
 
 def expert_matmul_s(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine,
-                    label: str) -> float:
-    """Seconds of the routed experts' matmuls, forward and backward, of one micro-batch on the busiest rank: 6 FLOPs
-    per multiply-add of its routed rows through three width × hidden matrices, at the machine's rate for one expert's
-    share of the rows (a grouped GEMM runs each expert's rows as one GEMM)."""
+                    label: str, parts: Parts | None = None) -> float:
+    """Seconds of the routed experts' matmuls in the MoE layers of `parts`, forward and backward, of one micro-batch on
+    the busiest rank: 6 FLOPs per multiply-add of its routed rows through three width × hidden matrices, at the
+    machine's rate for one expert's share of the rows (a grouped GEMM runs each expert's rows as one GEMM). Not
+    divided by tp: every tp rank runs the whole MoE layer on the same rows."""
     moe = facts.shape.moe
     rows = routed_rows(facts, dims, tokens)
     local_experts = facts.shape.experts // dims.ep
     per_expert = max(1, round(rows / local_experts))
     width = facts.shape.width
     rate = machine.matmul_rate(label, per_expert, width, moe.hidden)
-    return len(moe.layers) * 3 * 6 * rows * width * moe.hidden / rate
+    return len(moe_layers_of(facts, parts)) * 3 * 6 * rows * width * moe.hidden / rate
 
 
 def expert_dp_collectives(share: Share, cfg: RunConfig, dims: ParallelDims, count: int
@@ -190,3 +232,14 @@ def expert_dp_collectives(share: Share, cfg: RunConfig, dims: ParallelDims, coun
     gathers = count * (2 if chosen.reshard_after_forward else 1)
     gathered = share.expert_local * (2 if cfg.train.dtype != "fp32" else FP32)
     return [("all_gather", "edp", gathered, gathers), ("reduce_scatter", "edp", grads, 1)]
+
+
+def balance_loss_collectives(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, parts: Parts | None, count: int
+                             ) -> list[tuple[str, str, float, float]]:
+    """(op, dim, bytes, times) of the balance loss's sums under cp (models/moe/parallelize.py): each MoE layer's
+    forward all-reduces its E counts, E probability sums and its token count over the cp ranks, autograd's backward
+    once more, a recomputed layer's forward again; per micro-batch."""
+    if dims.cp == 1:
+        return []
+    layers, again = _run_again(facts, cfg, parts)
+    return [("all_reduce", "cp", (2 * facts.shape.experts + 1) * FP32, (2 * len(layers) + again) * count)]

@@ -19,9 +19,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import Cost, predict
-from meshtrain.plan.experts import unpriced
 from meshtrain.plan.machines import Machine
-from meshtrain.plan.systems import PlanError
 from meshtrain.plan.workload import ModelFacts
 
 if TYPE_CHECKING:  # for annotations only
@@ -106,13 +104,10 @@ def layouts(base, world: int, experts: int = 0) -> list:
     return found
 
 
-def check(cfg: RunConfig, world: int, ranks_per_node: int, experts: int = 0) -> ParallelDims:
-    """The layout's dims, or the error `train` would raise for it (or why the planner cannot price it)."""
+def check(cfg: RunConfig, world: int, ranks_per_node: int) -> ParallelDims:
+    """The layout's dims, or the error `train` would raise for it."""
     config_mod.validate(cfg)
-    dims = ParallelDims.from_config(cfg, world, ranks_per_node)
-    if why := unpriced(experts, dims):
-        raise PlanError(why)
-    return dims
+    return ParallelDims.from_config(cfg, world, ranks_per_node)
 
 
 def search(base, nodes: int, per_node: int, machine: Machine, facts: ModelFacts | None = None
@@ -124,7 +119,7 @@ def search(base, nodes: int, per_node: int, machine: Machine, facts: ModelFacts 
     ranked, refused, first_of_kind = [], Counter(), {}
     for cfg in layouts(base, world, facts.shape.experts):
         try:
-            dims = check(cfg, world, per_node, facts.shape.experts)
+            dims = check(cfg, world, per_node)
             cfg = config_mod.with_global_batch(cfg, dims.dp_size)  # its accumulation, where the global batch is set
         except MeshtrainError as e:
             refused[first_of_kind.setdefault(re.sub(r"\d+", "N", str(e)), str(e))] += 1

@@ -29,7 +29,7 @@ from torch import nn
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline_schedules import StageSplit, split_layers, stage_ids
-from meshtrain.parallel.tensor_parallel import SHARDED_BIASES, SHARDED_DIMS
+from meshtrain.parallel.tensor_parallel import SHARDED_BIASES, SHARDED_DIMS, WHOLE_GRADIENTS
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Share:
     root_params: int = 0  # the stage's parameters outside its blocks, after tp (what FSDP gathers for the root)
     expert_params: int = 0  # of params: the routed experts' elements the rank keeps (after ep and their own sharding)
     expert_local: int = 0  # the routed experts' elements after ep, before data-parallel sharding (what edp reduces)
+    parts: tuple[tuple[int, ...], ...] = ()  # the blocks (indices) this pp rank runs, one tuple per stage it holds
 
 
 def chunk(size: int, parts: int, index: int = 0) -> int:
@@ -132,19 +133,22 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
             optimizer = 2 * params
         mine = stage_ids(pp_rank, dims.pp, virtual_stages, schedule) if blocks else [0]
         count = sum(len(blocks[s]) for s in mine) if blocks else _count_blocks(held, split)
+        parts = tuple(tuple(blocks[s]) for s in mine) if blocks else (tuple(range(count)),)
         block_prefix = f"{split.blocks}." if split else None
         # what FSDP gathers for a block: its own parameters, and its experts' unless they are held whole (edp = 1)
         gathered = {n: v for n, v in numel.items() if not is_expert(n) or expert_ranks > 1}
         in_blocks = sum(v for n, v in numel.items() if block_prefix and n.startswith(block_prefix))
         grads = params - _token_sharded_surplus(local, token_sharded_grads, dims.tp) \
             if not chosen.sharded else params  # a sharded backend (FSDP2) keeps gradients shaped as parameters
+        if not (chosen.sharded and dims.size("dp_cp") > 1) and not (split and split.tied):  # FSDP2 does not wrap
+            grads += _whole_gradient_surplus(held, local)
         shares.append(Share(stage=pp_rank, params=params, grads=grads, optimizer=optimizer,
                             stage_params=sum(numel.values()), blocks=count, first=0 in mine,
                             last=n_stages - 1 in mine or dims.pp == 1,
                             block_params=_largest_block(gathered, block_prefix) if block_prefix else 0,
                             tensors=len(held), root_params=sum(numel.values()) - in_blocks,
                             expert_params=sum(v for n, v in kept.items() if is_expert(n)),
-                            expert_local=sum(v for n, v in numel.items() if is_expert(n))))
+                            expert_local=sum(v for n, v in numel.items() if is_expert(n)), parts=parts))
     return shares
 
 
@@ -158,6 +162,11 @@ def _token_sharded_surplus(local: dict[str, tuple[int, ...]], dims_of: Mapping[s
     it arrives as 1/tp of them, sharded over tokens (a DTensor's gradient takes the placement of the stream it met)."""
     return sum(math.prod(local[name]) - math.prod(_shard(local[name], dim, tp))
                for name, dim in dims_of.items() if name in local)
+
+
+def _whole_gradient_surplus(held: dict[str, tuple[int, ...]], local: dict[str, tuple[int, ...]]) -> int:
+    """Elements more than their tp shard that the gradients of tensor_parallel.WHOLE_GRADIENTS hold: all of them."""
+    return sum(math.prod(held[n]) - math.prod(local[n]) for n in held if n.removesuffix(".weight") in WHOLE_GRADIENTS)
 
 
 def _count_blocks(held: dict, split: StageSplit | None) -> int:

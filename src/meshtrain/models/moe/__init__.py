@@ -65,9 +65,16 @@ def _experts_shape(m) -> ExpertShape:
     casts = (5 + k + (2 if shared else 0)) * width  # fp32 weights: each linear's own cast of its input, per choice too
     autocast = AutocastActivations(fp32=fp32, low=casts + 4 * shared, attention=4 * width, fp32_16bit_weights=fp32,
                                    low_16bit_weights=3 * width + 4 * shared)
+    # The attention half: the dense block's count without its SwiGLU (its four hidden tensors; under autocast with
+    # fp32 weights the gate's and up's casts of their input, with 16-bit weights their one shared input)
+    dense, dense_autocast = block_activations(m)
+    mlp = 4 * ffn_hidden(m)
+    attention = dense_autocast._replace(low=dense_autocast.low - 2 * width - mlp,
+                                        low_16bit_weights=dense_autocast.low_16bit_weights - width - mlp)
     return ExpertShape(layers=tuple(moe_layers(m)), top_k=k, hidden=hidden, module="mlp.experts",
                        capacity_factor=m.capacity_factor, saved_per_token=per_token, saved_per_row=width + 4 * hidden,
-                       saved_per_row_ep=4, autocast_per_token=autocast, autocast_per_row=width + 4 * hidden)
+                       saved_per_row_ep=4, autocast_per_token=autocast, autocast_per_row=width + 4 * hidden,
+                       attention_per_token=dense - mlp, attention_autocast=attention)
 
 
 def build_model(cfg: MoERunConfig, data_facts: dict):

@@ -20,7 +20,6 @@ from meshtrain.machine import hardware
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.cost import predict_peak
-from meshtrain.plan.experts import unpriced
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.search import HEADROOM, label
 from meshtrain.plan.workload import ModelFacts
@@ -68,9 +67,6 @@ def _verdict(cfg: RunConfig, dims: ParallelDims, info: DistInfo) -> str | None:
         facts, device = ModelFacts.of(cfg), info.torch_device
     except (registry.RegistryError, ValueError) as e:  # a model the planner cannot build: the run's own checks
         log.info("memory check skipped: %s", e)  # say why, with the fix, as it starts
-        return None
-    if why := unpriced(facts.shape.experts, dims):
-        log.info("memory check skipped: %s", why)
         return None
     machine = Machine("this", info.local_world_size, 0.0, {}, 0.0, 0.0, 0.0, 0.0, 0.0, overlap=False,
                       cpu=device.type == "cpu")
