@@ -8,12 +8,15 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from meshtrain.runtime.results import run_ranks, torchrun_argv
+from meshtrain.runtime.results import ENV as RESULTS
+from meshtrain.runtime.results import Job, read_results, torchrun_argv
+from tests import preloaded
 
 REPO = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[\d;]*m")
@@ -37,8 +40,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 def prepare_data(root: Path, name: str = "shakespeare_char", env: dict[str, str] | None = None) -> Path:
     """`meshtrain prepare NAME --data-root ROOT`, which must succeed; returns ROOT."""
     __tracebackhide__ = True
-    out = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", name, "--data-root", str(root)],
-                         capture_output=True, text=True, env=env or clean_env(), cwd=REPO, timeout=120)
+    out = preloaded.run([sys.executable, "-m", "meshtrain", "prepare", name, "--data-root", str(root)],
+                        env=env or clean_env(), cwd=REPO, timeout=120)
     assert out.returncode == 0, output(out)
     return root
 
@@ -106,16 +109,17 @@ torchrun_cmd = torchrun_argv  # `torchrun --standalone --nproc-per-node N ARGS` 
 
 
 def forked_cmd(nproc: int, *args: str) -> list[str]:
-    """torchrun_cmd's job with its ranks forked from one process that imported torch and meshtrain (forked_ranks.py):
-    the same elastic agent, rendezvous and environment, a third of the CPU on two cores. For the tests whose subject
-    is what the ranks compute; those about the launcher itself (signals, restarts, hangs) run torchrun_cmd."""
+    """torchrun_cmd's job with its ranks forked from a process that imported torch and meshtrain (forked_ranks.py):
+    the same elastic agent, rendezvous and environment, a fraction of the CPU. For the tests whose subject is what
+    the ranks compute; those about the launcher itself (signals, restarts, hangs) run torchrun_cmd."""
     return [sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), *args]
 
 
 def fork_ranks(nproc: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
-    """`-m meshtrain ARGS` on `nproc` forked ranks (forked_cmd); returns the CompletedProcess."""
-    return subprocess.run(forked_cmd(nproc, "-m", "meshtrain", *args), capture_output=True, text=True,
-                          timeout=timeout, env=env or clean_env(), cwd=REPO)
+    """`-m meshtrain ARGS` on `nproc` forked ranks (forked_cmd, itself forked: preloaded.run); returns the
+    CompletedProcess."""
+    return preloaded.run(forked_cmd(nproc, "-m", "meshtrain", *args), env=env or clean_env(), cwd=REPO,
+                         timeout=timeout)
 
 
 def launch_seconds(nproc: int) -> float:
@@ -149,11 +153,9 @@ requires_mpirun = pytest.mark.skipif(
 
 
 def run_driver(script: str | Path, ranks: int, *args: str, timeout: float = 180) -> dict[int, dict[str, dict]]:
-    """The test driver `script ARGS` on `ranks` forked ranks (forked_cmd, meshtrain.runtime.results.run_ranks); it
-    must exit 0.
-    Returns what its ranks recorded: {rank: {case: fields}}. Either failure shows the end of the job's output."""
+    """The test driver `script ARGS` on `ranks` forked ranks (forked_job); it must exit 0. Returns what its ranks recorded: {rank: {case: fields}}. Either failure shows the end of the job's output."""
     __tracebackhide__ = True
-    job = run_ranks(script, ranks, *args, timeout=timeout, env=clean_env(), cwd=REPO, launcher=forked_cmd)
+    job = forked_job(script, ranks, *args, timeout=timeout)
     if job.returncode is None:
         pytest.fail(f"{Path(script).name} {' '.join(args)} ran past {timeout} s:\n{job.output[-4000:]}")
     if job.returncode != 0:
@@ -163,6 +165,18 @@ def run_driver(script: str | Path, ranks: int, *args: str, timeout: float = 180)
         pytest.fail(f"{Path(script).name} {' '.join(args)} exited {job.returncode}\n"
                     + "".join(f"{line}\n" for line in ["not equal:", *unequal] if unequal) + job.output[-4000:])
     return job.results
+
+
+def forked_job(script: str | Path, ranks: int, *args: str, timeout: float) -> Job:
+    """meshtrain.runtime.results.run_ranks's job (what each rank `record`ed, read back), on forked ranks."""
+    with tempfile.TemporaryDirectory(prefix="meshtrain-results-") as folder:
+        try:
+            done = preloaded.run(forked_cmd(ranks, str(script), *args), env=clean_env(**{RESULTS: folder}), cwd=REPO,
+                                 timeout=timeout)
+            code, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as late:
+            code, text = None, (late.stdout or "") + (late.stderr or "")
+        return Job(code, ANSI.sub("", text), read_results(folder))
 
 
 class SharedLaunches:

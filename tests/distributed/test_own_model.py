@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests import preloaded
 from tests.conftest import REPO, clean_env, output, prepare_data
 from tests.unit.test_docs_links import command_lines
 
@@ -57,9 +58,8 @@ def test_the_documented_model_trains_and_samples(package):
     evals = [float(v) for v in re.findall(r"val_loss=([0-9.]+)", output(one))]
     assert len(evals) == 3 and evals[-1] < evals[0] - 0.5, evals
     run_dir = (package / "one" / "tiny" / "ddp" / "latest").resolve()
-    sample = subprocess.run([sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir), "--prompt", "ROMEO:",
-                             "--max-new-tokens", "10"], capture_output=True, text=True, env=clean_env(), cwd=package,
-                            timeout=120)
+    sample = preloaded.run([sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir), "--prompt", "ROMEO:",
+                            "--max-new-tokens", "10"], env=clean_env(), cwd=package, timeout=120)
     assert sample.returncode == 0 and sample.stdout.startswith("ROMEO:"), output(sample)
 
     four = run_as_written(four_ranks, package, f"train.out_dir={package / 'four'}", "train.max_iters=10")

@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from tests.conftest import fork_ranks, output, prepare_data
+from tests.conftest import fork_ranks, forked_job, output, prepare_data
 
 from meshtrain import config as config_mod
 from meshtrain.parallel.mesh import ParallelDims
@@ -38,7 +38,6 @@ def checks(data_root) -> dict[tuple[str, str], validate.Check]:
     one size in one job (`measure --cases`: a start-up of the ranks per size, not per case). `plan --validate` gives
     each its own job for the CUDA allocator's cache; on a CPU each case's storages are counted from its own start."""
     from meshtrain.plan.measured import measure
-    from meshtrain.runtime.results import run_ranks
 
     gpus = machines.from_system(systems.get("polaris"))
     machine = {"fp32": gpus, "bf16": replace(gpus, cpu=True)}  # bf16: as the CPU ranks run it (attention in fp32)
@@ -48,8 +47,8 @@ def checks(data_root) -> dict[tuple[str, str], validate.Check]:
     found = {}
     for ranks in sorted({ranks for ranks, _ in cases.values()}):
         mine = {f"{name} {dtype}": overrides for (name, dtype), (r, overrides) in cases.items() if r == ranks}
-        job = run_ranks(measure.__file__, ranks, "gpt", *base, "--cases", json.dumps(mine), "--steps", "1",
-                        timeout=300)
+        job = forked_job(measure.__file__, ranks, "gpt", *base, "--cases", json.dumps(mine), "--steps", "1",
+                         timeout=300)
         assert job.returncode == 0, job.output[-3000:]
         for case, overrides in mine.items():
             cfg = config_mod.load_config([*base, *overrides], "gpt")
@@ -99,7 +98,6 @@ def test_a_chunked_loss_holds_one_chunk_of_the_logits_as_predicted(tmp_path):
     tensors where backward starts; train.loss_chunk_tokens=64 holds one chunk's, beside the gradients its forward
     made. Both peaks as the planner predicts them (fp32 and bf16), the chunked one a third of the whole's or less."""
     from meshtrain.plan.measured import measure
-    from meshtrain.runtime.results import run_ranks
 
     data_root = prepare_data(tmp_path, "shakespeare")
     base = ["preset=cpu", f"data.root={data_root}", "data.name=shakespeare", "model.dropout=0.0", "model.batch_size=8",
@@ -107,8 +105,8 @@ def test_a_chunked_loss_holds_one_chunk_of_the_logits_as_predicted(tmp_path):
     cases = {"fp32 whole": ["train.dtype=fp32"], "fp32 chunks": ["train.dtype=fp32", "train.loss_chunk_tokens=64"],
              "bf16 chunks": ["train.dtype=bf16", "train.loss_chunk_tokens=64"]}
     # one warm-up step: the head's matmuls over 50,304 words are most of this test's time (bf16 on an AVX2 CPU)
-    job = run_ranks(measure.__file__, 2, "gpt", *base, "--cases", json.dumps(cases), "--steps", "1", "--warmup", "1",
-                    timeout=300)
+    job = forked_job(measure.__file__, 2, "gpt", *base, "--cases", json.dumps(cases), "--steps", "1", "--warmup", "1",
+                     timeout=300)
     assert job.returncode == 0, job.output[-3000:]
     machine = replace(machines.from_system(systems.get("polaris")), cpu=True)  # the ranks: CPUs
     peaks = {}
@@ -129,7 +127,6 @@ def test_a_mixture_of_experts_holds_and_sends_what_the_planner_counts(data_root)
     within 10%, and the bytes the run's dispatch and combine passed to all_to_all in the step (under ep), mean over
     the ranks, are the planner's count to the byte."""
     from meshtrain.plan.measured import measure
-    from meshtrain.runtime.results import run_ranks
 
     base = ["preset=cpu", f"data.root={data_root}", "model.dropout=0.0", "train.dtype=fp32", "model.batch_size=8"]
     cases = {"ddp ep2": ["train.backend=ddp", "parallel.ep=2"],
@@ -137,8 +134,8 @@ def test_a_mixture_of_experts_holds_and_sends_what_the_planner_counts(data_root)
              "ddp tp2": ["train.backend=ddp", "parallel.tp=2"],
              "ddp pp2": ["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=4"],
              "fsdp cp2": ["train.backend=fsdp", "parallel.cp=2"]}
-    job = run_ranks(measure.__file__, 2, "moe", *base, "--cases", json.dumps(cases), "--steps", "1", "--warmup", "1",
-                    timeout=300)
+    job = forked_job(measure.__file__, 2, "moe", *base, "--cases", json.dumps(cases), "--steps", "1", "--warmup", "1",
+                     timeout=300)
     assert job.returncode == 0, job.output[-3000:]
     machine = replace(machines.from_system(systems.get("polaris")), cpu=True)  # the ranks: CPUs
     for case, overrides in cases.items():

@@ -9,11 +9,11 @@ in an order that follows its place in its bucket: the ViT on 4 ranks resumed in 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests import preloaded
 from tests.conftest import REPO, RESUMABLE_GPT, clean_env, fork_ranks, output, rewound_copy
 
 from meshtrain.train.ledger import read_ledger
@@ -78,8 +78,7 @@ def test_a_run_resumed_in_another_layout_goes_on_as_if_uninterrupted(model, requ
         assert read_ledger(split / "ledger.txt") == want_ledger, layout
 
     if model == "gpt":  # export consolidates the last checkpoint of the pipelined run, which sample reads
-        sampled = [subprocess.run([sys.executable, "-m", "meshtrain", *command], capture_output=True, text=True,
-                                  env=clean_env(), cwd=REPO, timeout=120)
+        sampled = [preloaded.run([sys.executable, "-m", "meshtrain", *command], env=clean_env(), cwd=REPO, timeout=120)
                    for command in (["export", "--run", str(split)],
                                    ["sample", "--run", str(split / "model.pt"), "--prompt", "ROMEO:",
                                     "--max-new-tokens", "20", "--seed", "3"],
@@ -88,8 +87,8 @@ def test_a_run_resumed_in_another_layout_goes_on_as_if_uninterrupted(model, requ
         assert all(s.returncode == 0 for s in sampled), "".join(output(s) for s in sampled)
         assert sampled[1].stdout.startswith("ROMEO:") and sampled[1].stdout == sampled[2].stdout
     else:  # export rebuilds any model from its spec; sample generates text only
-        export, sample = (subprocess.run([sys.executable, "-m", "meshtrain", command, "--run", str(split)],
-                                         capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
+        export, sample = (preloaded.run([sys.executable, "-m", "meshtrain", command, "--run", str(split)],
+                                        env=clean_env(), cwd=REPO, timeout=120)
                           for command in ("export", "sample"))
         assert export.returncode == 0, output(export)
         import torch

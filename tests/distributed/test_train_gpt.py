@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests import preloaded
 from tests.conftest import (
     REPO,
     clean_env,
@@ -36,11 +37,13 @@ def data_root(tmp_path_factory) -> Path:
 def train(world: int, data_root: Path, out_dir: Path, *overrides: str, env: dict[str, str] | None = None,
           launcher=forked_cmd):
     """`meshtrain train gpt` of the TINY model: one process, or `world` ranks of `launcher` (forked ranks; the
-    tests of signals and of how ranks start pass torchrun_cmd)."""
+    tests of signals and of how ranks start pass torchrun_cmd, which runs as a process of its own)."""
     args = ["-m", "meshtrain", "train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={out_dir}", *overrides]
-    cmd = launcher(world, *args) if world > 1 else [sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env={**clean_env(), **(env or {})}, cwd=REPO,
-                          timeout=300)
+    env = {**clean_env(), **(env or {})}
+    if launcher is torchrun_cmd and world > 1:
+        return subprocess.run(launcher(world, *args), capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    return preloaded.run(launcher(world, *args) if world > 1 else [sys.executable, *args], env=env, cwd=REPO,
+                         timeout=300)
 
 
 RESUMABLE = ["train.eval_interval=10", "train.log_interval=1", "optimizer.lr_decay_iters=30"]
@@ -344,8 +347,8 @@ def test_a_failed_start_leaves_latest_at_the_good_run_and_auto_resumes_it(data_r
     for command, error in (("sample --run", f"no checkpoint in {latest} (which names {dead}): "),
                            ("export --run", f"no checkpoint in {latest} (which names {dead}): "),
                            ("report", f"nothing to report in {latest} (which names {dead}): ")):
-        said = subprocess.run([sys.executable, "-m", "meshtrain", *command.split(), str(latest)], capture_output=True,
-                              text=True, env=clean_env(), cwd=REPO, timeout=120)
+        said = preloaded.run([sys.executable, "-m", "meshtrain", *command.split(), str(latest)], env=clean_env(),
+                             cwd=REPO, timeout=120)
         lines = output(said).strip().splitlines()
         assert said.returncode != 0 and len(lines) == 1 and error in lines[0], output(said)[-2000:]
         assert lines[0].endswith(f"the newest run {'that did' if command == 'report' else 'with one'} is {good_run}: "

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests import preloaded
 from tests.conftest import REPO, clean_env, fork_ranks, output, prepare_data, rewound_copy
 
 TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
@@ -34,8 +35,7 @@ def rows_of(out_dir: Path) -> list[dict]:
 
 
 def meshtrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=clean_env(),
-                          cwd=REPO, timeout=120)
+    return preloaded.run([sys.executable, "-m", "meshtrain", *args], env=clean_env(), cwd=REPO, timeout=120)
 
 
 def test_llama_trains_under_fsdp_tp_resumes_bit_exactly_exports_and_samples(data_root, tmp_path):

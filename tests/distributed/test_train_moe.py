@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests import preloaded
 from tests.conftest import REPO, clean_env, fork_ranks, output, prepare_data
 
 # The cpu preset made smaller (2 MoE layers after 1 dense), with a bias update fast enough to change routing within
@@ -33,9 +34,8 @@ def rows_of(out_dir: Path, backend: str = "ddp") -> list[dict]:
 
 
 def one_process(data_root: Path, out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain", "train", "moe", *TINY, f"data.root={data_root}",
-                           f"train.out_dir={out_dir}", *overrides], capture_output=True, text=True, env=clean_env(),
-                          cwd=REPO, timeout=180)
+    return preloaded.run([sys.executable, "-m", "meshtrain", "train", "moe", *TINY, f"data.root={data_root}",
+                          f"train.out_dir={out_dir}", *overrides], env=clean_env(), cwd=REPO, timeout=180)
 
 
 def test_one_process_logs_the_routing_and_its_report_draws_it(data_root, tmp_path):

@@ -4,11 +4,11 @@ beats persistence, a resume is bit-exact, and bad input gets one clear error."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests import preloaded
 from tests.conftest import REPO, clean_env, fork_ranks, output
 
 # 4 channels on a 32 x 64 crop in patches of 4: 128 tokens; fp32 and no dropout so layouts can be compared.
@@ -31,8 +31,7 @@ def train(world: int, data: Path, out_dir: Path, *overrides: str, preset: str = 
     args = ["train", "vit", f"preset={preset}", *(SMALL if preset == "tiny" else []), f"data.root={data}",
             f"train.out_dir={out_dir}", *overrides]
     if world == 1:
-        return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True,
-                              env=clean_env(), cwd=REPO, timeout=timeout)
+        return preloaded.run([sys.executable, "-m", "meshtrain", *args], env=clean_env(), cwd=REPO, timeout=timeout)
     return fork_ranks(world, *args, timeout=timeout)
 
 

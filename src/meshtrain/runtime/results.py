@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +44,11 @@ class Job:
 
 
 def run_ranks(script: str | Path, ranks: int, *args: str, timeout: float = 180, env: dict[str, str] | None = None,
-              cwd: str | Path | None = None, launcher: Callable[..., list[str]] = torchrun_argv) -> Job:
-    """torchrun `script ARGS` on `ranks` ranks and collect what they recorded (`launcher(ranks, script, *args)` gives
-    the argv: torchrun's by default). On a timeout the whole job (the launcher and its ranks, one process group) is
-    killed, so no orphaned rank keeps loading the machine."""
+              cwd: str | Path | None = None) -> Job:
+    """torchrun `script ARGS` on `ranks` ranks and collect what they recorded. On a timeout the whole job (torchrun
+    and its ranks, one process group) is killed, so no orphaned rank keeps loading the machine."""
     with tempfile.TemporaryDirectory(prefix="meshtrain-results-") as folder:
-        proc = subprocess.Popen(launcher(ranks, str(script), *args), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(torchrun_argv(ranks, str(script), *args), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env={**(env or os.environ), ENV: folder},
                                 cwd=cwd, start_new_session=True)
         try:
