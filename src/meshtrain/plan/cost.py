@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import experts
-from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed
+from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed, op_block_bytes
 from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.pipeline_time import pipeline_time
@@ -201,9 +201,12 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
             machine: Machine) -> dict[str, float]:
     t, p = cfg.train, cfg.parallel
     block, block_input = block_bytes(facts, cfg, dims, micro.tokens, machine)
-    checkpointed = {"none": 0, "full": share.blocks,
+    checkpointed = {"none": 0, "full": share.blocks, "op": 0,
                     "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
     kept = (share.blocks - checkpointed) * block + checkpointed * block_input
+    op_block = op_block_bytes(facts, cfg, dims, micro.tokens, machine) if t.activation_checkpointing == "op" else 0.0
+    if op_block:  # every block keeps its matmuls' and attention's outputs and its input
+        kept = share.blocks * op_block
     if facts.shape.moe is not None:  # dense and MoE blocks differ (plan/experts.py: the routed rows' bound)
         kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine, share.parts)
     # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
@@ -223,6 +226,8 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     step = 1 if t.activation_checkpointing == "full" else t.ac_every
     if checkpointed and (blocks_per_chunk - 1) % step == 0:  # backward starts by recomputing the last block
         working += block - block_input
+    elif op_block:  # ... or its element-wise ops, beside the outputs it kept (the input among them)
+        working += max(0.0, block - (op_block - block_input))
     if dims.cp > 1 and p.cp_impl == "ring":
         working += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
     working = working if share.blocks else 0.0
@@ -282,17 +287,20 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
         one = machine.attention_s(label, micro.samples, heads // dims.cp, facts.tokens, head_dim, causal=causal)
     attention = share.blocks * one
     block, _ = block_bytes(facts, cfg, dims, tokens, machine)
-    recompute = {"none": 0, "full": 1, "selective": 1 / t.ac_every}[t.activation_checkpointing]
     elementwise = 4 * share.blocks * block / machine.memory_bps
-    forward = matmul + attention + elementwise
-    per_micro = forward * (1 + recompute / 3)
+    forward = matmul + attention + elementwise  # a forward and a backward: a forward is a third of it
+    # what backward runs again: a checkpointed block's whole forward; under `op` only its element-wise ops, whose
+    # traffic (the saved bytes written and read, forward and backward) is `elementwise`, a third of it the forward's
+    recompute = {"none": 0.0, "full": forward / 3, "selective": forward / 3 / t.ac_every,
+                 "op": elementwise / 3}[t.activation_checkpointing]
+    per_micro = forward + recompute
     optimizer_s = 10 * share.params * FP32 / machine.memory_bps
     slowdown = machine.slowdown_under_autocast if autocast(cfg) and machine.slowdown_under_autocast else \
         machine.slowdown
     pipelined, bubble = per_micro * micro.count * slowdown, 0.0
     if dims.pp > 1:  # the schedule played out: ranks waiting for their input leave shared cores to the busy ones
         one_pass = pipeline_time(p.pp_schedule, dims.pp, p.virtual_stages, micro.microbatches, forward / 3,
-                                 forward * (2 + recompute) / 3, slowdown)
+                                 forward * 2 / 3 + recompute, slowdown)
         pipelined, bubble = one_pass.busy * t.grad_accum, (one_pass.makespan - one_pass.busy) * t.grad_accum
     compute = pipelined + optimizer_s * slowdown + _fixed_costs(facts, cfg, dims, share, micro, machine)
 
