@@ -165,15 +165,22 @@ def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) ->
 
 def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share) -> float:
     """Autocast's 16-bit copy of every linear weight this rank runs, cached for the forward and saved for backward
-    (none under FSDP2, whose gathered parameters are already 16-bit)."""
+    (none under FSDP2, whose gathered parameters are already 16-bit). Under op-level checkpointing a block's matmuls
+    save their casts into the checkpoint, which drops them: only the linears outside the blocks keep theirs, and the
+    block backward recomputes first (measured: docs/training.md)."""
     if not autocast(cfg) or fsdp_mixed(cfg, dims):
         return 0.0
-    total = 0
+    outside = in_blocks = 0
     for name, shape in facts.linears:
         if _on_stage(name, facts, share, dims, cfg.parallel):
             out_features, in_features = tp_local_shape(name + ".weight", shape, dims.tp)
-            total += out_features * in_features
-    return 2.0 * total
+            if facts.split and name.startswith(f"{facts.split.blocks}."):
+                in_blocks += out_features * in_features
+            else:
+                outside += out_features * in_features
+    if cfg.train.activation_checkpointing == "op" and share.blocks:
+        in_blocks /= share.blocks  # one block's (the blocks are alike)
+    return 2.0 * (outside + in_blocks)
 
 
 def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro, cpu: bool) -> float:
