@@ -50,8 +50,8 @@ def main() -> None:
                                                     f"train.activation_checkpointing={mode}"], f"{scratch}/{mode}")
                    for mode in ORDER}
         peaks, times = {}, {mode: [] for mode in ORDER}
-        logging.disable(logging.INFO)  # the trainer's start-up lines and legend, once per mode and round
-        with distributed() as info, contextlib.redirect_stdout(io.StringIO()):
+        logging.disable(logging.INFO)  # the set-up's table, the trainer's start-up lines, once per mode and round
+        with contextlib.redirect_stdout(io.StringIO()), distributed() as info:
             for _ in range(args.rounds):
                 for mode, cfg in configs.items():
                     found = measure.measure(cfg, info, warmup=2, steps=args.steps)

@@ -1,6 +1,8 @@
 """Activation checkpointing recomputes exactly what it drops, keeps fewer activations, and renames nothing; `op`
 keeps what the planner counts."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -95,11 +97,12 @@ FACTS = {"meta": {"vocab_size": 65}, "img_size": [32, 64], "channels": 3}
     ("moe", ["preset=cpu"], 0),  # a dense block
     ("moe", ["preset=cpu", "model.top_k=3"], 1),  # an MoE block: its experts' outputs per routed row (N·k, no ep)
 ])
-def test_op_level_checkpointing_keeps_what_the_planner_counts(monkeypatch, name, overrides, layer):
-    """activations.op_block_bytes against what one block keeps under `op` (fp32): the tensors autograd saves
-    outside the checkpoint (the block's input) and the outputs the checkpoint's cache keeps, each storage once,
-    parameters not counted."""
-    spec, cfg = registry.get(name), load_config([*overrides, "train.dtype=fp32"], name)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_op_level_checkpointing_keeps_what_the_planner_counts(monkeypatch, name, overrides, layer, dtype):
+    """activations.op_block_bytes against what one block keeps under `op` (fp32, and bf16 autocast on a CPU with
+    fp32 weights and input): the tensors autograd saves outside the checkpoint (the block's input) and the outputs
+    the checkpoint's cache keeps, each storage once, parameters not counted."""
+    spec, cfg = registry.get(name), load_config([*overrides, f"train.dtype={dtype}"], name)
     torch.manual_seed(0)
     model = spec.build_model(cfg, FACTS)
     blocks = model.blocks if name == "vit" else model.transformer.h
@@ -126,10 +129,11 @@ def test_op_level_checkpointing_keeps_what_the_planner_counts(monkeypatch, name,
     block, tokens = blocks[str(layer)], spec.shape(cfg).tokens
     kwargs = model.block_kwargs(torch.arange(tokens)) if hasattr(model, "block_kwargs") else {}
     x = torch.randn(2, tokens, next(block.parameters()).shape[-1], requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t), torch.autocast("cpu", torch.bfloat16,
+                                                                                     enabled=dtype == "bf16"):
         block(x, **kwargs)
     facts = ModelFacts.of(cfg, FACTS)
     rows = 2 * tokens * facts.shape.moe.top_k if facts.shape.moe else 0
-    machine = machines.from_system(systems.get("polaris"))
+    machine = replace(machines.from_system(systems.get("polaris")), cpu=True)  # attention in fp32, as here
     assert sum(kept.values()) == activations.op_block_bytes(facts, cfg, ParallelDims.resolve(1), 2 * tokens, machine,
                                                             layer, rows)
