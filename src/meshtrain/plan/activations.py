@@ -101,8 +101,9 @@ def op_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens
     row-parallel one's whole, as its local matmul makes it before the reduction) and attention's output and
     log-sum-exp (cut over tp); an MoE block's experts besides keep their grouped GEMMs' outputs (gate, up: the
     expert's hidden width; down: the width) for each of the `rows` routed rows. Matmul outputs are 16-bit under
-    autocast; attention's output is in the dtype attention runs in, its log-sum-exp fp32. Exact for fp32 eager
-    against autograd's saved tensors and the checkpoint's cache (tests/unit/test_registry.py)."""
+    autocast; attention's output is in the dtype attention runs in, its log-sum-exp fp32. Exact at tp = 1, fp32 and
+    bf16 autocast, against autograd's saved tensors and the checkpoint's cache
+    (tests/unit/test_activation_checkpointing.py); under fsdp × tp2 within 1% of the peak measured."""
     shape = facts.shape
     low = 2 if autocast(cfg) else FP32
     prefix = f"{facts.split.blocks}.{layer}." if facts.split else ""

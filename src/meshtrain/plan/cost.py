@@ -204,9 +204,11 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     return micro.tokens * facts.head_features / sharded * per_feature
 
 
-def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
-            machine: Machine) -> dict[str, float]:
-    t, p = cfg.train, cfg.parallel
+def _blocks_kept(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
+                 machine: Machine) -> tuple[float, float, float]:
+    """(what the stage's blocks keep for backward for one micro-batch, what recomputing the block backward starts
+    with adds to it, one block's input)."""
+    t = cfg.train
     block, block_input = block_bytes(facts, cfg, dims, micro.tokens, machine)
     checkpointed = {"none": 0, "full": share.blocks, "op": 0,
                     "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
@@ -216,6 +218,20 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         kept = share.blocks * op_block
     if facts.shape.moe is not None:  # dense and MoE blocks differ (plan/experts.py: the routed rows' bound)
         kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine, share.parts)
+    blocks_per_chunk = share.blocks // (cfg.parallel.virtual_stages if dims.pp > 1 else 1)
+    step = 1 if t.activation_checkpointing == "full" else t.ac_every
+    recomputing = 0.0
+    if checkpointed and (blocks_per_chunk - 1) % step == 0:  # backward starts by recomputing the last block
+        recomputing = block - block_input
+    elif op_block:  # ... or its element-wise ops, beside the outputs it kept (the input among them)
+        recomputing = max(0.0, block - (op_block - block_input))
+    return kept, recomputing, block_input
+
+
+def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
+            machine: Machine) -> dict[str, float]:
+    t, p = cfg.train, cfg.parallel
+    kept, recomputing, block_input = _blocks_kept(facts, cfg, dims, share, micro, machine)
     # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
     # embedding keeps its own input
     virtual = p.virtual_stages if dims.pp > 1 else 1
@@ -228,13 +244,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
     act_bytes = 2 if autocast(cfg) else FP32
-    working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
-    blocks_per_chunk = share.blocks // virtual
-    step = 1 if t.activation_checkpointing == "full" else t.ac_every
-    if checkpointed and (blocks_per_chunk - 1) % step == 0:  # backward starts by recomputing the last block
-        working += block - block_input
-    elif op_block:  # ... or its element-wise ops, beside the outputs it kept (the input among them)
-        working += max(0.0, block - (op_block - block_input))
+    working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes + recomputing
     if dims.cp > 1 and p.cp_impl == "ring":
         working += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
     working = working if share.blocks else 0.0
