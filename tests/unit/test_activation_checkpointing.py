@@ -137,3 +137,12 @@ def test_op_level_checkpointing_keeps_what_the_planner_counts(monkeypatch, name,
     machine = replace(machines.from_system(systems.get("polaris")), cpu=True)  # attention in fp32, as here
     assert sum(kept.values()) == activations.op_block_bytes(facts, cfg, ParallelDims.resolve(1), 2 * tokens, machine,
                                                             layer, rows)
+
+
+def test_an_attention_kernel_that_draws_dropout_is_recomputed_not_kept():
+    """A kept op is not run again, so one that draws from the generator would shift every later dropout's masks."""
+    q = torch.zeros(1, 2, 4, 8)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert checkpointing.op_policy(None, flash, q, q, q, 0.0).name == "MUST_SAVE"
+    assert checkpointing.op_policy(None, flash, q, q, q, dropout_p=0.1).name == "PREFER_RECOMPUTE"
+    assert checkpointing.op_policy(None, torch.ops.aten.gelu.default, q).name == "PREFER_RECOMPUTE"

@@ -11,7 +11,8 @@ plan/measured/measure.py, docs/plan.md):
                  (with sequence parallel all but the two gathered inputs of attention and MLP, without it all but
                  the four norm inputs and outputs); a mixture of experts' MoE blocks by their routed rows
                  (plan/experts.py; plan/activations.py cuts a block over tp); activation checkpointing keeps a
-                 block's input instead; under autocast all but the two norms' inputs are 16-bit. Times the
+                 block's input instead (`op`: its input, matmul and attention outputs, activations.op_block_bytes);
+                 under autocast all but the two norms' inputs are 16-bit. Times the
                  micro-batches the stage holds when a backward starts (`held`: the pipeline schedule's own order)
     head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
                  bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
@@ -33,7 +34,9 @@ Step time, seconds per iteration:
                  runs, timed at its shapes; elsewhere 12 × heads × head_dim × context FLOPs per token), elementwise
                  traffic (activations written and read, the optimizer's 10 passes over the states) at memory
                  bandwidth, all times the slowdown of ranks sharing cores, and the fixed costs per block and
-                 micro-step and per step (calibrated on `this`)
+                 micro-step and per step (calibrated on `this`); activation checkpointing adds a forward per
+                 recomputed block, `op` the forward's third of the element-wise traffic (not the Python cost of its
+                 per-op policy, which shows on small models: docs/parallelism.md)
     comm         each collective's bytes over the bus bandwidth of the link its group crosses (inside a node or
                  between nodes, by the mesh order), plus its latency: data parallel once per iteration, tensor and
                  context parallel per block and micro-step, pipeline sends per micro-batch and stage boundary
