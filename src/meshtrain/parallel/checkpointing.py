@@ -25,12 +25,12 @@ _aten = torch.ops.aten
 # The ops whose outputs `op` keeps: the matmuls (a linear reaches the dispatcher as mm/addmm, or as linear where a
 # backend keeps it whole), the MoE experts' grouped GEMM, and the fused attention kernels. What lies between them is
 # element-wise: cheap to run again, as large to keep as a matmul's output.
-SAVED_OPS = frozenset(op for op in (
+SAVED_OPS = frozenset((
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.linear.default,
-    getattr(_aten, "_grouped_mm", None) and _aten._grouped_mm.default,
+    _aten._grouped_mm.default,
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_cudnn_attention.default,
-) if op is not None)
+))
 
 
 def _draws_random(op, args, kwargs) -> bool:
