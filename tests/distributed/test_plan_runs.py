@@ -22,8 +22,9 @@ LAYOUTS = {  # one of each way of holding a model: replicated, sharded, tensor-p
     "zero1": (2, ["train.backend=zero1"]),
     "fsdp tp2": (4, ["train.backend=fsdp", "parallel.tp=2"]),  # dp 2 × tp 2: FSDP2 shards over 2
     "ddp pp2": (2, ["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=4"]),
+    "ddp op": (2, ["train.backend=ddp", "train.activation_checkpointing=op"]),  # op-level checkpointing's cache
 }
-BF16 = ("ddp", "fsdp tp2")  # also measured under bf16 autocast
+BF16 = ("ddp", "fsdp tp2", "ddp op")  # also measured under bf16 autocast
 BASE = ["preset=cpu", "model.dropout=0.0", "model.batch_size=8"]
 
 

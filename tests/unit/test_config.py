@@ -42,6 +42,8 @@ def test_preset_from_a_yaml_path(tmp_path):
     (["train.straggler_ratio=0.9"], "train.straggler_ratio=0.9: a ratio to the median step, above 1"),
     (["train.straggler_intervals=0"], "train.straggler_intervals=0: must be at least 1"),
     (["train.dtype=fp8"], "train.dtype='fp8': choose one of auto, fp32, bf16, fp16"),
+    (["train.activation_checkpointing=ops"],
+     "train.activation_checkpointing='ops': choose one of none, full, selective, op"),
     (["preset=nope"], "preset=nope: no such preset"),
     (["max_iters"], "overrides are key=value"),
     (["optimizer.min_lr=1"], "need 0 <= min_lr <= lr"),

@@ -118,6 +118,26 @@ def test_checkpointing_sharding_and_pipelines_move_the_terms(data_root):
     assert "tp" in tp.comm_bytes and tp.memory["activations"] < fsdp.memory["activations"]
 
 
+def test_op_level_checkpointing_keeps_the_matmul_outputs_and_recomputes_the_element_wise_ops(data_root):
+    """`op`: each block keeps its input, its linears' outputs and attention's output and log-sum-exp (the count
+    tests/unit/test_activation_checkpointing.py checks against autograd), less than `none` and more than `full`; its
+    recomputation is the element-wise traffic's forward third, less than `full`'s forward. The search lists it."""
+    modes = {}
+    for mode in ("none", "op", "full"):
+        cfg = gpt_config(data_root, "train.dtype=fp32", f"train.activation_checkpointing={mode}")
+        modes[mode] = predict(ModelFacts.of(cfg), cfg, ParallelDims.resolve(1), polaris())
+    m = cfg.model
+    tokens = m.batch_size * m.block_size
+    # q, k, v and the two projections (5w), the MLP's hidden (4w), attention's output (w) and heads, the input (w)
+    per_block = (11 * m.n_embd + m.n_head) * tokens * FP32
+    embedding = m.n_embd * tokens * FP32
+    assert modes["op"].memory["activations"] == pytest.approx(m.n_layer * per_block + embedding)
+    assert modes["full"].memory["activations"] < modes["op"].memory["activations"] < \
+        modes["none"].memory["activations"]
+    assert modes["none"].time["compute"] < modes["op"].time["compute"] < modes["full"].time["compute"]
+    assert {c.train.activation_checkpointing for c in search.layouts(cfg, 2)} == {"none", "selective", "full", "op"}
+
+
 def test_tensor_bytes_counts_each_storage_until_it_dies_in_any_thread():
     tracker = measure.TensorBytes()
     with tracker:

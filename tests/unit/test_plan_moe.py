@@ -262,6 +262,21 @@ def test_under_pp_each_stage_holds_and_keeps_its_own_moe_layers():
     assert experts.checkpointed_layers(selective, ((0, 1, 2, 3),)) == {0, 3}
 
 
+def test_under_op_level_checkpointing_each_block_keeps_its_matmul_and_attention_outputs():
+    """Per token (the module docstring's shapes; each count checked against autograd and the checkpoint's cache in
+    tests/unit/test_activation_checkpointing.py): every block its input 64, q, k, v, o 192 and attention's output
+    and log-sum-exp 64 + 4; the dense block its SwiGLU's 192 + 192 + 64; an MoE block its router 8, shared expert
+    128 + 128 + 64, and per routed row (N·k of them without ep) its experts' gate, up, down 128 + 128 + 64."""
+    cfg, facts = facts_of("train.activation_checkpointing=op")
+    tokens, machine = 8 * cfg.model.block_size, machines.from_system(systems.get("polaris"))
+    dims = ParallelDims.resolve(1)
+    attention = 64 + 192 + 68
+    dense, moe = attention + 448, attention + 8 + 320 + 2 * 320
+    kept, _ = experts.kept_activations(facts, cfg, dims, tokens, 0.0, 0.0, machine)
+    assert kept == (dense + 3 * moe) * tokens * 4
+    assert experts.checkpointed_layers(cfg, ((0, 1), (2, 3))) == {0, 1, 2, 3}  # its exchanges all run again
+
+
 def test_under_tp_an_moe_block_cuts_its_attention_half_only():
     """What an MoE block saves at tp 2: its attention half (the Llama block's count without the SwiGLU: 11 × 64 +
     4 heads + half a head + 2 = 718 a token) cut as a dense block's is (sequence parallel: the two gathered inputs

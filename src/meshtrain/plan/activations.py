@@ -92,3 +92,23 @@ def _autocast_per_token(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, m
 def _first_block_linears(facts: ModelFacts) -> list[tuple[str, tuple[int, int]]]:
     prefix = f"{facts.split.blocks}.0." if facts.split else ""
     return [(n, s) for n, s in facts.linears if n.startswith(prefix)] if prefix else []
+
+
+def op_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine,
+                   layer: int = 0, rows: float = 0.0) -> float:
+    """What block `layer` keeps under op-level checkpointing (parallel/checkpointing.py's `op`) for one micro-batch of
+    `tokens` on this rank: its input, every matmul's output (each linear's: a column-parallel one's cut over tp, a
+    row-parallel one's whole, as its local matmul makes it before the reduction) and attention's output and
+    log-sum-exp (cut over tp); an MoE block's experts besides keep their grouped GEMMs' outputs (gate, up: the
+    expert's hidden width; down: the width) for each of the `rows` routed rows. Matmul outputs are 16-bit under
+    autocast; attention's output is in the dtype attention runs in, its log-sum-exp fp32. Exact at tp = 1, fp32 and
+    bf16 autocast, against autograd's saved tensors and the checkpoint's cache
+    (tests/unit/test_activation_checkpointing.py); under fsdp × tp2 within 1% of the peak measured."""
+    shape = facts.shape
+    low = 2 if autocast(cfg) else FP32
+    prefix = f"{facts.split.blocks}.{layer}." if facts.split else ""
+    outputs = sum(tp_local_shape(name + ".weight", out_in, dims.tp)[0]
+                  for name, out_in in facts.linears if prefix and name.startswith(prefix))
+    attention = shape.width / dims.tp * (FP32 if machine.cpu or not autocast(cfg) else 2) + shape.heads / dims.tp * FP32
+    experts = rows * (2 * shape.moe.hidden + shape.width) * low if shape.moe and layer in shape.moe.layers else 0.0
+    return (outputs * low + attention) * tokens + experts + block_input_bytes(facts, cfg, dims, tokens)

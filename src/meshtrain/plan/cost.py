@@ -11,7 +11,8 @@ plan/measured/measure.py, docs/plan.md):
                  (with sequence parallel all but the two gathered inputs of attention and MLP, without it all but
                  the four norm inputs and outputs); a mixture of experts' MoE blocks by their routed rows
                  (plan/experts.py; plan/activations.py cuts a block over tp); activation checkpointing keeps a
-                 block's input instead; under autocast all but the two norms' inputs are 16-bit. Times the
+                 block's input instead (`op`: its input, matmul and attention outputs, activations.op_block_bytes);
+                 under autocast all but the two norms' inputs are 16-bit. Times the
                  micro-batches the stage holds when a backward starts (`held`: the pipeline schedule's own order)
     head         the last stage's output, what the loss saves of it and its gradient: 3 × tokens × output width × 4
                  bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
@@ -33,7 +34,9 @@ Step time, seconds per iteration:
                  runs, timed at its shapes; elsewhere 12 × heads × head_dim × context FLOPs per token), elementwise
                  traffic (activations written and read, the optimizer's 10 passes over the states) at memory
                  bandwidth, all times the slowdown of ranks sharing cores, and the fixed costs per block and
-                 micro-step and per step (calibrated on `this`)
+                 micro-step and per step (calibrated on `this`); activation checkpointing adds a forward per
+                 recomputed block, `op` the forward's third of the element-wise traffic (not the Python cost of its
+                 per-op policy, which shows on small models: docs/parallelism.md)
     comm         each collective's bytes over the bus bandwidth of the link its group crosses (inside a node or
                  between nodes, by the mesh order), plus its latency: data parallel once per iteration, tensor and
                  context parallel per block and micro-step, pipeline sends per micro-batch and stage boundary
@@ -53,7 +56,7 @@ from typing import TYPE_CHECKING
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import experts
-from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed
+from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed, op_block_bytes
 from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
 from meshtrain.plan.pipeline_time import pipeline_time
@@ -165,15 +168,22 @@ def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) ->
 
 def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share) -> float:
     """Autocast's 16-bit copy of every linear weight this rank runs, cached for the forward and saved for backward
-    (none under FSDP2, whose gathered parameters are already 16-bit)."""
+    (none under FSDP2, whose gathered parameters are already 16-bit). Under op-level checkpointing a block's matmuls
+    save their casts into the checkpoint, which drops them: only the linears outside the blocks keep theirs, and the
+    one block backward recomputes first (counting them all put a bf16 peak 7.4% over the measured one: docs/plan.md)."""
     if not autocast(cfg) or fsdp_mixed(cfg, dims):
         return 0.0
-    total = 0
+    outside = in_blocks = 0
     for name, shape in facts.linears:
         if _on_stage(name, facts, share, dims, cfg.parallel):
             out_features, in_features = tp_local_shape(name + ".weight", shape, dims.tp)
-            total += out_features * in_features
-    return 2.0 * total
+            if facts.split and name.startswith(f"{facts.split.blocks}."):
+                in_blocks += out_features * in_features
+            else:
+                outside += out_features * in_features
+    if cfg.train.activation_checkpointing == "op" and share.blocks:
+        in_blocks /= share.blocks  # one block's (the blocks are alike)
+    return 2.0 * (outside + in_blocks)
 
 
 def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro, cpu: bool) -> float:
@@ -197,15 +207,34 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     return micro.tokens * facts.head_features / sharded * per_feature
 
 
+def _blocks_kept(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
+                 machine: Machine) -> tuple[float, float, float]:
+    """(what the stage's blocks keep for backward for one micro-batch, what recomputing the block backward starts
+    with adds to it, one block's input)."""
+    t = cfg.train
+    block, block_input = block_bytes(facts, cfg, dims, micro.tokens, machine)
+    checkpointed = {"none": 0, "full": share.blocks, "op": 0,
+                    "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
+    kept = (share.blocks - checkpointed) * block + checkpointed * block_input
+    op_block = op_block_bytes(facts, cfg, dims, micro.tokens, machine) if t.activation_checkpointing == "op" else 0.0
+    if op_block:  # every block keeps its matmuls' and attention's outputs and its input
+        kept = share.blocks * op_block
+    if facts.shape.moe is not None:  # dense and MoE blocks differ (plan/experts.py: the routed rows' bound)
+        kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine, share.parts)
+    blocks_per_chunk = share.blocks // (cfg.parallel.virtual_stages if dims.pp > 1 else 1)
+    step = 1 if t.activation_checkpointing == "full" else t.ac_every
+    recomputing = 0.0
+    if checkpointed and (blocks_per_chunk - 1) % step == 0:  # backward starts by recomputing the last block
+        recomputing = block - block_input
+    elif op_block:  # ... or its element-wise ops, beside the outputs it kept (the input among them)
+        recomputing = max(0.0, block - (op_block - block_input))
+    return kept, recomputing, block_input
+
+
 def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
             machine: Machine) -> dict[str, float]:
     t, p = cfg.train, cfg.parallel
-    block, block_input = block_bytes(facts, cfg, dims, micro.tokens, machine)
-    checkpointed = {"none": 0, "full": share.blocks,
-                    "selective": math.ceil(share.blocks / t.ac_every)}[t.activation_checkpointing]
-    kept = (share.blocks - checkpointed) * block + checkpointed * block_input
-    if facts.shape.moe is not None:  # dense and MoE blocks differ (plan/experts.py: the routed rows' bound)
-        kept, block = experts.kept_activations(facts, cfg, dims, micro.tokens, block, block_input, machine, share.parts)
+    kept, recomputing, block_input = _blocks_kept(facts, cfg, dims, share, micro, machine)
     # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
     # embedding keeps its own input
     virtual = p.virtual_stages if dims.pp > 1 else 1
@@ -218,11 +247,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
     act_bytes = 2 if autocast(cfg) else FP32
-    working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
-    blocks_per_chunk = share.blocks // virtual
-    step = 1 if t.activation_checkpointing == "full" else t.ac_every
-    if checkpointed and (blocks_per_chunk - 1) % step == 0:  # backward starts by recomputing the last block
-        working += block - block_input
+    working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes + recomputing
     if dims.cp > 1 and p.cp_impl == "ring":
         working += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
     working = working if share.blocks else 0.0
@@ -282,17 +307,20 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
         one = machine.attention_s(label, micro.samples, heads // dims.cp, facts.tokens, head_dim, causal=causal)
     attention = share.blocks * one
     block, _ = block_bytes(facts, cfg, dims, tokens, machine)
-    recompute = {"none": 0, "full": 1, "selective": 1 / t.ac_every}[t.activation_checkpointing]
     elementwise = 4 * share.blocks * block / machine.memory_bps
-    forward = matmul + attention + elementwise
-    per_micro = forward * (1 + recompute / 3)
+    forward = matmul + attention + elementwise  # a forward and a backward: a forward is a third of it
+    # what backward runs again: a checkpointed block's whole forward; under `op` only its element-wise ops, whose
+    # traffic (the saved bytes written and read, forward and backward) is `elementwise`, a third of it the forward's
+    recompute = {"none": 0.0, "full": forward / 3, "selective": forward / 3 / t.ac_every,
+                 "op": elementwise / 3}[t.activation_checkpointing]
+    per_micro = forward + recompute
     optimizer_s = 10 * share.params * FP32 / machine.memory_bps
     slowdown = machine.slowdown_under_autocast if autocast(cfg) and machine.slowdown_under_autocast else \
         machine.slowdown
     pipelined, bubble = per_micro * micro.count * slowdown, 0.0
     if dims.pp > 1:  # the schedule played out: ranks waiting for their input leave shared cores to the busy ones
         one_pass = pipeline_time(p.pp_schedule, dims.pp, p.virtual_stages, micro.microbatches, forward / 3,
-                                 forward * (2 + recompute) / 3, slowdown)
+                                 forward * 2 / 3 + recompute, slowdown)
         pipelined, bubble = one_pass.busy * t.grad_accum, (one_pass.makespan - one_pass.busy) * t.grad_accum
     compute = pipelined + optimizer_s * slowdown + _fixed_costs(facts, cfg, dims, share, micro, machine)
 

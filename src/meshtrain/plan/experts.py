@@ -105,7 +105,7 @@ def checkpointed_layers(cfg: RunConfig, parts: Parts) -> set[int]:
     t = cfg.train
     if t.activation_checkpointing == "none":
         return set()
-    step = 1 if t.activation_checkpointing == "full" else t.ac_every
+    step = t.ac_every if t.activation_checkpointing == "selective" else 1  # full and op: every block
     return {layer for part in parts for i, layer in enumerate(part) if i % step == 0}
 
 
@@ -154,13 +154,19 @@ def kept_activations(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, toke
                      block_input: float, machine: Machine, parts: Parts | None = None) -> tuple[float, float]:
     """(what the blocks of `parts` keep for backward for one micro-batch, the largest such block's bytes): each
     checkpointed block its input, every other its own saved tensors, dense blocks `dense_block`, MoE blocks
-    moe_block_bytes."""
+    moe_block_bytes; under op-level checkpointing each block its matmuls' and attention's outputs and its input
+    (activations.op_block_bytes, with the routed rows of an MoE block)."""
     parts = parts or whole_model(facts)
     moe_layers = set(facts.shape.moe.layers)
     moe_block = moe_block_bytes(facts, cfg, dims, tokens, machine)
-    checkpointed = checkpointed_layers(cfg, parts)
     mine = [i for part in parts for i in part]
     own = {i: moe_block if i in moe_layers else dense_block for i in mine}
+    if cfg.train.activation_checkpointing == "op":
+        rows = routed_rows(facts, dims, tokens)
+        kept = sum(activations.op_block_bytes(facts, cfg, dims, tokens, machine, i, rows if i in moe_layers else 0.0)
+                   for i in mine)
+        return kept, max(own.values(), default=0.0)
+    checkpointed = checkpointed_layers(cfg, parts)
     kept = sum(block_input if i in checkpointed else own[i] for i in mine)
     return kept, max(own.values(), default=0.0)
 

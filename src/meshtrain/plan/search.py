@@ -25,7 +25,7 @@ from meshtrain.plan.workload import ModelFacts
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
 
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full", "op")
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))  # (schedule, virtual stages per rank)
 HEADROOM = 0.9  # a layout "fits" when its predicted peak is under this share of device memory (allocator slack)
 
