@@ -5,36 +5,34 @@ imported torch and meshtrain once:
     python tests/forked_ranks.py N tests/distributed/layout_check.py CASES...
 
 Why: each rank of a torchrun job is a fresh interpreter that imports torch, DTensor, DCP and torch._dynamo (about
-2.3 CPU seconds of the 3 a small training rank costs), and the suite starts hundreds of ranks on two cores. Forked
-ranks share one import. The ranks are started by torch's own elastic agent (torch.distributed.launcher.api, what
-torchrun runs), with its rendezvous, its environment (RANK, WORLD_SIZE, TORCHELASTIC_*, MASTER_ADDR/PORT) and its
-failure reporting; only the start method differs ("fork" where torchrun execs a new interpreter).
+2.3 CPU seconds of the 3 a small training rank costs), and the suite starts hundreds of ranks on two cores. The ranks
+are started by torch's own elastic agent (torch.distributed.launcher.api, what torchrun runs), with its rendezvous,
+its environment (RANK, WORLD_SIZE, TORCHELASTIC_*, MASTER_ADDR/PORT) and its failure reporting; only the start
+method differs: "forkserver", whose server imports PRELOAD once and forks every rank, where torchrun starts a new
+interpreter for each. Not "fork" from the agent itself: the agent has threads by then (its rendezvous keep-alive, the
+store's server), and a rank forked while one of them held a lock of the C library's waits on it for ever (seen:
+getaddrinfo's resolver lock, 1 job in 16). The server is single-threaded.
 
 Tests whose subject is the launcher itself (signals and restarts, hangs, the examples' launch lines, the documented
-commands, what a rank's memory peaks at) run real torchrun (tests/conftest.py: torchrun_cmd).
+commands) run real torchrun (tests/conftest.py: torchrun_cmd).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import runpy
 import sys
 import uuid
 
-# Imported here, before the fork, so that no rank pays for them again: every module a training rank or a parity
-# driver reaches for (importing one that a job does not use costs this process only).
-import torch  # noqa: F401
-import torch._dynamo  # noqa: F401  (the optimizer's step imports it)
-import torch.distributed.checkpoint  # noqa: F401
-import torch.distributed.fsdp  # noqa: F401
-import torch.distributed.pipelining  # noqa: F401
-import torch.distributed.tensor  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-import meshtrain.commands.train  # noqa: F401
-import meshtrain.plan.measured.auto  # noqa: F401
-import meshtrain.train.trainer  # noqa: F401
+# What the forkserver imports before it forks the ranks: every module a training rank or a parity driver reaches
+# for (one that a job does not use costs the server only).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "torch.distributed.tensor", "meshtrain.commands.train",
+           "meshtrain.plan.measured.auto", "meshtrain.train.trainer"]
 
 
 def rank_main(argv: list[str]) -> None:
@@ -57,9 +55,10 @@ def rank_main(argv: list[str]) -> None:
 
 def main() -> int:
     ranks, argv = int(sys.argv[1]), sys.argv[2:]
+    multiprocessing.set_forkserver_preload(PRELOAD)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
-                          monitor_interval=0.1)
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          start_method="forkserver", monitor_interval=0.1)
     try:
         elastic_launch(config, rank_main)(argv)
     except ChildFailedError as failed:  # the agent has logged each rank's error; the job's exit says it failed

@@ -50,7 +50,8 @@ SHORT_RUN = {"train.max_iters": "2", "train.eval_interval": "2", "train.eval_ite
 TEXT_RUN = {"train.sample_tokens": "4"}
 SMALLER = [(r"--validate \d+", "--validate 1"), (r"--max-bytes \S+", "--max-bytes 64K"),
            (r"num_data_workers=\d+", "num_data_workers=1"), (r"train.profile_start=\d+", "train.profile_start=0"),
-           (r"train.profile_steps=\d+", "train.profile_steps=1"), (r"(examples/ddp_loop.py)", r"\1 --steps 20")]  # it logs every 20th step
+           (r"train.profile_steps=\d+", "train.profile_steps=1"), (r"(examples/ddp_loop.py)", r"\1 --steps 20"),  # it logs every 20th step
+           (r"(activation_checkpointing.py) --rounds \d+ --steps \d+", r"\1 --rounds 1 --steps 1")]
 NOT_HERE = re.compile(r"--rdzv-endpoint node\d")  # hosts of a cluster: the launcher command is built, not run
 # A line of the output that says the command did its job, by what the command is.
 SAID = [(r"--dry-run", r"^(env (\S+=\S+ )+)?(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
@@ -61,7 +62,8 @@ SAID = [(r"--dry-run", r"^(env (\S+=\S+ )+)?(\S*/)?(torchrun|mpiexec|srun|python
         (r"\bplan\b", r"train the first with: meshtrain train"), (r"\breport\b", r"report of \d+ run\(s\)"),
         (r"collectives --demo", r"collectives demo: 12/12 passed on \d+ ranks"),
         (r"collectives --bench", r"all_gather"),
-        (r"ddp_loop.py", r"│ world_size\s+│ \d+\s")]  # and the report of its run, below it
+        (r"ddp_loop.py", r"│ world_size\s+│ \d+\s"),  # and the report of its run, below it
+        (r"activation_checkpointing.py", r"^\| op \| [\d.]+ \|")]
 
 
 def documented_lines() -> list[tuple[str, str]]:
