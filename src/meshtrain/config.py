@@ -39,6 +39,7 @@ Dtype = Literal["auto", "fp32", "bf16", "fp16"]  # auto: machine/precision.py ch
 Profiler = Literal["none", "torch", "nsys"]  # train/profiling.py
 CpImpl = Literal["ring", "ulysses"]  # parallel/context_parallel.py
 Float8 = Literal["off", "tensorwise", "rowwise"]  # parallel/float8.py
+Compile = Literal["off", "blocks", "model"]  # parallel/compose.py; true is blocks, false off (_compile_words)
 Checkpointing = Literal["none", "full", "selective", "op"]  # parallel/checkpointing.py
 Wandb = Literal["off", "offline", "online"]  # train/sinks.py
 PlanMode = Literal["manual", "auto"]  # auto: plan/search.py picks the layout
@@ -75,7 +76,9 @@ class TrainSection:
     backend: str = "ddp"
     # auto (what the device computes natively) | fp32 | bf16 (autocast) | fp16 (autocast + GradScaler, GPU)
     dtype: Annotated[str, Dtype] = "auto"
-    compile: bool = False  # torch.compile the model (NERSC's enable_jit)
+    # torch.compile (NERSC's enable_jit): off | blocks (each block on its own; true says the same: composes with every
+    # layout) | model (the whole model at once, around DDP or FSDP2; no pipeline)
+    compile: Annotated[str, Compile] = "off"
     # none | full (every block recomputed in the backward) | selective (every ac_every-th block)
     activation_checkpointing: Annotated[str, Checkpointing] = "none"
     ac_every: int = 2  # selective: every ac_every-th block is recomputed
@@ -239,6 +242,7 @@ def load_config(overrides: list[str] = (), workload: str = "gpt"):
         except OmegaConfBaseException as e:
             raise _explain(e, schema, item) from None
     run = OmegaConf.to_object(cfg)
+    _compile_words(run)
     _choices_in_lower_case(run)
     _stop_condition_given_wins(run, {item.partition("=")[0] for item in dotted})
     validate(run)
@@ -264,6 +268,13 @@ def _stop_condition_given_wins(cfg: RunConfig, given: set[str]) -> None:
                               "evaluation after each epoch: train.eval_interval=%d)", t.max_iters, t.max_epochs,
                               t.eval_interval)
     t.max_epochs = None
+
+
+def _compile_words(cfg: RunConfig) -> None:
+    """train.compile=true (enable_jit=true, a preset's or an older run's `compile: true`) compiles the blocks; false is
+    off. OmegaConf hands a boolean to the text field as 'True' or 'False'."""
+    word = str(cfg.train.compile).lower()
+    cfg.train.compile = {"true": "blocks", "false": "off"}.get(word, cfg.train.compile)
 
 
 def _choices_in_lower_case(cfg: RunConfig) -> None:
@@ -364,7 +375,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
     if t.profile_start < 0:
         raise ConfigError(f"train.profile_start={t.profile_start}: an iteration number, at least 0")
-    if t.cuda_graphs and not t.compile:
+    if t.cuda_graphs and t.compile == "off":
         raise ConfigError("train.cuda_graphs=true captures through torch.compile: set train.compile=true "
                           "(enable_jit) as well")
     _validate_layout(cfg)
@@ -389,9 +400,14 @@ def _validate_layout(cfg: RunConfig) -> None:
                           + (f" ep={p.ep}" if p.ep > 1 else "") + f": {chosen.alone_because}")
     if p.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: DeepSpeed's ZeRO stages are 1, 2 and 3")
-    if p.pp > 1 and t.compile:
-        raise ConfigError("train.compile=true with parallel.pp > 1: compiling pipeline stages is not supported in "
-                          "this version; set train.compile=false")
+    if t.compile == "model" and p.pp > 1:
+        raise ConfigError("train.compile=model with parallel.pp > 1: each rank runs its pipeline stages apart, so "
+                          "there is no whole model to compile; use train.compile=blocks (or true), which compiles "
+                          "each stage's blocks")
+    if t.compile != "off" and chosen.engine:
+        raise ConfigError(f"train.compile={t.compile} with train.backend={t.backend}: DeepSpeed's engine runs the "
+                          "model itself, and meshtrain compiles nothing inside it; set train.compile=false, or use "
+                          "fsdp/zero2 (whose blocks compile)")
     if t.keep_checkpoints < 0:
         raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints}: 0 keeps all, N keeps the last N")
     if (p.dp_replicate > 1) != chosen.replicas:
@@ -418,5 +434,6 @@ def from_dict(values: dict[str, Any], workload: str = "gpt"):
         run = OmegaConf.to_object(OmegaConf.merge(schema, values))
     except OmegaConfBaseException as e:
         raise _explain(e, schema, "saved config") from None
+    _compile_words(run)
     validate(run)
     return run

@@ -486,20 +486,14 @@ def test_init_from_a_local_hugging_face_gpt2(tmp_path):
     assert evals[0]["val_loss"] == pytest.approx(10.8, abs=0.3), "a random GPT-2 starts near ln(50257)"
 
 
-def inductor_safe_width() -> str:
-    """A model width whose compiled CPU kernels torch 2.13 gets right at this machine's vector width. Its inductor
-    stores a whole vector into some reductions' tails (pytorch/pytorch#196681, open): at 1 thread, a 2-layer GPT
-    compiled here gives NaN at n_embd 32 with 256-bit vectors (AVX2) and corrupts the heap at 48, 64, 96 and 128 with
-    512-bit ones (AVX-512); 32 and 48 are the widths seen right. The test proves meshtrain's compile path, not that."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    return "model.n_embd=48" if pick_vec_isa().bit_width() == 256 else "model.n_embd=32"
-
-
 @pytest.mark.slow
 def test_compile_trains_like_eager(data_root, tmp_path):
+    """train.compile=true (each block compiled) against eager on one process, at a width torch's CPU inductor compiles
+    right: the test proves meshtrain's compile path, not torch's (pytorch/pytorch#196681)."""
+    from meshtrain.machine.hardware import inductor_safe_width
+
     common = ["train.max_iters=4", "train.eval_interval=4", "train.log_interval=1", "model.dropout=0.0",
-              inductor_safe_width()]
+              f"model.n_embd={inductor_safe_width()}"]
     runs = {}
     for name, flag in (("eager", "false"), ("compiled", "true")):
         out = train(1, data_root, tmp_path / name, *common, f"train.compile={flag}")

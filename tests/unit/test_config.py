@@ -14,7 +14,7 @@ def test_seed_command_line_resolves():
                        "model.block_size=1024", "train.max_iters=1000", "train.eval_interval=100",
                        "train.log_interval=10", "train.compile=false"])
     assert (cfg.model.batch_size, cfg.model.block_size, cfg.train.max_iters) == (64, 1024, 1000)
-    assert cfg.data.name == "shakespeare_char" and cfg.train.compile is False and cfg.train.dtype == "bf16"
+    assert cfg.data.name == "shakespeare_char" and cfg.train.compile == "off" and cfg.train.dtype == "bf16"
 
 
 def test_preset_then_overrides_in_order():
@@ -57,6 +57,11 @@ def test_preset_from_a_yaml_path(tmp_path):
     (["train.backend=deepspeed", "train.float8=rowwise"], "train.float8=rowwise with deepspeed"),
     (["train.backend=hsdp"], "parallel.dp_replicate=1 with train.backend=hsdp: replicas of shards are hsdp's"),
     (["train.backend=zero4"], "train.backend='zero4': choose one of ddp, zero1, zero2, fsdp, zero3, hsdp, deepspeed"),
+    # compile: the blocks compose with every layout; the whole model has no pipeline, DeepSpeed's engine neither
+    (["train.compile=model", "parallel.pp=2"], "train.compile=model with parallel.pp > 1: each rank runs its pipeline "
+                                               "stages apart"),
+    (["train.compile=true", "train.backend=deepspeed"], "train.compile=blocks with train.backend=deepspeed"),
+    (["train.compile=fast"], "train.compile='fast': choose one of off, blocks, model"),
 ])
 def test_mistakes_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -86,7 +91,7 @@ def test_vit_presets_mirror_nersc_and_the_square_root_rule_gives_their_learning_
     # NERSC's hand-set rates for batches 64, 256 and 1024 are 1e-3, 2e-3 and 4e-3.
     for name, batch, lr in (("bs64_opt", 64, 1e-3), ("bs256_opt", 256, 2e-3), ("bs1024_opt", 1024, 4e-3)):
         cfg = load_config([f"preset={name}"], "vit")
-        assert cfg.data.global_batch_size == batch and (cfg.train.compile, cfg.optimizer.fused) == (True, True)
+        assert cfg.data.global_batch_size == batch and (cfg.train.compile, cfg.optimizer.fused) == ("blocks", True)
         assert scaled_learning_rates(cfg, batch)[0] == pytest.approx(lr)
     mp = load_config(["preset=mp"], "vit")
     assert (mp.model.embed_dim, mp.parallel.tp, mp.train.backend) == (1024, 4, "fsdp")
@@ -106,7 +111,7 @@ def test_no_preset_hard_codes_bf16_the_hardware_chooses():
 def test_vit_takes_nersc_flag_names():
     cfg = load_config(["preset=tiny", "amp_mode=none", "num_data_workers=4", "enable_fused=true", "enable_jit=true",
                        "global_batch_size=32", "data=/somewhere/era5", "data_loader_config=dali"], "vit")
-    assert (cfg.train.dtype, cfg.data.num_workers, cfg.optimizer.fused, cfg.train.compile) == ("fp32", 4, True, True)
+    assert (cfg.train.dtype, cfg.data.num_workers, cfg.optimizer.fused, cfg.train.compile) == ("fp32", 4, True, "blocks")
     assert (cfg.data.global_batch_size, cfg.data.root, cfg.data.loader) == (32, "/somewhere/era5", "dali")
     assert load_config(["amp_mode=bf16"], "vit").train.dtype == "bf16"
     assert from_dict(to_dict(cfg), "vit") == cfg
@@ -154,6 +159,14 @@ def test_the_stop_condition_given_on_the_command_line_wins_over_the_presets(capl
     with pytest.raises(ConfigError, match=r"train.eval_interval=5: with train.max_epochs=30 \(from the preset\)"):
         load_config(["preset=tiny", "train.eval_interval=5"], "vit")
     assert load_config(["preset=tiny", "train.max_iters=20", "train.eval_interval=5"], "vit").train.eval_interval == 5
+
+
+def test_compile_true_is_blocks_and_they_compose_with_every_layout():
+    assert load_config(["train.compile=true"]).train.compile == "blocks"
+    cfg = load_config(["train.compile=true", "parallel.pp=2", "parallel.tp=2", "train.backend=fsdp",
+                       "train.activation_checkpointing=full"])
+    assert (cfg.train.compile, cfg.parallel.pp) == ("blocks", 2)
+    assert from_dict({**to_dict(cfg), "train": {**to_dict(cfg)["train"], "compile": True}}).train.compile == "blocks"
 
 
 def test_choices_are_read_in_any_case():

@@ -16,7 +16,7 @@ def choice_keys(workload: str) -> dict[str, tuple]:
 
 def test_the_closed_sets_are_choices():
     shared = {"train.dtype", "train.activation_checkpointing", "train.wandb", "train.float8", "train.profile",
-              "parallel.cp_impl", "parallel.plan", "train.memory_check"}
+              "parallel.cp_impl", "parallel.plan", "train.memory_check", "train.compile"}
     assert set(choice_keys("gpt")) == set(choice_keys("llama")) == shared
     assert set(choice_keys("vit")) == shared | {"model.loss", "data.loader"}
     assert choice_keys("gpt")["train.dtype"] == ("auto", "fp32", "bf16", "fp16")
@@ -38,4 +38,4 @@ def test_every_value_of_a_choice_is_taken_and_a_bad_one_names_them_all(workload)
 
 def test_a_yes_or_no_word_stays_a_word_only_where_the_key_holds_text():
     cfg = load_config(["train.wandb=off", "train.float8=off", "train.compile=off", "train.tensorboard=yes"], "gpt")
-    assert (cfg.train.wandb, cfg.train.float8, cfg.train.compile, cfg.train.tensorboard) == ("off", "off", False, True)
+    assert (cfg.train.wandb, cfg.train.float8, cfg.train.compile, cfg.train.tensorboard) == ("off", "off", "off", True)

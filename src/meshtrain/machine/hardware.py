@@ -161,6 +161,17 @@ def _mps_bf16() -> bool:
         return False
 
 
+def inductor_safe_width() -> int:
+    """A GPT width (n_embd) whose CPU kernels torch 2.13's inductor compiles right at this CPU's vector width: for the
+    tests and benchmarks that compile a small GPT on CPU. Its inductor stores a whole vector into some reductions'
+    tails (pytorch/pytorch#196681, open; train/trainer.py names it beside a NaN): at 1 thread, a 2-layer GPT compiled
+    whole gave NaN at n_embd 32 with 256-bit vectors (AVX2) and corrupted the heap at 48, 64, 96 and 128 with 512-bit
+    ones (AVX-512); 32 and 48 are the widths seen right."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return 48 if pick_vec_isa().bit_width() == 256 else 32
+
+
 def host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

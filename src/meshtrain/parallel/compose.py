@@ -5,11 +5,16 @@ public `parallelize`): each step must see what the one before left.
     -> context-parallel attention                     every block's attention kernel over the cp ranks
     -> activation checkpointing                       wraps the blocks tp and cp already changed
     -> float8 linears                                 torchao's, in the blocks (train.float8)
-    -> compile and data parallelism, last of all      DDP over dp×cp, or FSDP2 per block then the part over
+    -> compile each block                             train.compile=blocks (true): every block on its own, in
+                                                      place (its names unchanged), around what tp, cp, AC and
+                                                      float8 made of it (under tp, inside AC: compile_blocks);
+                                                      FSDP2's hooks then run outside its graph
+    -> data parallelism, last of all                  DDP over dp×cp, or FSDP2 per block then the part over
                                                       dp_shard×cp: FSDP shards whatever the others left (tp's
-                                                      DTensors included); compile wraps DDP's module, or FSDP's;
-                                                      experts sharded over ep (expert_parallel.py) are reduced
-                                                      over their edp group instead (FSDP2 shards them over it)
+                                                      DTensors included); experts sharded over ep
+                                                      (expert_parallel.py) are reduced over their edp group instead
+                                                      (FSDP2 shards them over it); train.compile=model compiles the
+                                                      whole part instead, around DDP's module or FSDP's (no pipeline)
 
 A model supplies only its tensor-parallel plan (`tensor_parallel(part, tp_mesh)`) and, for a pipeline, the parts its
 stage split made; the model's layout adds what its forward needs (sequence shards, token bands, a tied embedding).
@@ -48,7 +53,7 @@ class Recipe:
     ac_every: int = 2
     cp_impl: str = "ring"
     float8: str = "off"
-    compile: bool = False
+    compile: str = "off"  # off | blocks | model (config.Compile)
     cuda_graphs: bool | None = None
     param_dtype: torch.dtype | None = None  # FSDP2's compute dtype (gradients reduce in fp32)
     cpu_offload: bool = False
@@ -81,10 +86,10 @@ def apply_model_parallelism(parts: list[nn.Module], blocks: str, recipe: Recipe,
 
 def wrap_data_parallel(parts: list[nn.Module], blocks: str, recipe: Recipe, dims: ParallelDims, mesh,
                        device: torch.device) -> list[nn.Module]:
-    """float8 linears in each part's blocks, then data parallelism (and torch.compile) over each part, last of all.
-    Context-parallel ranks hold the same weights and see the same batch, each a slice of its tokens, so to data
-    parallelism they are replicas whose gradients are averaged: a slice's loss is the mean over its tokens and the
-    slices are equal-sized, so their mean is the whole's."""
+    """float8 linears in each part's blocks, then compile (each block, or the whole part) and data parallelism over
+    each part, last of all. Context-parallel ranks hold the same weights and see the same batch, each a slice of its
+    tokens, so to data parallelism they are replicas whose gradients are averaged: a slice's loss is the mean over its
+    tokens and the slices are equal-sized, so their mean is the whole's."""
     sharded = backends.get(recipe.backend).sharded
     dp_mesh = data_parallel_mesh(mesh, dims, recipe.backend)
     graphs = use_cuda_graphs(recipe, dims, device, sum(q.numel() for part in parts for q in part.parameters()))
@@ -97,14 +102,27 @@ def wrap_data_parallel(parts: list[nn.Module], blocks: str, recipe: Recipe, dims
             log.info("float8 (%s): %d linears of the blocks%s", recipe.float8, swapped,
                      ", their weights gathered in float8 by FSDP2" if gathered and recipe.float8 == "tensorwise"
                      else "")
+        if recipe.compile == "blocks":
+            compile_blocks(part_blocks, inside_checkpoint=dims.tp > 1, options=compile_options)
+        whole = recipe.compile == "model" and not sharded  # DDP: compile around its module; FSDP2: below
         wrapped.append(apply_data_parallel(
-            part if sharded or not recipe.compile else torch.compile(part, **compile_options), recipe.backend,
+            torch.compile(part, **compile_options) if whole else part, recipe.backend,
             device, dims.size("dp_cp"), blocks=part_blocks, mesh=dp_mesh,
             param_dtype=recipe.param_dtype if sharded else None, cpu_offload=recipe.cpu_offload,
             experts=expert_parallel_modules(part), experts_mesh=submesh(mesh, "edp") if mesh is not None else None))
-    if sharded and recipe.compile:  # FSDP first, then compile the sharded model
+    if sharded and recipe.compile == "model":  # FSDP first, then compile the sharded model
         wrapped = [torch.compile(w, **compile_options) for w in wrapped]
+    if recipe.compile != "off":
+        log.info("torch.compile: %s", "each block on its own" if recipe.compile == "blocks" else "the whole model")
     return wrapped
+
+
+def compile_blocks(blocks: list[nn.Module], *, inside_checkpoint: bool, options: dict) -> None:
+    """torch.compile each block in place (the same module, names and FSDP2 unit), around its activation checkpoint
+    (torchtitan's order), or under tensor parallel inside it: torch 2.13's AOT autograd fails to save the DeviceMesh a
+    checkpointed region of DTensors holds ("expected all tensors_saved_with_vc_check to be Tensors")."""
+    for block in blocks:
+        (getattr(block, "_checkpoint_wrapped_module", block) if inside_checkpoint else block).compile(**options)
 
 
 # train.cuda_graphs=null (auto) captures models under this many parameters: their kernels are short, so a step waits on
@@ -117,7 +135,7 @@ def use_cuda_graphs(t, dims: ParallelDims, device: torch.device, params: int) ->
     """train.cuda_graphs, with null (auto) resolved: on for a compiled model of under CUDA_GRAPHS_AUTO_MAX_PARAMS
     parameters trained by one CUDA rank in float32/bf16/fp16 linears (several ranks' collectives, and torchao's float8
     casts, are left out of capture)."""
-    if t.cuda_graphs is not None or device.type != "cuda" or not t.compile:
+    if t.cuda_graphs is not None or device.type != "cuda" or t.compile == "off":
         return bool(t.cuda_graphs)
     chosen = dims.world_size == 1 and t.float8 == "off" and params < CUDA_GRAPHS_AUTO_MAX_PARAMS
     log.info("CUDA graphs: %s (train.cuda_graphs=null: %.1fM parameters on %d rank(s), float8 %s; on for one rank, "

@@ -219,7 +219,7 @@ class Trainer:
             sinks=self.sinks,
             straggler_ratio=t.straggler_ratio, straggler_intervals=t.straggler_intervals)
         self.layout.time_gradient_reduction(every=t.log_interval)
-        self.recorder.divergence_suspect = divergence_suspect(t.compile, self.device)
+        self.recorder.divergence_suspect = divergence_suspect(t.compile != "off", self.device)
         if info.is_main:
             self._log_header()
 
