@@ -23,7 +23,7 @@ import time
 import torch
 
 from meshtrain.models.gpt.model import GPT, GPTConfig
-from meshtrain.models.language import loss_chunk_tokens
+from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.plan.measured.measure import TensorBytes
 
 GPT2 = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304)  # GPT-2 124M
@@ -33,8 +33,8 @@ MIB = 2**20
 
 def variants(extra: int) -> dict[str, int | None]:
     """Name -> tokens a chunk (None: the whole logits)."""
-    return {"off": None, f"auto ({loss_chunk_tokens('auto', GPT2['vocab_size'])})":
-            loss_chunk_tokens("auto", GPT2["vocab_size"]), str(extra): extra}
+    return {"off": None, f"auto ({resolve_loss_chunks('auto', GPT2['vocab_size'])})":
+            resolve_loss_chunks("auto", GPT2["vocab_size"]), str(extra): extra}
 
 
 def batch(shape: dict, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from meshtrain.models.gpt.config import GPTRunConfig
 from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.models.gpt.parallelize import build_gpt_layout
-from meshtrain.models.language import loss_chunk_tokens
+from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.models.llama.config import LlamaRunConfig
 from meshtrain.models.llama.model import Llama, LlamaConfig
 from meshtrain.models.llama.parallelize import build_llama_layout
@@ -120,7 +120,7 @@ def build(cfg, info, case: str = ""):
     torch.manual_seed(0)
     dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
     mesh = dims.build_mesh(info.torch_device.type) if info.world_size > 1 else None
-    config = dataclasses.replace(config, loss_chunks=loss_chunk_tokens(cfg.train.loss_chunks, config.vocab_size))
+    config = dataclasses.replace(config, loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, config.vocab_size))
     layout = build_layout(idle_upper_experts(model_class(config), "idle=true" in case), cfg, dims, mesh,
                           info.torch_device, info.rank)
     optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain import config as config_mod
-from meshtrain.models.language import AUTO_CHUNK_LOGITS, AUTO_VOCAB, loss_chunk_tokens
+from meshtrain.models.language import AUTO_CHUNK_LOGITS, AUTO_VOCAB, resolve_loss_chunks
 from meshtrain.nn import chunked_loss
 from meshtrain.nn.chunked_loss import chunked_cross_entropy
 
@@ -101,11 +101,11 @@ def test_a_decoder_with_a_chunked_loss_trains_as_with_the_whole(model):
 
 def test_auto_chunks_big_vocabularies_only_and_is_the_default():
     assert config_mod.load_config([], "gpt").train.loss_chunks == "auto"
-    assert loss_chunk_tokens("auto", 65) is None and loss_chunk_tokens("auto", AUTO_VOCAB) is None  # characters
-    assert loss_chunk_tokens("auto", 50304) == 320  # GPT-2: 320 × 50,304 fp32 logits, 61 MiB
-    assert loss_chunk_tokens("auto", 128256) == 128 and loss_chunk_tokens("auto", 10**7) == 64  # at least 64
-    assert all(loss_chunk_tokens("auto", v) * 4 * v <= AUTO_CHUNK_LOGITS for v in (8193, 32000, 50304, 128256))
-    assert loss_chunk_tokens("off", 50304) is None and loss_chunk_tokens("100", 65) == 100
+    assert resolve_loss_chunks("auto", 65) is None and resolve_loss_chunks("auto", AUTO_VOCAB) is None  # characters
+    assert resolve_loss_chunks("auto", 50304) == 320  # GPT-2: 320 × 50,304 fp32 logits, 61 MiB
+    assert resolve_loss_chunks("auto", 128256) == 128 and resolve_loss_chunks("auto", 10**7) == 64  # at least 64
+    assert all(resolve_loss_chunks("auto", v) * 4 * v <= AUTO_CHUNK_LOGITS for v in (8193, 32000, 50304, 128256))
+    assert resolve_loss_chunks("off", 50304) is None and resolve_loss_chunks("100", 65) == 100
     build_model = importlib.import_module("meshtrain.models.gpt").build_model
     small = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=8"]
     net = build_model(config_mod.load_config(small, "gpt"), {"meta": {"vocab_size": 50304}})

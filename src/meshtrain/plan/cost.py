@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from meshtrain.models.language import loss_chunk_tokens
+from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import experts
@@ -194,7 +194,8 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     if facts.shape.whole_output:
         return 4 * micro.samples * facts.tokens * facts.head_features * FP32
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
-    chunk = loss_chunk_tokens(cfg.train.loss_chunks, facts.head_features) if hasattr(cfg.train, "loss_chunks") else None
+    chunks = getattr(cfg.train, "loss_chunks", "off")  # a decoder's; the ViT has none
+    chunk = resolve_loss_chunks(chunks, facts.head_features)
     if chunk:  # nn/chunked_loss.py: a chunk's logits and their fp32 probabilities (under autocast, the fp32 copy
         # they are taken from too), beside the fp32 gradients the forward makes for backward (the hidden states' and
         # the output layer's); under tp, of this rank's vocabulary slice, loss parallel or not, pipeline or not

@@ -36,7 +36,7 @@ AUTO_VOCAB = 8192  # train.loss_chunks=auto chunks vocabularies above this many 
 AUTO_CHUNK_LOGITS = 64 * 2**20  # ... in chunks whose fp32 logits take at most this (64 MiB: 320 tokens of GPT-2's)
 
 
-def loss_chunk_tokens(setting: str, vocab_size: int) -> int | None:
+def resolve_loss_chunks(setting: str, vocab_size: int) -> int | None:
     """The tokens a chunk of train.loss_chunks=`setting` holds with `vocab_size` words; None: the whole loss. `auto`:
     whole multiples of 64 tokens (at least 64) whose fp32 logits take at most AUTO_CHUNK_LOGITS, for vocabularies above
     AUTO_VOCAB: one chunk's working set then stays a few hundred MiB at most while its matmul keeps hundreds of rows."""
