@@ -196,10 +196,11 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
     chunks = getattr(cfg.train, "loss_chunks", "off")  # a decoder's; the ViT has none
     chunk = resolve_loss_chunks(chunks, facts.head_features)
-    if chunk:  # nn/chunked_loss.py: a chunk's logits and their fp32 probabilities (under autocast, the fp32 copy
-        # they are taken from too), beside the fp32 gradients the forward makes for backward (the hidden states' and
-        # the output layer's); under tp, of this rank's vocabulary slice, loss parallel or not, pipeline or not
-        per_feature = 2 + 2 * FP32 if autocast(cfg) else 2 * FP32
+    if chunk:  # nn/chunked_loss.py: a chunk's fp32 logits, made into their probabilities and gradient in place
+        # (under autocast: the 16-bit logits, their fp32 copy, the 16-bit gradient), beside the fp32 gradients the
+        # forward makes for backward (the hidden states' and the output layer's); under tp, of this rank's vocabulary
+        # slice, loss parallel or not, pipeline or not
+        per_feature = 2 + FP32 + 2 if autocast(cfg) else FP32
         words = facts.head_features / dims.tp
         return (min(chunk, micro.tokens) * words * per_feature + (words + micro.tokens) * facts.shape.width * FP32)
     # where backward starts: the loss's fp32 log-softmax (saved) and its gradient, and the logits' gradient: fp32 on
