@@ -7,7 +7,7 @@
 Each row is a fresh `meshtrain train gpt preset=gpt2` process with batch 12 x accumulation --accum, changing one
 thing against the first row: bf16 + compile (the goal: MFU >= 50% on an H100), the same tokens in fewer and larger
 micro-batches (no gradient accumulation to add up, fewer launches per token), the largest with its loss in chunks
-(train.loss_chunk_tokens: no whole fp32 logits), float8 linears (torchao, tensorwise and
+(train.loss_chunks=8192: no whole fp32 logits; every other row off, as measured), float8 linears (torchao, tensorwise and
 rowwise scales; `--iters 200 --accum 1` compares their loss with bf16's), eager, fp16 with a GradScaler,
 activation checkpointing of every block, FSDP2 with parameters and optimizer state in pinned host memory
 (one NCCL rank under torchrun), and checkpoints every 5 iterations written synchronously or in the background.
@@ -38,7 +38,7 @@ ROWS = {
     "micro 24 × 2": ["train.dtype=bf16", "train.compile=true", "model.batch_size=24", "train.grad_accum=2"],
     "micro 48 × 1": ["train.dtype=bf16", "train.compile=true", "model.batch_size=48", "train.grad_accum=1"],
     "micro 48 × 1, loss in chunks": ["train.dtype=bf16", "train.compile=true", "model.batch_size=48",
-                                     "train.grad_accum=1", "train.loss_chunk_tokens=8192"],
+                                     "train.grad_accum=1", "train.loss_chunks=8192"],
     "float8 tensorwise": ["train.dtype=bf16", "train.compile=true", "train.float8=tensorwise"],
     "float8 rowwise": ["train.dtype=bf16", "train.compile=true", "train.float8=rowwise"],
     "bf16 eager": ["train.dtype=bf16"],
@@ -88,7 +88,7 @@ def run(name: str, overrides: list[str], data_root: Path, iters: int, accum: int
         run = run_train("gpt", 1, ["preset=gpt2", f"data.root={data_root}", f"train.max_iters={iters}",
                                    f"train.grad_accum={accum}", f"train.log_interval={max(1, min(5, iters // 10))}",
                                    f"train.eval_interval={iters}", "train.eval_iters=5", "optimizer.warmup_iters=10",
-                                   "train.sample_tokens=16", *overrides, *traced],
+                                   "train.sample_tokens=16", "train.loss_chunks=off", *overrides, *traced],
                         torchrun="train.backend=fsdp" in overrides, keep=kept)
     except RuntimeError as failure:
         return {"name": name, "error": str(failure)[-1500:]}

@@ -2,8 +2,10 @@
 
     python -m torch.distributed.run --nproc-per-node N layout_check.py CASE [CASE ...] [--save DIR] [--load DIR]
 
-CASE is `backend:key=value,...` over cfg.parallel (and `ac=full|selective`, `compile=blocks|model`: a compiled case
-runs the model at a width torch's CPU inductor compiles right, machine.hardware.inductor_safe_width), e.g. `fsdp:tp=2`, `ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
+CASE is `backend:key=value,...` over cfg.parallel (and `ac=full|selective`; `compile=blocks|model`: a compiled case
+runs the model at a width torch's CPU inductor compiles right, machine.hardware.inductor_safe_width; `loss_chunks=N`:
+the layout's model computes its loss N tokens at a time, the reference the whole), e.g. `fsdp:tp=2`,
+`ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
 layout's micro-step, tied-embedding, clipping and eval methods — for STEPS steps of ACCUM micro-steps on
 the same global batches as a single-process reference, and compares loss, every gradient (gathered) and
 every parameter after each step (within TOL; a compiled case within COMPILED_TOL: inductor's kernels sum in
@@ -33,6 +35,7 @@ from meshtrain.machine.hardware import inductor_safe_width
 from meshtrain.models.gpt.config import GPTRunConfig
 from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.models.gpt.parallelize import build_gpt_layout
+from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.models.llama.config import LlamaRunConfig
 from meshtrain.models.llama.model import Llama, LlamaConfig
 from meshtrain.models.llama.parallelize import build_llama_layout
@@ -80,6 +83,9 @@ def parse(case: str):
         if key in train_keys:
             setattr(cfg.train, train_keys[key], value)
             continue
+        if key == "loss_chunks":  # train.loss_chunks: the layout's model chunks its loss, the reference does not
+            cfg.train.loss_chunks = value
+            continue
         value = int(value) if key in INTS else (value == "true" if value in ("true", "false") else value)
         setattr(cfg.parallel, key, value)
     return cfg
@@ -124,6 +130,7 @@ def build(cfg, info, case: str = ""):
     torch.manual_seed(0)
     dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
     mesh = dims.build_mesh(info.torch_device.type) if info.world_size > 1 else None
+    config = dataclasses.replace(config, loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, config.vocab_size))
     layout = build_layout(idle_upper_experts(model_class(config), "idle=true" in case), cfg, dims, mesh,
                           info.torch_device, info.rank)
     optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device,

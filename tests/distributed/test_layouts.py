@@ -63,6 +63,11 @@ LAYOUTS = {
         "fsdp:cp=2,ep=2,model=moe",
         "ddp:pp=2,pp_schedule=1f1b,ep=2,model=moe",
         "fsdp:tp=2,ac=selective,compile=blocks",  # fsdp 2 x tp 2: each block compiled around AC, then FSDP2's unit
+        # train.loss_chunks (24 tokens: not a divisor of a micro-step's 64 or a microbatch's 32) against the whole
+        # loss: vocabulary-sharded chunks under fsdp 2 × tp 2 + SP + LP, and in the last stage's forward under tp 2
+        # × pp 2 (FSDP2 over dp 1: the head's weight gathered only inside the stage's forward)
+        "fsdp:tp=2,loss_chunks=24",
+        "fsdp:tp=2,pp=2,pp_schedule=1f1b,loss_chunks=24",
         "fsdp:tp=2"],  # fsdp 2 x tp 2, last: the launch saves its checkpoint for the resharding test
     8: ["fsdp:tp=2,pp=2,pp_schedule=1f1b",  # 3-D: fsdp 2 x tp 2 x pp 2
         "hsdp:dp_replicate=2,tp=2",  # 3-D: replicate 2 x shard 2 x tp 2

@@ -96,15 +96,15 @@ def test_auto_plan_trains_with_the_layout_it_chose(data_root, tmp_path):
 
 def test_a_chunked_loss_holds_one_chunk_of_the_logits_as_predicted(tmp_path):
     """GPT-2's vocabulary on 512 tokens a micro-batch (width 32): the whole-logits loss holds three fp32 [tokens, 50,304]
-    tensors where backward starts; train.loss_chunk_tokens=64 holds one chunk's, beside the gradients its forward
+    tensors where backward starts (train.loss_chunks=off); train.loss_chunks=64 holds one chunk's, beside the gradients its forward
     made. Both peaks as the planner predicts them (fp32 and bf16), the chunked one a third of the whole's or less."""
     from meshtrain.plan.measured import measure
 
     data_root = prepare_data(tmp_path, "shakespeare")
     base = ["preset=cpu", f"data.root={data_root}", "data.name=shakespeare", "model.dropout=0.0", "model.batch_size=8",
             "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "train.backend=ddp"]
-    cases = {"fp32 whole": ["train.dtype=fp32"], "fp32 chunks": ["train.dtype=fp32", "train.loss_chunk_tokens=64"],
-             "bf16 chunks": ["train.dtype=bf16", "train.loss_chunk_tokens=64"]}
+    cases = {"fp32 whole": ["train.dtype=fp32", "train.loss_chunks=off"],
+             "fp32 chunks": ["train.dtype=fp32", "train.loss_chunks=64"], "bf16 chunks": ["train.dtype=bf16", "train.loss_chunks=64"]}
     # one warm-up step: the head's matmuls over 50,304 words are most of this test's time (bf16 on an AVX2 CPU)
     job = forked_job(measure.__file__, 2, "gpt", *base, "--cases", json.dumps(cases), "--steps", "1", "--warmup", "1",
                      timeout=300)

@@ -194,6 +194,14 @@ def decoder_output(logits, x: torch.Tensor, targets: torch.Tensor | None, *, hea
     return out, F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
+def decoder_loss_sum(model: nn.Module, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of a decoder's last block output x through its `transformer.ln_f` and `lm_head`,
+    `config.loss_chunks` tokens at a time: what a pipeline's last stage computes in its forward when the loss is
+    chunked (parallel/pipeline.py). A decoder class takes it as its method `loss_sum`."""
+    return chunked_cross_entropy(model.transformer.ln_f(x), model.lm_head.weight, targets, model.config.loss_chunks,
+                                 reduction="sum")
+
+
 @torch.no_grad()
 def init_gpt2_style(model: nn.Module, n_layer: int) -> None:
     """GPT-2's init: every Linear and Embedding weight ~ N(0, 0.02), biases 0, norms 1; then the residual branches'

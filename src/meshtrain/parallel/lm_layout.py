@@ -37,7 +37,7 @@ from meshtrain.parallel.data_parallel import gradient_sync
 from meshtrain.parallel.expert_parallel import average_gradients, expert_parameters
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelDims, submesh
-from meshtrain.parallel.pipeline import build_pipeline
+from meshtrain.parallel.pipeline import build_pipeline, stage_loss_sum, token_loss_sum
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.parallel.state_dict import full_model_state
 from meshtrain.parallel.tensor_parallel import loss_parallel_context
@@ -154,14 +154,16 @@ def build_language_model_layout(model: nn.Module, cfg: RunConfig, dims: Parallel
     layout = layout_class(model=model, dims=dims, mesh=mesh, rank=rank, split=split, aliases=aliases)
 
     if dims.pp > 1:
+        chunked = getattr(getattr(model, "config", None), "loss_chunks", None)  # train.loss_chunks, resolved
         layout.pipeline = build_pipeline(model, split, submesh(mesh, "pp"), schedule=p.pp_schedule,
                                          microbatches=_microbatches(cfg, dims), virtual_stages=p.virtual_stages,
-                                         device=device)
+                                         device=device, loss_fn=stage_loss_sum if chunked else token_loss_sum)
         parts = layout.pipeline.parts
     else:
         parts = [model]
     # Pipeline stages hand plain tensors to each other and compute the loss in the schedule: no sequence-sharded
-    # stream, no vocab-sharded loss across a stage boundary.
+    # stream, no vocab-sharded loss across a stage boundary (a chunked loss is vocab-sharded under tp all the same:
+    # nn/chunked_loss.py).
     sequence_parallel, loss_parallel = (p.sequence_parallel, p.loss_parallel) if dims.pp == 1 else (False, False)
     recipe = Recipe.of(cfg)
 

@@ -83,8 +83,10 @@ class Stage(nn.Module):
         self.block_ids = tuple(block_ids)
         self.positions: torch.Tensor | None = None  # the tokens' positions when not 0..T-1 (a context-parallel slice)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """First stage: token ids [B, T] -> hidden [B, T, C]; middle: hidden -> hidden; last: -> logits [B, T, V]."""
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: token ids [B, T] -> hidden [B, T, C]; middle: hidden -> hidden; last: -> logits [B, T, V],
+        or, given the microbatch's `targets` (a chunked loss: the pipeline hands them to every stage), the summed
+        loss, which the model's `loss_sum` computes inside this forward, where the head's parameters are gathered."""
         model = self._model
         positions = self.positions
         if positions is None:
@@ -95,7 +97,7 @@ class Stage(nn.Module):
         for block in self.get_submodule(self._blocks).values():
             x = block(x, **kwargs)
         if self.is_last:
-            x = model.logits(x)
+            x = model.logits(x) if targets is None else model.loss_sum(x, targets)
         return x
 
 
@@ -107,6 +109,11 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
             root.add_module(parent, nn.ModuleDict())
         root = root._modules[parent]
     root.add_module(name, module)
+
+
+def stage_loss_sum(loss_sum: torch.Tensor, _targets: torch.Tensor) -> torch.Tensor:
+    """The summed loss the last stage's forward computed (a chunked loss: Stage.forward given targets)."""
+    return loss_sum
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -132,6 +139,7 @@ class Pipeline:
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self._group, self._embed_group, self._embed_on_one_rank = group, embed_group, embed_peer_is_self
         self._loss_sum = loss_sum
+        self._targets_to_stages = loss_sum is stage_loss_sum  # the last stage computes the loss in its forward
         self._loss_divisor: torch.Tensor | float = 1.0
         # Called with True before torch's shape inference and False after: a real forward and backward of garbage
         # (an empty tensor past the first stage) that torch runs before the first step and at every switch between
@@ -235,6 +243,8 @@ class Pipeline:
         args, target = self._inputs(x, y, scale)
         losses: list[torch.Tensor] = []
         extra = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+        if self._targets_to_stages:  # every stage is given them, split into microbatches; the last one uses them
+            extra["targets"] = y.to(self.device)
         getattr(schedule, method)(*args, target=target, losses=losses, **extra)  # no merged logits: loss only
         if not self.is_last:
             return None
@@ -276,8 +286,9 @@ class Pipeline:
                 if owner[s] != me:
                     continue
                 h = args[0][rows] if s == 0 else carried if owner[s - 1] == me else self._recv(owner[s - 1])
-                out = modules[s](h)
-                if s == self.n_stages - 1:
+                last = s == self.n_stages - 1
+                out = modules[s](h, target[rows]) if last and self._targets_to_stages else modules[s](h)
+                if last:
                     total += self._loss_fn(out, target[rows]).float()
                 elif owner[s + 1] == me:
                     carried = out
@@ -381,7 +392,8 @@ def build_pipeline(model: nn.Module, split: StageSplit, pp_mesh, *, schedule: st
 
     Collective: every rank of the job calls it (the embedding groups are created together). `model` is
     taken apart: afterwards it holds only this rank's parts. loss_fn(logits, targets) must return the
-    microbatch's SUMMED loss; the pipeline divides by the number of targets that are not -1.
+    microbatch's SUMMED loss; the pipeline divides by the number of targets that are not -1. loss_fn=stage_loss_sum
+    (a chunked loss): the stages are given the targets too, and the last one's forward returns that sum itself.
     """
     if pp_mesh is None:
         raise PipelineError("build_pipeline needs the pp mesh dim (submesh(mesh, 'pp')); with parallel.pp=1 "

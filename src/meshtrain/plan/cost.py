@@ -53,6 +53,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import experts
@@ -193,13 +194,15 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     if facts.shape.whole_output:
         return 4 * micro.samples * facts.tokens * facts.head_features * FP32
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
-    chunk = getattr(cfg.train, "loss_chunk_tokens", None)
-    if chunk:  # nn/chunked_loss.py: a chunk's logits and their fp32 log-probabilities (under autocast, the fp32 copy
-        # they are taken from too), beside the fp32 gradients the forward makes for backward (the hidden states' and
-        # the output layer's)
-        per_feature = 2 + 2 * FP32 if autocast(cfg) else 2 * FP32
-        return (min(chunk, micro.tokens) * facts.head_features * per_feature +
-                (facts.head_features + micro.tokens) * facts.shape.width * FP32)
+    chunks = getattr(cfg.train, "loss_chunks", "off")  # a decoder's; the ViT has none
+    chunk = resolve_loss_chunks(chunks, facts.head_features)
+    if chunk:  # nn/chunked_loss.py: a chunk's fp32 logits, made into their probabilities and gradient in place
+        # (under autocast: the 16-bit logits, their fp32 copy, the 16-bit gradient), beside the fp32 gradients the
+        # forward makes for backward (the hidden states' and the output layer's); under tp, of this rank's vocabulary
+        # slice, loss parallel or not, pipeline or not
+        per_feature = 2 + FP32 + 2 if autocast(cfg) else FP32
+        words = facts.head_features / dims.tp
+        return (min(chunk, micro.tokens) * words * per_feature + (words + micro.tokens) * facts.shape.width * FP32)
     # where backward starts: the loss's fp32 log-softmax (saved) and its gradient, and the logits' gradient: fp32 on
     # a CPU, 16-bit under autocast on a GPU (measured: docs/plan.md). The logits themselves are gone: the loss kept
     # the log-softmax of its fp32 copy, not them.

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
 from meshtrain.models.gpt.config import GPTRunConfig, validate
+from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.nn.transformer import block_activations, block_autocast_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
@@ -57,10 +58,11 @@ def build_model(cfg: GPTRunConfig, data_facts: dict):
         model = GPT.from_pretrained(t.init_from, override_args={"dropout": m.dropout})
         if m.block_size < model.config.block_size:
             model.crop_block_size(m.block_size)
+        model.config.loss_chunks = resolve_loss_chunks(t.loss_chunks, model.config.vocab_size)
         return model
     return GPT(GPTConfig(block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer,
                          n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, activation=m.activation,
-                         loss_chunk_tokens=t.loss_chunk_tokens))
+                         loss_chunks=resolve_loss_chunks(t.loss_chunks, data_facts["meta"]["vocab_size"])))
 
 
 SPEC = model_spec(__file__, language_model=True, name="gpt",

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.models.language import sampling
-from meshtrain.nn.transformer import ACTIVATIONS, Block, decoder_output, init_gpt2_style
+from meshtrain.nn.transformer import ACTIVATIONS, Block, decoder_loss_sum, decoder_output, init_gpt2_style
 
 # HF config.activation_function -> ours; anything else is refused by from_pretrained.
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
@@ -40,7 +40,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm; False is slightly faster and no worse
     activation: str = "gelu"
-    loss_chunk_tokens: int | None = None  # the head and loss over this many tokens at a time (nn/chunked_loss.py)
+    loss_chunks: int | None = None  # the head and loss over this many tokens at a time (nn/chunked_loss.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -98,6 +98,8 @@ class GPT(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.ln_f(x))
 
+    loss_sum = decoder_loss_sum  # a pipeline's last stage under train.loss_chunks
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):
         """idx [B, T] token ids -> (logits, loss).
@@ -110,7 +112,7 @@ class GPT(nn.Module):
         for block in self.transformer.h.values():
             x = block(x)
         return decoder_output(self.logits, x, targets, head=self.lm_head, norm=self.transformer.ln_f,
-                              chunk_tokens=self.config.loss_chunk_tokens)
+                              chunk_tokens=self.config.loss_chunks)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count, the tied embedding counted once.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtrain.config import ConfigError, TrainSection, check_positive
+from meshtrain.config import ConfigError, TrainSection
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -25,10 +25,28 @@ class TextTrainSection(TrainSection):  # the sample written after each evaluatio
     sample_tokens: int = 200  # tokens it generates
     temperature: float = 0.8  # the logits are divided by it before sampling; 0: greedy
     top_k: int | None = 200  # sample among the k likeliest tokens only; null: among all
-    # The output layer and the loss over this many tokens at a time (nn/chunked_loss.py): the [tokens, vocabulary]
-    # logits and their fp32 loss tensors never whole (GPT-2's 50,304 words: 491 KiB a token under autocast); null:
-    # all of a micro-batch's at once
-    loss_chunk_tokens: int | None = None
+    # The output layer and the loss a chunk of tokens at a time (nn/chunked_loss.py), so that the [tokens, vocabulary]
+    # logits and their fp32 loss tensors never exist whole (GPT-2's 50,304 words: 491 KiB a token under autocast):
+    # auto (chunks of AUTO_CHUNK_LOGITS bytes of fp32 logits, for vocabularies above AUTO_VOCAB words; off below) |
+    # N tokens a chunk | off (all of a micro-batch's at once)
+    loss_chunks: str = "auto"
+
+
+AUTO_VOCAB = 8192  # train.loss_chunks=auto chunks vocabularies above this many words: GPT-2's, Llama's; not characters
+AUTO_CHUNK_LOGITS = 64 * 2**20  # ... in chunks whose fp32 logits take at most this (64 MiB: 320 tokens of GPT-2's)
+
+
+def resolve_loss_chunks(setting: str, vocab_size: int) -> int | None:
+    """The tokens a chunk of train.loss_chunks=`setting` holds with `vocab_size` words; None: the whole loss. `auto`:
+    whole multiples of 64 tokens (at least 64) whose fp32 logits take at most AUTO_CHUNK_LOGITS, for vocabularies above
+    AUTO_VOCAB: one chunk's working set then stays a few hundred MiB at most while its matmul keeps hundreds of rows."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return int(setting)
+    if vocab_size <= AUTO_VOCAB:
+        return None
+    return max(64, AUTO_CHUNK_LOGITS // (4 * vocab_size) // 64 * 64)
 
 
 def validate_text_training(cfg: RunConfig) -> None:
@@ -36,10 +54,8 @@ def validate_text_training(cfg: RunConfig) -> None:
     if cfg.train.max_epochs is not None:
         raise ConfigError("train.max_epochs is for the vit workload: a language model samples random windows, which "
                           "have no epochs; set train.max_iters instead")
-    chunk, p = cfg.train.loss_chunk_tokens, cfg.parallel
-    check_positive({"train.loss_chunk_tokens": chunk})
-    if chunk and (p.tp > 1 or p.pp > 1):
-        why = ("loss parallel already keeps the logits sharded over the vocabulary" if p.tp > 1 else
-               "a pipeline's last stage computes the loss of its own micro-batches")
-        raise ConfigError(f"train.loss_chunk_tokens={chunk} with parallel.{'tp' if p.tp > 1 else 'pp'}="
-                          f"{p.tp if p.tp > 1 else p.pp}: {why}; set train.loss_chunk_tokens=null")
+    chunks = str(cfg.train.loss_chunks).strip().lower()
+    if chunks not in ("auto", "off") and not (chunks.isdigit() and int(chunks) >= 1):
+        raise ConfigError(f"train.loss_chunks={cfg.train.loss_chunks}: must be auto, off or a number of tokens a chunk "
+                          "(at least 1)")
+    cfg.train.loss_chunks = chunks

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
+from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.models.llama.config import LlamaRunConfig, ffn_hidden, validate
 from meshtrain.nn.transformer import AutocastActivations
 from meshtrain.parallel.pipeline_schedules import StageSplit
@@ -64,7 +65,8 @@ def build_model(cfg: LlamaRunConfig, data_facts: dict):
     m = cfg.model
     return Llama(LlamaConfig(block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer,
                              n_head=m.n_head, n_kv_head=m.n_kv_head, n_embd=m.n_embd, ffn_hidden=ffn_hidden(m),
-                             rope_theta=m.rope_theta, dropout=m.dropout, loss_chunk_tokens=cfg.train.loss_chunk_tokens))
+                             rope_theta=m.rope_theta, dropout=m.dropout,
+                             loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, data_facts["meta"]["vocab_size"])))
 
 
 def _workload(cfg: RunConfig, info, dims):

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.models.language import sampling
-from meshtrain.nn.transformer import Attention, decoder_output, init_gpt2_style, rope_tables
+from meshtrain.nn.transformer import Attention, decoder_loss_sum, decoder_output, init_gpt2_style, rope_tables
 
 
 @dataclass
@@ -37,7 +37,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
-    loss_chunk_tokens: int | None = None  # the head and loss over this many tokens at a time (nn/chunked_loss.py)
+    loss_chunks: int | None = None  # the head and loss over this many tokens at a time (nn/chunked_loss.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden"):
@@ -120,6 +120,8 @@ class Llama(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.ln_f(x))
 
+    loss_sum = decoder_loss_sum  # a pipeline's last stage under train.loss_chunks
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):
         """idx [B, T] token ids -> (logits, loss), as GPT.forward: with targets, logits [B, T, V] and the mean
@@ -132,7 +134,7 @@ class Llama(nn.Module):
         for block in self.transformer.h.values():
             x = block(x, **kwargs)
         return decoder_output(self.logits, x, targets, head=self.lm_head, norm=self.transformer.ln_f,
-                              chunk_tokens=self.config.loss_chunk_tokens)
+                              chunk_tokens=self.config.loss_chunks)
 
     # ---- counts, optimizer groups, sampling --------------------------------------------------------------------
     def num_params(self, non_embedding: bool = True) -> int:

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
+from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.models.llama import SPLIT, block_activations
 from meshtrain.models.llama.config import ffn_hidden
 from meshtrain.models.moe.config import MoERunConfig, expert_hidden, moe_layers, validate
@@ -85,8 +86,9 @@ def build_model(cfg: MoERunConfig, data_facts: dict):
     return MoEDecoder(MoEConfig(
         block_size=m.block_size, vocab_size=data_facts["meta"]["vocab_size"], n_layer=m.n_layer, n_head=m.n_head,
         n_kv_head=m.n_kv_head, n_embd=m.n_embd, ffn_hidden=ffn_hidden(m), rope_theta=m.rope_theta, dropout=m.dropout,
-        loss_chunk_tokens=cfg.train.loss_chunk_tokens, n_experts=m.n_experts, top_k=m.top_k,
-        expert_hidden=expert_hidden(m), n_shared_experts=m.n_shared_experts, moe_layers=tuple(moe_layers(m)),
+        loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, data_facts["meta"]["vocab_size"]),
+        n_experts=m.n_experts, top_k=m.top_k, expert_hidden=expert_hidden(m), n_shared_experts=m.n_shared_experts,
+        moe_layers=tuple(moe_layers(m)),
         score=m.score, norm_topk=m.norm_topk, route_scale=m.route_scale, balance_coef=m.balance_coef,
         capacity_factor=m.capacity_factor, expert_matmul=m.expert_matmul))
 
