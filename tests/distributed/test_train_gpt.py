@@ -486,23 +486,6 @@ def test_init_from_a_local_hugging_face_gpt2(tmp_path):
     assert evals[0]["val_loss"] == pytest.approx(10.8, abs=0.3), "a random GPT-2 starts near ln(50257)"
 
 
-@pytest.mark.slow
-def test_compile_trains_like_eager(data_root, tmp_path):
-    """train.compile=true (each block compiled) against eager on one process, at a width torch's CPU inductor compiles
-    right: the test proves meshtrain's compile path, not torch's (pytorch/pytorch#196681)."""
-    from meshtrain.machine.hardware import inductor_safe_width
-
-    common = ["train.max_iters=4", "train.eval_interval=4", "train.log_interval=1", "model.dropout=0.0",
-              f"model.n_embd={inductor_safe_width()}"]
-    runs = {}
-    for name, flag in (("eager", "false"), ("compiled", "true")):
-        out = train(1, data_root, tmp_path / name, *common, f"train.compile={flag}")
-        assert out.returncode == 0, output(out)[-3000:]
-        runs[name] = [r["loss"] for r in metrics_of(run_dir_of(tmp_path / name)) if "loss" in r]
-    assert len(runs["eager"]) == 4
-    assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
-
-
 # ddp: the preemption, fault-drill and failed-start tests above; FSDP2's own checkpoint (fsdp, and zero2, which saves the same
 # sharded state): the offloaded case here, test_train_llama.py (fsdp × tp) and test_resume_anywhere.py
 @pytest.mark.parametrize("backend,world,extra", [
