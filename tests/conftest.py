@@ -76,7 +76,7 @@ def uninterrupted_gpt(tmp_path_factory) -> tuple[Path, Path]:
     data_root = prepare_data(tmp_path_factory.mktemp("resumable_gpt_data"))
     out_dir = tmp_path_factory.mktemp("uninterrupted_gpt")
     run = fork_ranks(4, *RESUMABLE_GPT, f"data.root={data_root}", f"train.out_dir={out_dir}", "train.backend=ddp",
-                   "train.async_checkpoint=true", timeout=300)
+                     "train.async_checkpoint=true", timeout=300)
     assert run.returncode == 0, output(run)[-3000:]
     return data_root, (out_dir / "gpt" / "ddp" / "latest").resolve()
 
@@ -109,7 +109,7 @@ torchrun_cmd = torchrun_argv  # `torchrun --standalone --nproc-per-node N ARGS` 
 
 
 def forked_cmd(nproc: int, *args: str) -> list[str]:
-    """torchrun_cmd's job with its ranks forked from a process that imported torch and meshtrain (forked_ranks.py):
+    """torchrun_cmd's job with its ranks forked from a server that imported torch and meshtrain (forked_ranks.py):
     the same elastic agent, rendezvous and environment, a fraction of the CPU. For the tests whose subject is what
     the ranks compute; those about the launcher itself (signals, restarts, hangs) run torchrun_cmd."""
     return [sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), *args]
@@ -153,7 +153,8 @@ requires_mpirun = pytest.mark.skipif(
 
 
 def run_driver(script: str | Path, ranks: int, *args: str, timeout: float = 180) -> dict[int, dict[str, dict]]:
-    """The test driver `script ARGS` on `ranks` forked ranks (forked_job); it must exit 0. Returns what its ranks recorded: {rank: {case: fields}}. Either failure shows the end of the job's output."""
+    """The test driver `script ARGS` on `ranks` forked ranks (forked_job); it must exit 0. Returns what its ranks
+    recorded: {rank: {case: fields}}. Either failure shows the end of the job's output."""
     __tracebackhide__ = True
     job = forked_job(script, ranks, *args, timeout=timeout)
     if job.returncode is None:

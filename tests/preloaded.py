@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-           "torch.distributed.pipelining", "torch.distributed.tensor", "torch.distributed.launcher.api",
-           "meshtrain.commands.train", "meshtrain.plan.measured.auto", "meshtrain.train.trainer", "tests.preloaded"]
+from tests.forked_ranks import PRELOAD as RANK_MODULES
+
+PRELOAD = [*RANK_MODULES, "torch.distributed.launcher.api", "tests.forked_ranks", "tests.preloaded"]
 _server: multiprocessing.context.BaseContext | None = None
 
 
