@@ -5,17 +5,19 @@
     python benchmarks/gpt2_gpu_features.py --rows bf16+compile --profile     # and the kernels of one iteration
 
 Each row is a fresh `meshtrain train gpt preset=gpt2` process with batch 12 x accumulation --accum, changing one
-thing against the first row: bf16 + compile (the goal: MFU >= 50% on an H100), the same tokens in fewer and larger
-micro-batches (no gradient accumulation to add up, fewer launches per token), the largest with its loss in chunks
-(train.loss_chunks=8192: no whole fp32 logits; every other row off, as measured), float8 linears (torchao, tensorwise and
-rowwise scales; `--iters 200 --accum 1` compares their loss with bf16's), eager, fp16 with a GradScaler,
+thing against the first row: bf16 + compile of each block (the goal: MFU >= 50% on an H100), the whole model
+compiled as one graph, the same tokens in fewer and larger micro-batches (no gradient accumulation to add up, fewer
+launches per token), the loss in chunks (train.loss_chunks: no whole fp32 logits; every row without it says off, as
+measured), batch 8 with and without it, op-level and every-other-block activation checkpointing, float8 linears
+(torchao, tensorwise and rowwise scales; `--iters 200 --accum 1` compares their loss with bf16's), eager, fp16 with a GradScaler,
 activation checkpointing of every block, FSDP2 with parameters and optimizer state in pinned host memory
 (one NCCL rank under torchrun), and checkpoints every 5 iterations written synchronously or in the background.
 
 tokens/s and MFU (against the run's own peak: the datasheet's, for a GPU in the table) are medians over the
 logged iterations after the first third (compilation happens in those; a logged iteration synchronises the GPU
 around its sections, the others do not); val loss is the evaluation after the last iteration; memory is the CUDA allocator's high
-watermark (max_memory_allocated). For the checkpoint rows, "train s" is the wall time from the first to the last
+watermark (max_memory_allocated); data wait is the median share of an iteration the slowest rank spent taking its
+batches. For the checkpoint rows, "train s" is the wall time from the first to the last
 logged iteration, which a synchronous save stalls and a background one should not.
 """
 
@@ -39,6 +41,14 @@ ROWS = {
     "micro 48 × 1": ["train.dtype=bf16", "train.compile=true", "model.batch_size=48", "train.grad_accum=1"],
     "micro 48 × 1, loss in chunks": ["train.dtype=bf16", "train.compile=true", "model.batch_size=48",
                                      "train.grad_accum=1", "train.loss_chunks=8192"],
+    "compile whole model": ["train.dtype=bf16", "train.compile=model"],
+    "loss in chunks (auto)": ["train.dtype=bf16", "train.compile=true", "train.loss_chunks=auto"],
+    "whole model + loss in chunks (auto)": ["train.dtype=bf16", "train.compile=model", "train.loss_chunks=auto"],
+    "batch 8 × 1": ["train.dtype=bf16", "train.compile=true", "model.batch_size=8", "train.grad_accum=1"],
+    "batch 8 × 1 + loss in chunks (auto)": ["train.dtype=bf16", "train.compile=true", "model.batch_size=8",
+                                            "train.grad_accum=1", "train.loss_chunks=auto"],
+    "AC op": ["train.dtype=bf16", "train.compile=true", "train.activation_checkpointing=op"],
+    "AC selective": ["train.dtype=bf16", "train.compile=true", "train.activation_checkpointing=selective"],
     "float8 tensorwise": ["train.dtype=bf16", "train.compile=true", "train.float8=tensorwise"],
     "float8 rowwise": ["train.dtype=bf16", "train.compile=true", "train.float8=rowwise"],
     "bf16 eager": ["train.dtype=bf16"],
@@ -97,6 +107,7 @@ def run(name: str, overrides: list[str], data_root: Path, iters: int, accum: int
             "mfu": statistics.median(r["mfu"] for r in steady), "mem": max(r["mem_gb"] for r in steps),
             "ms": statistics.median(r["dt"] for r in steady) * 1e3, "train_s": steps[-1]["time"] - steps[0]["time"],
             "loss": steps[-1]["loss"], "val": run.evals()[-1]["val_loss"],
+            "data": statistics.median(r["ranks"]["data"]["max"] / r["dt"] for r in steady) * 100,
             **({"profile": kernel_profile(kept / "profile" / "trace_rank0.json")} if profile else {})}
 
 
@@ -135,15 +146,15 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     print(f"\nGPT-2 124M, block 1024, batch 12 x accumulation {args.accum}, {args.iters} iterations, one "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| row | ms/iter | tokens/s | × first | MFU | max memory allocated | train s | last loss | val loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| row | ms/iter | tokens/s | × first | MFU | max memory allocated | data wait | train s | last loss | val loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     first = next((r for r in results if "tps" in r), None)
     for r in results:
         if "error" in r:
-            print(f"| {r['name']} | failed: {r['error'].splitlines()[-1]} ||||||||")
+            print(f"| {r['name']} | failed: {r['error'].splitlines()[-1]} |||||||||")
             continue
         print(f"| {r['name']} | {r['ms']:.1f} | {r['tps']:,.0f} | {r['tps'] / first['tps']:.2f}× | {r['mfu']:.1f}% | "
-              f"{r['mem']:.2f} GiB | {r['train_s']:.1f} | {r['loss']:.3f} | {r['val']:.4f} |")
+              f"{r['mem']:.2f} GiB | {r['data']:.2f}% | {r['train_s']:.1f} | {r['loss']:.3f} | {r['val']:.4f} |")
     for r in results:
         if "profile" in r:
             print_profile(r)

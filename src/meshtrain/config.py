@@ -112,8 +112,8 @@ class TrainSection:
     peak_flops: float | None = None  # FLOP/s per device for MFU; default: the device table or a measurement
     tensorboard: bool = False  # also write TensorBoard event files (the [tensorboard] extra)
     wandb: Annotated[str, Wandb] = "off"  # Weights & Biases: off | offline (no network; `wandb sync` later) | online
-    # with compile: capture steps as CUDA graphs (torch.compile mode reduce-overhead); null (auto): on one CUDA rank for a
-    # small model, whose step is launch-bound (parallel/compose.py: use_cuda_graphs)
+    # with compile=model: capture steps as CUDA graphs (torch.compile mode reduce-overhead); null (auto): on one CUDA rank
+    # for a small model, whose step is launch-bound (parallel/compose.py: use_cuda_graphs)
     cuda_graphs: bool | None = None
     # off | tensorwise | rowwise: the blocks' linears in float8 (torchao; GPUs of sm89+)
     float8: Annotated[str, Float8] = "off"
@@ -375,9 +375,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
     if t.profile_start < 0:
         raise ConfigError(f"train.profile_start={t.profile_start}: an iteration number, at least 0")
-    if t.cuda_graphs and t.compile == "off":
-        raise ConfigError("train.cuda_graphs=true captures through torch.compile: set train.compile=true "
-                          "(enable_jit) as well")
+    if t.cuda_graphs and t.compile != "model":
+        raise ConfigError(f"train.cuda_graphs=true captures the whole model compiled as one graph: set "
+                          f"train.compile=model (not {t.compile}: each block's own graph would overwrite the outputs "
+                          "the next block still reads)")
     _validate_layout(cfg)
 
 

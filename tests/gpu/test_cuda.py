@@ -139,9 +139,17 @@ def test_compile_follows_eager(eager_fp32, data_root, tmp_path):
     assert_close_losses(run, eager_fp32, rel=1e-3)  # inductor fuses and reorders fp32 sums
 
 
+def test_whole_model_compile_follows_eager(eager_fp32, data_root, tmp_path):
+    """train.compile=model: the whole model as one graph (true compiles each block: the test above)."""
+    run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=model", "train.cuda_graphs=false",
+                timeout=COMPILED)
+    assert "torch.compile: the whole model" in run.text
+    assert_close_losses(run, eager_fp32, rel=1e-3)
+
+
 def test_auto_captures_cuda_graphs_for_a_small_compiled_model(eager_fp32, data_root, tmp_path):
     """CUDA graphs through compile (train.cuda_graphs=null picks them for a model this small), against eager."""
-    run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=true", timeout=COMPILED)
+    run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=model", timeout=COMPILED)
     assert "CUDA graphs: on (train.cuda_graphs=null" in run.text
     assert_close_losses(run, eager_fp32, rel=1e-3)
 
@@ -221,6 +229,25 @@ def test_fp16_with_a_grad_scaler_follows_fp32(eager_fp32, data_root, tmp_path):
 def test_activation_checkpointing_recomputes_the_same_step(eager_fp32, data_root, tmp_path):
     run = train(data_root, tmp_path, "train.dtype=fp32", "train.activation_checkpointing=full")
     assert_close_losses(run, eager_fp32, rel=1e-4)
+
+
+def test_op_checkpointing_keeps_the_cuda_kernels_outputs_and_follows_eager(eager_fp32, data_root, tmp_path):
+    """train.activation_checkpointing=op on CUDA: the kept matmuls and fused attention are CUDA's own kernels
+    (cuBLAS, the efficient-attention kernel in fp32), the recomputed rest gives the same step."""
+    run = train(data_root, tmp_path, "train.dtype=fp32", "train.activation_checkpointing=op")
+    assert_close_losses(run, eager_fp32, rel=1e-4)
+
+
+def test_op_checkpointing_in_bf16_follows_bf16(auto_dtype, data_root, tmp_path):
+    """bf16: attention runs flash attention, whose output op keeps rather than runs again."""
+    run = train(data_root, tmp_path, "train.dtype=bf16", "train.activation_checkpointing=op")
+    assert_close_losses(run, auto_dtype, rel=2e-3)
+
+
+def test_loss_in_chunks_follows_the_whole_loss(eager_fp32, data_root, tmp_path):
+    """train.loss_chunks=48: the head and loss over 48 of the 512 tokens at a time (the last slice shorter)."""
+    run = train(data_root, tmp_path, "train.dtype=fp32", "train.loss_chunks=48")
+    assert_close_losses(run, eager_fp32, rel=1e-5)
 
 
 def test_fsdp2_with_pinned_cpu_offload_on_nccl_follows_eager(eager_fp32, data_root, tmp_path):

@@ -17,8 +17,10 @@ pytestmark = [pytest.mark.gpu,
 SHAPE = dict(block_size=64, vocab_size=64, n_layer=1, n_head=4, n_kv_head=4, n_embd=128, ffn_hidden=256, n_experts=8,
              top_k=2, expert_hidden=256, n_shared_experts=1)
 BF16 = 2e-2  # relative to the largest reference value: bf16 keeps 8 bits of mantissa
-# A weight's gradient sums 256 tokens' bf16 products: against fp32 it drifts further (3.8e-2 on a CPU's bf16 path).
-BF16_GRADIENT_VS_FP32 = 8e-2
+# Against fp32 a weight's gradient (a sum over 256 tokens' bf16 products) drifts further in any bf16 path: on the
+# H200 the grouped GEMM's c_proj gradient was 1.07e-1 of its largest value from fp32's. What the grouped GEMM must
+# do is drift no further than the plain loop in bf16 does, within this factor.
+NO_WORSE_THAN_THE_LOOP = 1.25
 
 
 def run(matmul: str, capacity_factor: float | None, dtype: torch.dtype):
@@ -35,8 +37,12 @@ def run(matmul: str, capacity_factor: float | None, dtype: torch.dtype):
     return y.float(), x.grad.float(), {n: p.grad.float() for n, p in moe.named_parameters()}, moe
 
 
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got - want).abs().max().item() / want.abs().max().clamp_min(1e-12).item()
+
+
 def assert_close_relative(got: torch.Tensor, want: torch.Tensor, what: str, tolerance: float = BF16) -> None:
-    worst = (got - want).abs().max().item() / want.abs().max().clamp_min(1e-12).item()
+    worst = relative(got, want)
     assert worst <= tolerance, f"{what}: largest difference {worst:.2e} of the largest value > {tolerance:.0e}"
 
 
@@ -53,12 +59,15 @@ def test_grouped_gemm_follows_the_loop_in_bf16(capacity_factor):
         assert_close_relative(g_grouped[name], g_loop[name], f"gradient of {name}")
 
 
-def test_grouped_gemm_in_bf16_follows_the_fp32_loop():
+def test_grouped_gemm_in_bf16_is_as_close_to_the_fp32_loop_as_the_bf16_loop():
     y_fp32, _, g_fp32, _ = run("loop", None, torch.float32)
+    y_loop, _, g_loop, _ = run("loop", None, torch.bfloat16)
     y_grouped, _, g_grouped, _ = run("grouped", None, torch.bfloat16)
     assert_close_relative(y_grouped, y_fp32, "output")
     for name in ("experts.c_gate", "experts.c_fc", "experts.c_proj"):
-        assert_close_relative(g_grouped[name], g_fp32[name], f"gradient of {name}", BF16_GRADIENT_VS_FP32)
+        grouped, loop = relative(g_grouped[name], g_fp32[name]), relative(g_loop[name], g_fp32[name])
+        assert grouped <= NO_WORSE_THAN_THE_LOOP * loop + 1e-3, \
+            f"gradient of {name}: the grouped GEMM {grouped:.2e} from fp32's, the bf16 loop {loop:.2e}"
 
 
 def test_auto_takes_the_grouped_gemm_where_torch_has_its_kernel():

@@ -18,7 +18,14 @@ from meshtrain.nn import chunked_loss
 from meshtrain.nn.chunked_loss import chunked_cross_entropy
 
 
-def test_chunks_give_the_whole_losss_value_and_gradients_to_float64_rounding():
+# On CUDA the chunks' matmuls pad the output layer's rows to a multiple of 64 (aligned for cuBLAS): here padded
+# on the CPU too, the padding must change nothing.
+PADDED = pytest.mark.parametrize("words_multiple", [1, 64], ids=["as-is", "padded-as-on-cuda"])
+
+
+@PADDED
+def test_chunks_give_the_whole_losss_value_and_gradients_to_float64_rounding(words_multiple, monkeypatch):
+    monkeypatch.setattr(chunked_loss, "_words_multiple", lambda device: words_multiple)
     torch.manual_seed(0)
     hidden = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
@@ -127,7 +134,8 @@ def test_the_values_and_the_old_name_are_refused_naming_the_key():
         config_mod.load_config(["train.loss_chunk_tokens=64"], "gpt")
 
 
-def test_vocabulary_slices_put_together_give_the_whole_loss(monkeypatch):
+@PADDED
+def test_vocabulary_slices_put_together_give_the_whole_loss(words_multiple, monkeypatch):
     """Under tp each rank holds a slice of the vocabulary (65 over 3: 22 + 22 + 21, as DTensor's Shard(0)); its
     chunks' softmax is summed over the slices by all-reduces. Three threads stand in for the ranks here, an
     all-reduce for each call; the multi-process DTensor path is layout_check.py's loss_chunks cases."""
@@ -150,6 +158,7 @@ def test_vocabulary_slices_put_together_give_the_whole_loss(monkeypatch):
         return tensor.copy_(reduced)
 
     monkeypatch.setattr(chunked_loss, "_all_reduce", all_reduce)
+    monkeypatch.setattr(chunked_loss, "_words_multiple", lambda device: words_multiple)
     got = {}
 
     def rank(r: int) -> None:

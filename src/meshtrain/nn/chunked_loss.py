@@ -64,6 +64,16 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tens
     return tensor
 
 
+# On CUDA the output layer's rows are padded with zeros to a multiple of this in the chunks' matmuls: GPT-2's 50,257
+# words make every row of the logits start off a 16-byte boundary, and cuBLAS then falls back to its unaligned
+# kernels (measured on an H200, docs/gpu.md: 47% of a GPT-2 step's GPU time, against 0% with 50,304 columns).
+CUDA_WORDS_MULTIPLE = 64
+
+
+def _words_multiple(device: torch.device) -> int:
+    return CUDA_WORDS_MULTIPLE if device.type == "cuda" else 1
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens, summed, group, first):
@@ -73,26 +83,28 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         counted = torch.ones((), dtype=wide, device=hidden.device) if summed else \
             (labels != -1).sum().clamp(min=1).to(wide)  # the mean's denominator, as cross_entropy's
         loss = torch.zeros((), dtype=wide, device=hidden.device)
+        words, low = weight.shape[0], _matmul_dtype(hidden, weight)
+        head = F.pad(weight.to(low), (0, 0, 0, -words % _words_multiple(weight.device)))  # cast once, not per chunk
         if grads:
             grad_hidden = torch.empty_like(flat)
-            grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device)
+            grad_head = torch.zeros(head.shape, dtype=wide, device=weight.device)
         for start in range(0, flat.size(0), chunk_tokens):
-            rows, chunk_labels = flat[start:start + chunk_tokens], labels[start:start + chunk_tokens]
-            logits = F.linear(rows, weight)  # under autocast: in its dtype, as the whole-logits head's
-            grad_logits, chunk_loss = _softmax_and_gradient(logits.to(wide), chunk_labels - first, chunk_labels != -1,
-                                                            counted, group)
+            rows, chunk_labels = flat[start:start + chunk_tokens].to(low), labels[start:start + chunk_tokens]
+            logits = rows @ head.t()  # in autocast's dtype where it is on, as the whole-logits head's
+            grad_logits, chunk_loss = _softmax_and_gradient(logits.to(wide), words, chunk_labels - first,
+                                                            chunk_labels != -1, counted, group)
             loss += chunk_loss
             if grads:
-                grad_logits = grad_logits.to(logits.dtype)
-                grad_hidden[start:start + chunk_tokens] = grad_logits @ weight.to(logits.dtype)
-                if grad_logits.dtype == grad_weight.dtype:  # in place: no product the size of the weight beside it
-                    grad_weight.addmm_(grad_logits.t(), rows)
+                grad_logits = grad_logits.to(low)
+                grad_hidden[start:start + chunk_tokens] = grad_logits @ head
+                if low == grad_head.dtype:  # in place: no product the size of the weight beside it
+                    grad_head.addmm_(grad_logits.t(), rows)
                 else:  # autocast's 16-bit product, then added
-                    grad_weight += grad_logits.t() @ rows.to(logits.dtype)
+                    grad_head += grad_logits.t() @ rows
             del logits, grad_logits  # before the next chunk's are made, not as they replace these
         if grads:
             _all_reduce(grad_hidden, group)  # every vocabulary slice's share of the hidden states' gradient
-            ctx.save_for_backward(grad_hidden.reshape(shape), grad_weight.to(weight.dtype))
+            ctx.save_for_backward(grad_hidden.reshape(shape), grad_head[:words].to(weight.dtype))
         return loss / counted
 
     @staticmethod
@@ -103,15 +115,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None, None, None
 
 
-def _softmax_and_gradient(logits: torch.Tensor, local: torch.Tensor, kept: torch.Tensor, counted: torch.Tensor,
-                          group) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: (the loss's gradient with respect to this rank's logits [n, V_local], the chunk's summed loss).
-    `logits` (fp32, overwritten) are this rank's vocabulary slice; `local` the targets counted from its first word,
-    `kept` the targets that count. The softmax over the whole vocabulary: its maximum, sum and target logit are
-    all-reduced over `group` (None: one slice, the whole)."""
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's where it is on for the device, else the operands'."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _softmax_and_gradient(logits: torch.Tensor, words: int, local: torch.Tensor, kept: torch.Tensor,
+                          counted: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: (the loss's gradient with respect to this rank's logits [n, V_local + padding], the chunk's summed
+    loss). `logits` (fp32, overwritten) are this rank's vocabulary slice, its first `words` columns real and the rest
+    padding (left out of the softmax, given no gradient); `local` the targets counted from its first word, `kept` the
+    targets that count. The softmax over the whole vocabulary: its maximum, sum and target logit are all-reduced over
+    `group` (None: one slice, the whole)."""
+    logits[:, words:] = float("-inf")
     logits -= _all_reduce(logits.amax(dim=1), group, dist.ReduceOp.MAX).unsqueeze(1)
-    mine = kept & (local >= 0) & (local < logits.size(1))  # targets in this rank's slice
-    picked = local.clamp(0, logits.size(1) - 1).unsqueeze(1)
+    mine = kept & (local >= 0) & (local < words)  # targets in this rank's slice
+    picked = local.clamp(0, words - 1).unsqueeze(1)
     target_logit = _all_reduce(logits.gather(1, picked).squeeze(1) * mine, group)
     probs = logits.exp_()  # d(loss)/d(logits) = (softmax - one-hot) / counted on the kept rows, 0 on the others
     total = _all_reduce(probs.sum(dim=1), group)

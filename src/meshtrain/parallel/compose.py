@@ -132,10 +132,10 @@ CUDA_GRAPHS_AUTO_MAX_PARAMS = 50_000_000
 
 
 def use_cuda_graphs(t, dims: ParallelDims, device: torch.device, params: int) -> bool:
-    """train.cuda_graphs, with null (auto) resolved: on for a compiled model of under CUDA_GRAPHS_AUTO_MAX_PARAMS
+    """train.cuda_graphs, with null (auto) resolved: on for a whole compiled model of under CUDA_GRAPHS_AUTO_MAX_PARAMS
     parameters trained by one CUDA rank in float32/bf16/fp16 linears (several ranks' collectives, and torchao's float8
     casts, are left out of capture)."""
-    if t.cuda_graphs is not None or device.type != "cuda" or t.compile == "off":
+    if t.cuda_graphs is not None or device.type != "cuda" or t.compile != "model":
         return bool(t.cuda_graphs)
     chosen = dims.world_size == 1 and t.float8 == "off" and params < CUDA_GRAPHS_AUTO_MAX_PARAMS
     log.info("CUDA graphs: %s (train.cuda_graphs=null: %.1fM parameters on %d rank(s), float8 %s; on for one rank, "
