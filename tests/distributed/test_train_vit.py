@@ -144,7 +144,7 @@ def test_epochs_set_the_schedule_and_the_learning_rate_follows_the_global_batch(
 @pytest.mark.parametrize("overrides,message", [
     (["data.crop=[36,64]"], "is 34x64 after data.crop=[36, 64], not a multiple of model.patch_size=4: set "
                             "data.crop=[32, 64]"),
-    (["train.compile=true", "train.cuda_graphs=true"], "train.cuda_graphs=true, but CUDA graphs capture GPU kernel "
+    (["train.compile=model", "train.cuda_graphs=true"], "train.cuda_graphs=true, but CUDA graphs capture GPU kernel "
                                                        "launches and there is none on cpu"),
     (["data.global_batch_size=6", "train.grad_accum=4"], "data.global_batch_size=6 does not split over 1 "
                                                          "data-parallel rank(s) × train.grad_accum=4"),

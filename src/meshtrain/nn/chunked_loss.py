@@ -84,7 +84,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             (labels != -1).sum().clamp(min=1).to(wide)  # the mean's denominator, as cross_entropy's
         loss = torch.zeros((), dtype=wide, device=hidden.device)
         words, low = weight.shape[0], _matmul_dtype(hidden, weight)
-        head = F.pad(weight.to(low), (0, 0, 0, -words % _words_multiple(weight.device)))  # cast once, not per chunk
+        head, padding = weight.to(low), -words % _words_multiple(weight.device)  # cast once, not per chunk
+        head = F.pad(head, (0, 0, 0, padding)) if padding else head  # (a pad of 0 would still copy the weight)
         if grads:
             grad_hidden = torch.empty_like(flat)
             grad_head = torch.zeros(head.shape, dtype=wide, device=weight.device)
