@@ -51,7 +51,8 @@ TEXT_RUN = {"train.sample_tokens": "4"}
 SMALLER = [(r"--validate \d+", "--validate 1"), (r"--max-bytes \S+", "--max-bytes 64K"),
            (r"num_data_workers=\d+", "num_data_workers=1"), (r"train.profile_start=\d+", "train.profile_start=0"),
            (r"train.profile_steps=\d+", "train.profile_steps=1"), (r"(examples/ddp_loop.py)", r"\1 --steps 20"),  # it logs every 20th step
-           (r"(activation_checkpointing.py) --rounds \d+ --steps \d+", r"\1 --rounds 1 --steps 1")]
+           (r"(activation_checkpointing.py) --rounds \d+ --steps \d+", r"\1 --rounds 1 --steps 1"),
+           (r"(activation_checkpointing.py .*model.batch_size=)\d+", r"\g<1>1")]  # the 6 × 384 GPT: one sample
 NOT_HERE = re.compile(r"--rdzv-endpoint node\d")  # hosts of a cluster: the launcher command is built, not run
 # A line of the output that says the command did its job, by what the command is.
 SAID = [(r"--dry-run", r"^(env (\S+=\S+ )+)?(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",

@@ -26,7 +26,10 @@ def launch(ranks: int, cases: list[str], *flags: str, timeout: float = 420) -> d
 
 LAYOUTS = {
     2: ["ddp:tp=2,sequence_parallel=false,loss_parallel=false",  # tensor parallel alone
-        "fsdp:tp=2",  # tp + sequence parallel + loss parallel
+        # tp + sequence parallel + loss parallel, FSDP2 over dp 1, each block compiled around selective checkpointing
+        # (the eager path of the same layout: fsdp 2 × tp 2 in LAYOUTS[4]; compiled on 2 ranks, as on 4 it costs two
+        # more ranks' cold compile)
+        "fsdp:tp=2,ac=selective,compile=blocks",
         "ddp:pp=2,pp_schedule=1f1b",
         "ddp:pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=full",
         "ddp:pp=2,pp_schedule=1f1b,ac=full,compile=blocks",  # each stage's blocks compiled, around AC
@@ -62,7 +65,6 @@ LAYOUTS = {
         "fsdp:tp=2,ep=2,model=moe",
         "fsdp:cp=2,ep=2,model=moe",
         "ddp:pp=2,pp_schedule=1f1b,ep=2,model=moe",
-        "fsdp:tp=2,ac=selective,compile=blocks",  # fsdp 2 x tp 2: each block compiled around AC, then FSDP2's unit
         # train.loss_chunks (24 tokens: not a divisor of a micro-step's 64 or a microbatch's 32) against the whole
         # loss: vocabulary-sharded chunks under fsdp 2 × tp 2 + SP + LP, and in the last stage's forward under tp 2
         # × pp 2 (FSDP2 over dp 1: the head's weight gathered only inside the stage's forward)
