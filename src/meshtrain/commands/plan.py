@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate", type=int, default=None, metavar="N",
                         help="run N layouts on this machine (a spread of the ranked ones) and compare")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout with --validate")
+    parser.add_argument("--repeats", type=int, default=2, help="with --validate: measurements of each layout, "
+                        "the layouts interleaved; the spread of their step times is printed beside each error")
     parser.add_argument("--recalibrate", action="store_true",
                         help="with --validate: measure this machine's fixed costs and the slowdown of ranks sharing "
                              "cores again, not the cached ones (a machine's speed drifts)")
@@ -69,6 +71,8 @@ def machine_of(args) -> machines.Machine:
 
 def run(args) -> int:
     configure_logging()
+    if args.repeats < 1:
+        raise systems.PlanError(f"--repeats {args.repeats}: measure each layout at least once (2 shows the spread)")
     if args.recalibrate and not args.validate:
         raise systems.PlanError("--recalibrate measures this machine again for --validate: add --validate N")
     cfg = config_mod.load_config(args.overrides, args.model)
@@ -213,7 +217,7 @@ def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int, facts: 
     with said_while_quiet():  # calibration and each layout's run take seconds to minutes: never a silent wait
         checks, auto = validate.validate_plan(args.model, overrides, cfg, ranked, args.validate, args.nodes,
                                               ranks // args.nodes, lambda: machine_of(args), steps=args.steps,
-                                              progress=log.info, facts=facts)
+                                              repeats=args.repeats, progress=log.info, facts=facts)
     print_rich(validation_table(checks))
     summary = validate.summary(checks, auto)
     log.info("summary: %s", summary)
@@ -228,16 +232,17 @@ def validation_table(checks: list[validate.Check], what: str = ""):
     out = Table(title=f"{what}predicted / measured, rank 0 of the fullest stage", title_justify="left")
     experts = any(c.candidate.dims.ep > 1 for c in checks)  # the all-to-all bytes a step sent, mean per rank
     for column in ("layout", "params MiB", "grads MiB", "optim MiB", "peak MiB", "peak err", "step ms", "step err",
-                   *["a2a bytes"] * experts):
+                   "spread", *["a2a bytes"] * experts):
         out.add_column(column, justify="left" if column == "layout" else "right")
     mib = lambda v: f"{v / 2**20:.2f}"  # noqa: E731
     for c in checks:
         if not c.measured:
-            out.add_row(c.candidate.label, *["—"] * (7 + experts))
+            out.add_row(c.candidate.label, *["—"] * (8 + experts))
             continue
         p, m = c.predicted, c.measured
         a2a = [f"{c.candidate.cost.comm_bytes.get('ep', 0):,.0f} / {m.get('a2a_bytes', 0):,.0f}"] * experts
         out.add_row(c.candidate.label, *(f"{mib(p[k])} / {mib(m[k])}" for k in validate.STATES),
                     f"{mib(p['peak'])} / {mib(m['peak'])}", f"{c.relative('peak'):+.1%}",
-                    f"{p['step_s'] * 1e3:.1f} / {m['step_s'] * 1e3:.1f}", f"{c.relative('step_s'):+.1%}", *a2a)
+                    f"{p['step_s'] * 1e3:.1f} / {m['step_s'] * 1e3:.1f}", f"{c.relative('step_s'):+.1%}",
+                    f"{c.spread:.1%}", *a2a)
     return out

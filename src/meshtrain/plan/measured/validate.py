@@ -8,6 +8,10 @@ torchrun, one job per layout), its figures set beside what plan/cost.py predicte
     peak                       relative error of the peak (target: within 10%, in fp32 and under autocast)
     step time                  median absolute percentage error over the layouts (target: at most 15%), and
                                Spearman's rank correlation of predicted and measured times (target: at least 0.8)
+    spread                     each layout is measured `repeats` times (2 by default), the layouts interleaved
+                               (A B C, then A B C again), so that a drift of the machine's speed falls on all of them;
+                               the measured step time is the mean, and the spread ((max - min) / mean) says how much
+                               of an error the machine itself makes: an error inside it is not the model's
     regret                     how much slower, in measured samples/s, the layout the planner ranks first ran
                                than the fastest of those measured (target: 0, at most 5%); the same for
                                parallel.plan=auto's choice, the planner's first of all layouts, always measured
@@ -45,8 +49,16 @@ STATES = ("params", "grads", "optimizer")
 class Check:
     candidate: Candidate
     measured: dict | None  # params, grads, optimizer of rank 0 of the predicted stage, the largest peak and
-    # step_s over the ranks; None if it failed
+    # step_s over the ranks (the mean step_s of the repeats); None if it failed
     error: str = ""
+    step_times: tuple[float, ...] = ()  # each repeat's measured step_s, in the order they ran
+
+    @property
+    def spread(self) -> float:
+        """The run-to-run spread of the step time: (max - min) / mean over the repeats; 0 for one measurement."""
+        times = self.step_times or ((self.measured or {}).get("step_s", 0.0),)
+        mean = statistics.fmean(times)
+        return (max(times) - min(times)) / mean if mean else 0.0
 
     @property
     def predicted(self) -> dict:
@@ -68,20 +80,35 @@ class Check:
 
 
 def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: int, *, steps: int = 5,
-        timeout: float = 600, progress=print) -> list[Check]:
-    """Measure each candidate (the run config `overrides` give, with its layout) on `ranks` ranks of this machine."""
-    checks = []
-    for i, candidate in enumerate(candidates, 1):
-        heartbeat.note(phase=f"measuring {candidate.label} on {ranks} ranks (layout {i} of {len(candidates)})")
-        job = run_ranks(Path(measure.__file__), ranks, model, *overrides, *candidate.overrides, "--steps", str(steps),
-                        timeout=timeout)
-        rows = [fields for result in job.results.values() for fields in result.values()]
-        if job.returncode or len(rows) != ranks:
-            checks.append(Check(candidate, None, f"exit {job.returncode}: {first_error(job.output)}"))
-        else:
-            checks.append(Check(candidate, measured_of(candidate, rows)))
-        progress(checks[-1])
-    return checks
+        repeats: int = 2, timeout: float = 600, progress=print) -> list[Check]:
+    """Measure each candidate (the run config `overrides` give, with its layout) on `ranks` ranks of this machine,
+    `repeats` times, the candidates interleaved; a candidate that fails once is not run again."""
+    found: list[list[dict] | str] = [[] for _ in candidates]
+    for repeat in range(repeats):
+        for i, candidate in enumerate(candidates):
+            if isinstance(found[i], str):
+                continue
+            heartbeat.note(phase=f"measuring {candidate.label} on {ranks} ranks (layout {i + 1} of "
+                                 f"{len(candidates)}, measurement {repeat + 1} of {repeats})")
+            job = run_ranks(Path(measure.__file__), ranks, model, *overrides, *candidate.overrides, "--steps",
+                            str(steps), timeout=timeout)
+            rows = [fields for result in job.results.values() for fields in result.values()]
+            if job.returncode or len(rows) != ranks:
+                found[i] = f"exit {job.returncode}: {first_error(job.output)}"
+            else:
+                found[i].append(measured_of(candidate, rows))
+            if repeat == repeats - 1 or isinstance(found[i], str):
+                progress(_check(candidate, found[i]))
+    return [_check(candidate, measured) for candidate, measured in zip(candidates, found, strict=True)]
+
+
+def _check(candidate: Candidate, measured: list[dict] | str) -> Check:
+    """One candidate's Check from its repeats' figures (or its error): the states and peak of the first (the same
+    tensors every time), the mean step time."""
+    if isinstance(measured, str):
+        return Check(candidate, None, measured)
+    times = tuple(m["step_s"] for m in measured)
+    return Check(candidate, dict(measured[0], step_s=statistics.fmean(times)), step_times=times)
 
 
 def measured_of(candidate: Candidate, rows: list[dict]) -> dict:
@@ -130,7 +157,7 @@ def ensure_data(model: str, cfg: RunConfig, progress=print) -> None:
 
 
 def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list[Candidate], count: int, nodes: int,
-                  per_node: int, machine: Callable[[], Machine], *, steps: int = 5,
+                  per_node: int, machine: Callable[[], Machine], *, steps: int = 5, repeats: int = 2,
                   progress=print, facts: ModelFacts | None = None) -> tuple[list[Check], Check]:
     """`meshtrain plan --validate`: calibrate this machine's fixed costs for the kinds a spread of `count` ranked
     layouts needs, predict them again with those (`machine()` builds the machine afresh), add the layout
@@ -150,7 +177,7 @@ def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list
     chosen = [replace(c, cost=predict(facts, c.cfg, c.dims, calibrated)) for c in chosen]
     if auto.label not in {c.label for c in chosen}:
         chosen.append(auto)
-    checks = run(model, overrides, chosen, nodes * per_node, steps=steps,
+    checks = run(model, overrides, chosen, nodes * per_node, steps=steps, repeats=repeats,
                  progress=lambda c: progress(f"measured {c.candidate.label}{': failed, ' + c.error if c.error else ''}"))
     return checks, next(c for c in checks if c.candidate.label == auto.label)
 
@@ -202,6 +229,7 @@ def summary(checks: list[Check], auto: Check | None = None) -> dict:
            "peak_max_error": max(abs(c.relative("peak")) for c in done),
            "peak_within_10": sum(abs(c.relative("peak")) <= 0.10 for c in done),
            "step_mdape": statistics.median(time_errors), "step_max_error": max(time_errors),
+           "step_spread_median": statistics.median(c.spread for c in done),
            "spearman": spearman([c.predicted["step_s"] for c in done], [c.measured["step_s"] for c in done]),
            "regret": regret(done)}
     if auto is not None and auto.measured:
