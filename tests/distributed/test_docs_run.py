@@ -48,7 +48,8 @@ TINY_MODEL = {
 }
 SHORT_RUN = {"train.max_iters": "2", "train.eval_interval": "2", "train.eval_iters": "1", "train.log_interval": "1"}
 TEXT_RUN = {"train.sample_tokens": "4"}
-SMALLER = [(r"--validate \d+", "--validate 1 --repeats 1"),  # the repeats' interleaving: tests/unit/test_regret.py (r"--max-bytes \S+", "--max-bytes 64K"),
+# (--repeats: measuring each layout twice, interleaved, is tests/unit/test_regret.py's)
+SMALLER = [(r"--validate \d+", "--validate 1 --repeats 1"), (r"--max-bytes \S+", "--max-bytes 64K"),
            (r"num_data_workers=\d+", "num_data_workers=1"), (r"train.profile_start=\d+", "train.profile_start=0"),
            (r"train.profile_steps=\d+", "train.profile_steps=1"), (r"(examples/ddp_loop.py)", r"\1 --steps 20"),  # it logs every 20th step
            (r"(activation_checkpointing.py) --rounds \d+ --steps \d+", r"\1 --rounds 1 --steps 1"),
