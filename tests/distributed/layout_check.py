@@ -4,14 +4,16 @@
 
 CASE is `backend:key=value,...` over cfg.parallel (and `ac=full|selective`; `compile=blocks|model`: a compiled case
 runs the model at a width torch's CPU inductor compiles right, machine.hardware.inductor_safe_width; `loss_chunks=N`:
-the layout's model computes its loss N tokens at a time, the reference the whole), e.g. `fsdp:tp=2`,
-`ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses — build_gpt_layout, build_optimizer and the
-layout's micro-step, tied-embedding, clipping and eval methods — for STEPS steps of ACCUM micro-steps on
-the same global batches as a single-process reference, and compares loss, every gradient (gathered) and
-every parameter after each step (within TOL; a compiled case within COMPILED_TOL: inductor's kernels sum in
-another order), then the eval loss (the MoE: also its routers' biases after each step's bias
-update, made as its workload makes it); each rank records per case its verdict, the worst differences and the
-seconds the case took (meshtrain.runtime.results.record).
+the layout's model computes its loss N tokens at a time, the reference the whole; `float8=tensorwise|rowwise`:
+torchao's float8 linears in the layout's blocks and in the reference's, computed by torch's CPU float8 matmul), e.g.
+`fsdp:tp=2`, `ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses —
+build_gpt_layout, build_optimizer and the layout's micro-step, tied-embedding, clipping and eval methods — for STEPS
+steps of ACCUM micro-steps on the same global batches as a single-process reference, and compares loss, every
+gradient (gathered) and every parameter after each step (within TOL; a compiled case within COMPILED_TOL: inductor's
+kernels sum in another order), then the eval loss (the MoE: also its routers' biases after each step's bias update,
+made as its workload makes it, and the evaluation's routing figures, balance loss and expert shares, as its workload
+reports them); each rank records per case its verdict, the worst differences and the seconds the case took
+(meshtrain.runtime.results.record).
 
 --save DIR: after the last case, write a distributed checkpoint of it to DIR (parallel.state_dict +
 train.checkpoint.Checkpointer). --load DIR: for each case, load DIR into the fresh layout and write the
@@ -42,8 +44,9 @@ from meshtrain.models.llama.parallelize import build_llama_layout
 from meshtrain.models.moe.config import MoERunConfig
 from meshtrain.models.moe.model import MoE, MoEConfig, MoEDecoder
 from meshtrain.models.moe.parallelize import build_moe_layout
-from meshtrain.models.moe.workload import routing_group, update_biases
-from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.models.moe.workload import figures_of, from_every_stage, routing_group, tallied, update_biases
+from meshtrain.parallel import float8
+from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.state_dict import (
     full_model_state,
 )
@@ -76,7 +79,8 @@ def parse(case: str):
     options = options_of(case)
     cfg = MODELS[options.get("model", "gpt")][2]()
     cfg.train.backend, cfg.train.dtype = case.partition(":")[0], "fp32"
-    train_keys = {"ac": "activation_checkpointing", "compile": "compile"}  # they compose with every layout
+    # they compose with every layout
+    train_keys = {"ac": "activation_checkpointing", "compile": "compile", "float8": "float8"}
     for key, value in options.items():
         if key in ("model", "idle"):  # idle: the moe routes to none of half of its experts (run_case)
             continue
@@ -176,6 +180,22 @@ def step_router_biases(layout, reference) -> float:
                 for n, b in layout.model.named_buffers() if n.endswith("expert_bias")], default=0.0)
 
 
+def routing_figures_difference(layout, reference) -> float:
+    """The evaluation's balance loss and expert shares as the workload reports them (this rank's tallies summed over
+    routing_group's ranks, gathered from every pipeline stage) against one process's, which ran every rank's batch
+    whole: under a pipeline the layout evaluated microbatches, and the figures must not depend on it."""
+    mine = [m for m in layout.model.modules() if isinstance(m, MoE)]
+    layers = [int(i) for i, block in layout.model.transformer.h.items() if any(m in mine for m in block.modules())]
+    packed, group = tallied(mine, MOE.n_experts), routing_group(layout.mesh)
+    if group is not None:
+        dist.all_reduce(packed, group=group)
+    pp = submesh(layout.mesh, "pp")
+    got = figures_of(*from_every_stage(layers, packed, pp.get_group() if pp is not None else None), MOE.top_k)
+    want = figures_of(list(range(MOE.n_layer)), tallied(reference.moe_layers(), MOE.n_experts), MOE.top_k)
+    shares = torch.tensor(got["expert_share"]["share"]) - torch.tensor(want["expert_share"]["share"])
+    return max(abs(got["balance_loss"] / want["balance_loss"] - 1), shares.abs().max().item())
+
+
 def engine_of(layout):
     """The DeepSpeed engine of an engine's layout (parallel/backends/deepspeed.EngineLayout), else None."""
     return getattr(layout, "engine", None)
@@ -200,6 +220,8 @@ def run_case(case: str, info) -> tuple:
     model_class, config, *_ = model_of(cfg)
     config = model_config(config, cfg)
     reference = idle_upper_experts(model_class(config), "idle=true" in case)
+    # float8: one process's blocks converted as the layout's are (torchao runs float8 matmuls on a CPU too)
+    converted = float8.convert_blocks(reference.transformer.h.values(), cfg.train.float8, fsdp=False)
     ref_opt = build_optimizer(reference.configure_optimizer_groups(0.1), torch.device("cpu"), **SGD)
     scaler, timer = torch.amp.GradScaler("cpu", enabled=False), StepTimer(info.torch_device)
     dp_rank, rows = dims.dp_rank(info.rank), ACCUM * MICRO
@@ -215,6 +237,8 @@ def run_case(case: str, info) -> tuple:
                 ref_eval = torch.stack([reference(x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])[1]
                                         for r in range(dims.dp_size)]).mean()
             diffs["eval"] = abs(loss.item() / layout.loss_ranks - ref_eval.item())
+            if isinstance(reference, MoEDecoder):
+                diffs["routing"] = routing_figures_difference(layout, reference)
             break
         ref_loss = reference_backward(reference, x, y, dims.dp_size,
                                       cfg.parallel.microbatches or dims.pp * cfg.parallel.virtual_stages)
@@ -245,6 +269,8 @@ def run_case(case: str, info) -> tuple:
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         diffs["param"] = max(diffs["param"], worst(whole_parameters(layout), ref_params))
     ok = max(diffs.values()) <= (TOL if cfg.train.compile == "off" else COMPILED_TOL) and (len(grads) > 0 or engine_of(layout) is not None)
+    # a float8 case must have computed some of its matmuls in float8, on both sides
+    ok = ok and converted == sum(type(m).__name__ == "Float8Linear" for m in layout.model.modules())
     owned = sum(1 for _ in layout.model.named_parameters())
     # grad, param, norm: relative; seconds: what the case costs inside its launch (--durations gives the launch's)
     record(case, equal=ok, worst=diffs, owns=owned, seconds=round(time.perf_counter() - started, 2))

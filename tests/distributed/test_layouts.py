@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,12 @@ LAYOUTS = {
         "ddp:pp=2,pp_schedule=1f1b,model=llama",
         "ddp:cp=2,cp_impl=ring,model=llama",
         "ddp:cp=2,cp_impl=ulysses,model=llama",
-        "ddp:ep=2,model=moe",  # the mixture of experts, each rank holding half of the experts
+        # the mixture of experts, each rank holding half of the experts, its blocks compiled (the dispatch eager
+        # between their graphs); the eager ep path is the 4-rank launch's ddp/fsdp × ep2/ep4 cases
+        "ddp:ep=2,model=moe,compile=blocks",
+        # float8 (torchao's tensorwise linears in the blocks, their weights gathered by FSDP2 in float8) beside
+        # the experts over ep, against one process with the same float8 linears (where the float8 extra is installed)
+        *(["fsdp:ep=2,model=moe,float8=tensorwise"] if find_spec("torchao") else []),
         "ddp:tp=2,model=moe"],  # tp 2 + SP + LP: the MoE layers whole on each rank, their plain weights beside tp's
     4: ["ddp:pp=2,pp_schedule=gpipe",  # dp 2 x pp 2
         "fsdp:pp=2,pp_schedule=1f1b",  # fsdp 2 x pp 2

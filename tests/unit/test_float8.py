@@ -51,6 +51,18 @@ def test_only_the_blocks_linears_of_float8_widths_are_converted():
     assert not float8.gathers_in_float8(odd)
 
 
+def test_a_mixture_of_experts_router_stays_out_of_float8():
+    pytest.importorskip("torchao.float8", reason="torchao (the float8 extra) is not installed")
+    from meshtrain.models.moe.model import MoEConfig, MoEDecoder
+
+    model = MoEDecoder(MoEConfig(block_size=16, vocab_size=65, n_layer=1, n_head=4, n_kv_head=2, n_embd=32,
+                                 ffn_hidden=64, n_experts=16, top_k=2, expert_hidden=32, n_shared_experts=1))
+    assert float8.convert_blocks(model.transformer.h.values(), "tensorwise", fsdp=False) == 7  # q k v o, the shared SwiGLU's 3
+    block = model.transformer.h["0"]
+    assert type(block.mlp.router.gate).__name__ == "Linear"  # 32 -> 16 would fit float8: the mark keeps it out
+    assert type(block.mlp.shared.c_fc).__name__ == "Float8Linear"
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_an_emulated_float8_gpt_follows_the_float32_one(recipe):
     pytest.importorskip("torchao.float8", reason="torchao (the float8 extra) is not installed")

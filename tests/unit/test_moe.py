@@ -259,8 +259,13 @@ def test_workload_sums_the_step_and_moves_the_bias_then_reports_the_shares():
     torch.testing.assert_close(workload.moe[0].router.expert_bias, 0.1 * torch.sign(load.mean() - load))
     assert all(m.tally.assigned is None for m in workload.moe)
     model.eval()
+    inputs = []  # what each MoE layer took (the second's input is the first block's output)
+    hooks = [m.register_forward_hook(lambda _m, args, _out: inputs.append(args[0].reshape(-1, 32)))
+             for m in workload.moe]
     with torch.no_grad():
         model(torch.randint(0, 65, (3, 16)))
+    for hook in hooks:
+        hook.remove()
     figures = workload.routing_figures()
     shares = torch.tensor(figures["expert_share"]["share"])
     assert shares.shape == (2, 4) and shares.sum(dim=1).tolist() == pytest.approx([1.0, 1.0])
@@ -268,7 +273,30 @@ def test_workload_sums_the_step_and_moves_the_bias_then_reports_the_shares():
     assert figures["expert_entropy"] == pytest.approx(load_entropy(shares).mean().item())
     dropped = sum(m.tally.dropped.item() for m in workload.moe)
     assert figures["dropped_tokens"] == dropped > 0 and figures["dropped_frac"] == pytest.approx(dropped / (2 * 48 * 2))
-    assert figures["balance_loss"] == pytest.approx(sum(m.tally.balance.item() for m in workload.moe) / 2)
+    # one forward here: each layer's balance loss over the evaluation's tokens is that forward's, as training has it
+    with torch.no_grad():
+        want = [balance_loss(*m.router(x)[:2]).item() for m, x in zip(workload.moe, inputs, strict=True)]
+    assert figures["balance_loss"] == pytest.approx(sum(want) / 2, rel=1e-6)
+
+
+def test_the_evaluations_balance_loss_does_not_depend_on_how_its_tokens_were_cut_into_forwards():
+    """A pipeline evaluates a batch microbatch by microbatch (and data parallelism on several ranks): the figure is
+    that of all the tokens together, so half-batches give the whole batch's, to float rounding."""
+    figures = []
+    for pieces in (1, 2, 4):
+        torch.manual_seed(0)
+        model = MoEDecoder(MoEConfig(**TINY)).eval()
+        workload = object.__new__(MoEWorkload)
+        workload.cfg = load_config(["preset=cpu", "model.top_k=2"], "moe")
+        workload.moe, workload.layers, workload.routed_group, workload.pp_group = model.moe_layers(), [0, 1], None, None
+        workload.device = torch.device("cpu")
+        with torch.no_grad():
+            for part in torch.randint(0, 65, (4, 16), generator=torch.Generator().manual_seed(1)).chunk(pieces):
+                model(part)
+        figures.append(workload.routing_figures())
+    assert figures[1]["balance_loss"] == pytest.approx(figures[0]["balance_loss"], rel=1e-6)
+    assert figures[2]["balance_loss"] == pytest.approx(figures[0]["balance_loss"], rel=1e-6)
+    assert figures[2]["expert_share"] == figures[0]["expert_share"]
 
 
 def test_entropy_of_the_load_is_one_when_even_and_zero_on_one_expert():

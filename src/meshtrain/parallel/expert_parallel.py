@@ -57,7 +57,11 @@ class _CountGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, sent: Sent) -> torch.Tensor:
         ctx.sent = sent
-        return tensor.view_as(tensor)
+        # The all-to-all's result is torch's AsyncCollectiveTensor, waited for by the first op that reads it. Waited
+        # here, a plain tensor leaves: a compiled graph (train.compile) that takes it as an input unwraps it without
+        # waiting, and its gradient then differed from one process's (by 10% in layout_check's ep 2 case).
+        waited = tensor.trigger_wait() if hasattr(tensor, "trigger_wait") else tensor
+        return waited.view_as(waited)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -142,6 +146,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+# Left out of torch.compile (train.compile=blocks|model): the dispatch reads its split sizes on the host and the
+# all-to-all's shapes follow them, and torch 2.13's dynamo cannot trace the local views of the sharded weights (it
+# sees them as replicated DTensors: "aten.mm.default got mixed torch.Tensor and DTensor"). The rest of the block
+# (attention, router, norms) is still compiled; this runs eager between its graphs.
+@torch.compiler.disable
 def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """forward(rows, counts) over the ep group: each row computed on the rank holding its expert."""
     weights = [scale_grad(_local(p), 1.0 / ep) for p in experts.parameters(recurse=False)]

@@ -6,7 +6,8 @@
 
 Only the repeated blocks are converted: the embedding and the output head stay in the training dtype (the head's
 logits feed the loss, where float8's 3 mantissa bits cost accuracy for little time), as torchtitan does. A Linear
-whose widths are not multiples of 16 stays as it is (the float8 matmul needs them). `tensorwise` scales each tensor
+whose widths are not multiples of 16 stays as it is (the float8 matmul needs them), and so does one its model marks
+`keep_precision` (the MoE's routers). `tensorwise` scales each tensor
 by one number and, under FSDP2, gathers weights in float8 (half of bf16's bytes); `rowwise` scales each row, more
 accurate and slower. The arithmetic runs on float8 tensor cores, which NVIDIA GPUs have from compute capability 8.9
 (Ada, Hopper, Blackwell).
@@ -58,9 +59,14 @@ def _torchao(recipe: str):
     return float8
 
 
+KEEP_PRECISION = "keep_precision"  # a model's mark on a Linear that float8 must leave as it is
+
+
 def eligible(module: nn.Module, name: str = "") -> bool:
-    """A Linear the float8 matmul can take: both widths multiples of 16."""
-    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    """A Linear the float8 matmul can take (both widths multiples of 16) and its model did not mark KEEP_PRECISION
+    (a mixture of experts' router: float8 logits would collapse close scores into ties and move tokens)."""
+    return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            and not getattr(module, KEEP_PRECISION, False))
 
 
 def convert_blocks(blocks: Iterable[nn.Module], recipe: str, *, fsdp: bool, emulate: bool = False) -> int:

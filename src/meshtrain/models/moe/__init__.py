@@ -105,8 +105,8 @@ SPEC = model_spec(__file__, language_model=True, name="moe",
                   run_config=MoERunConfig, workload=_workload, shape=_shape, validate=validate,
                   build_model=build_model, stage_split=SPLIT,
                   legend=MappingProxyType({
-                      "balance_loss": "the routers' balance loss E·Σ f_i·P_i (1: even), mean over MoE layers, at "
-                                      "evaluation",
+                      "balance_loss": "the routers' balance loss E·Σ f_i·P_i (1: even) over all the evaluation's "
+                                      "tokens, mean over MoE layers",
                       "expert_share_min": "the smallest share of a layer's token assignments one expert took "
                                           "(even: 1/n_experts), over every MoE layer, at evaluation",
                       "expert_share_max": "the largest such share",

@@ -28,7 +28,14 @@ import torch.nn as nn
 
 from meshtrain.models.llama.model import Block, Llama, LlamaConfig, SwiGLU
 from meshtrain.models.moe.experts import GroupedExperts
-from meshtrain.models.moe.router import Router, balance_loss, capacity, capacity_keep, routing_counts
+from meshtrain.models.moe.router import (
+    Router,
+    balance_loss,
+    capacity,
+    capacity_keep,
+    routing_counts,
+    routing_probabilities,
+)
 
 
 @dataclass
@@ -60,27 +67,28 @@ class MoEConfig(LlamaConfig):
 
 class Tally:
     """What one MoE layer's routing did since the last reset: assignments per expert (selection, before capacity),
-    assignments dropped, tokens routed, and the sum of the balance losses of its forwards. Tensors on the layer's
-    device, never read back here (no host sync in a step)."""
+    the routing probabilities summed per expert over the tokens, assignments dropped, tokens routed. Totals over
+    tokens, not per-forward figures: the balance loss of all of them (router.balance_of_totals) is then the same
+    however a layout cuts them into forwards (a pipeline's microbatches) or ranks. Tensors on the layer's device, never
+    read back here (no host sync in a step)."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self.assigned: torch.Tensor | None = None  # int64 [E]
+        self.probability: torch.Tensor | None = None  # fp32 [E], summed over the tokens
         self.dropped: torch.Tensor | None = None  # int64 []
-        self.balance: torch.Tensor | None = None  # fp32 [], a sum over forwards
-        self.tokens, self.forwards = 0, 0
+        self.tokens = 0
 
-    def add(self, assigned: torch.Tensor, dropped: torch.Tensor, balance: torch.Tensor, tokens: int) -> None:
+    def add(self, assigned: torch.Tensor, probability: torch.Tensor, dropped: torch.Tensor, tokens: int) -> None:
         if self.assigned is None:
             self.assigned, self.dropped = torch.zeros_like(assigned), torch.zeros_like(dropped)
-            self.balance = torch.zeros((), dtype=torch.float32, device=assigned.device)
+            self.probability = torch.zeros(assigned.shape, dtype=torch.float32, device=assigned.device)
         self.assigned += assigned
+        self.probability += probability.detach().float()
         self.dropped += dropped
-        self.balance += balance.detach().float()
         self.tokens += tokens
-        self.forwards += 1
 
 
 def in_backward() -> bool:
@@ -119,7 +127,8 @@ class MoE(nn.Module):
         if not in_backward():
             self.balance_loss = aux if self.training else None
             dropped = (~keep).sum() if keep is not None else torch.zeros((), dtype=torch.int64, device=x.device)
-            self.tally.add(routing_counts(routing.experts, self.router.n_experts), dropped, aux, flat.shape[0])
+            probability = routing_probabilities(routing.scores.detach(), self.router.score).sum(dim=0)
+            self.tally.add(routing_counts(routing.experts, self.router.n_experts), probability, dropped, flat.shape[0])
         return self.dropout(out.to(x.dtype).view(x.shape))
 
     def kept(self, experts: torch.Tensor) -> torch.Tensor | None:

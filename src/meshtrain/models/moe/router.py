@@ -59,6 +59,8 @@ class Router(nn.Module):
             raise ValueError(f"Router top_k {top_k} must be in 1..n_experts ({n_experts})")
         self.top_k, self.score, self.norm_topk, self.route_scale = top_k, score, norm_topk, route_scale
         self.gate = nn.Linear(dim, n_experts, bias=False)
+        # Left out of float8 training (train.float8 reads the mark): routing wants its logits exact, as forward says.
+        self.gate.keep_precision = True
         # Persistent: checkpoints keep it, and a resumed run routes as the uninterrupted one. Not a parameter: no
         # gradient and no optimizer touch it, only update_bias.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
@@ -98,13 +100,28 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor, score: str = "soft
     some positions of the same sequences, the layout supplies it, with a gradient): f and P are then the whole
     forward's, as one process that routes all of them computes them."""
     n_experts, k = scores.shape[-1], experts.shape[-1]
-    probabilities = scores if score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    probabilities = routing_probabilities(scores, score)
     counts = torch.bincount(experts.flatten(), minlength=n_experts).to(scores.dtype)  # f's numerator: no gradient
     sums = torch.cat([counts, probabilities.sum(dim=0), scores.new_full((1,), experts.shape[0])])
     if total is not None:
         sums = total(sums)
     counts, probability_sums, tokens = sums[:n_experts].detach(), sums[n_experts:-1], sums[-1].detach()
     return n_experts * (counts / (tokens * k) * probability_sums / tokens).sum()
+
+
+def routing_probabilities(scores: torch.Tensor, score: str = "softmax") -> torch.Tensor:
+    """The probabilities P is the mean of (module docstring): softmax scores as they are, sigmoid scores divided by
+    their sum per token."""
+    return scores if score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+
+
+def balance_of_totals(assigned: torch.Tensor, probability_sums: torch.Tensor, tokens: torch.Tensor,
+                      k: int) -> torch.Tensor:
+    """E · Σ f_i · P_i from totals over any set of tokens (assigned [..., E], probability sums [..., E], tokens [...]):
+    balance_loss of one forward whose tokens they are, whatever forwards they were counted in."""
+    n_experts = assigned.shape[-1]
+    tokens = tokens.unsqueeze(-1)
+    return n_experts * (assigned / (tokens * k) * probability_sums / tokens).sum(dim=-1)
 
 
 def capacity(tokens: int, top_k: int, n_experts: int, factor: float) -> int:

@@ -8,7 +8,8 @@ what its routing needs from outside the model, where the ranks are known.
                                 global batch would; under a pipeline each stage moves its own layers'; under
                                 expert parallelism, the bytes the step's all-to-alls sent are added up
     at each evaluation          the routing of the evaluation's batches (both splits), summed the same way and
-                                gathered from every pipeline stage: balance loss, the experts' shares (min, max,
+                                gathered from every pipeline stage: balance loss (of all those tokens
+                                together, whatever forwards a layout cut them into), the experts' shares (min, max,
                                 entropy; per layer × expert under `expert_share`, which the report draws), dropped
                                 assignments; and `a2a_mib`, what a training step's all-to-alls sent since the last
                                 evaluation, per step and mean per rank (what `meshtrain plan` counts as `sent per
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from meshtrain.models.language.workload import LanguageModelWorkload
 from meshtrain.models.moe.model import MoE
-from meshtrain.models.moe.router import load_entropy
+from meshtrain.models.moe.router import balance_of_totals, load_entropy
 from meshtrain.parallel.expert_parallel import sent_bytes
 from meshtrain.parallel.mesh import submesh
 from meshtrain.runtime.setup import collective
@@ -61,7 +62,7 @@ class MoEWorkload(LanguageModelWorkload):
     def build_layout(self, model, mesh):
         layout = super().build_layout(model, mesh)
         self.moe = [m for m in layout.model.modules() if isinstance(m, MoE)]
-        self.layers = [i for i, block in layout.model.transformer.h.items() if any(isinstance(m, MoE) for m in
+        self.layers = [int(i) for i, block in layout.model.transformer.h.items() if any(isinstance(m, MoE) for m in
                                                                                    block.modules())]
         self.routed_group = routing_group(mesh)
         pp_mesh = submesh(mesh, "pp") if mesh is not None else None
@@ -105,36 +106,13 @@ class MoEWorkload(LanguageModelWorkload):
     def routing_figures(self) -> dict:
         """The tallies since the last reset, summed over routing_group's ranks and gathered from every pipeline
         stage, as the figures the legend names."""
-        k, n_experts = self.cfg.model.top_k, self.cfg.model.n_experts
-        rows = [torch.cat([assigned(m).double().cpu(),
-                           torch.tensor([m.tally.tokens, m.tally.forwards], dtype=torch.float64),
-                           torch.stack([_scalar(m.tally.dropped), _scalar(m.tally.balance)])])
-                for m in self.moe]
-        packed = torch.stack(rows) if rows else torch.zeros(0, n_experts + 4, dtype=torch.float64)
-        packed = self._summed(packed.to(self.device), "the routing figures of the evaluation").cpu()
-        layers, packed = self._from_every_stage([int(i) for i in self.layers], packed)
-        assigned_, tokens, forwards = packed[:, :-4], packed[:, -4], packed[:, -3]
-        if tokens.numel() == 0 or tokens.min() == 0:  # nothing routed (no evaluation batch reached a layer)
-            return {}
-        share = assigned_ / (tokens[:, None] * k)
-        return {"balance_loss": (packed[:, -1] / forwards).mean().item(),
-                "expert_share_min": share.min().item(), "expert_share_max": share.max().item(),
-                "expert_entropy": load_entropy(share).mean().item(),
-                "dropped_tokens": int(packed[:, -2].sum().item()),
-                "dropped_frac": (packed[:, -2].sum() / (tokens.sum() * k)).item(),
-                # nested: the JSONL keeps it for the report's picture, the console line and TensorBoard skip it
-                "expert_share": {"layers": layers, "share": share.tolist()}}
-
-    def _from_every_stage(self, layers: list[int], packed: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Under a pipeline, every stage's (layers, rows) gathered and put in layer order; as they are on one stage."""
-        if self.pp_group is None:
-            return layers, packed
-        stages = [None] * dist.get_world_size(self.pp_group)
-        with collective("all_gather of the stages' routing figures", self.info.timeout_s):
-            dist.all_gather_object(stages, (layers, packed), group=self.pp_group)
-        pairs = sorted((layer, row) for stage_layers, rows in stages for layer, row in zip(stage_layers, rows,
-                                                                                              strict=True))
-        return [layer for layer, _ in pairs], torch.stack([row for _, row in pairs]) if pairs else packed
+        packed = self._summed(tallied(self.moe, self.cfg.model.n_experts).to(self.device),
+                              "the routing figures of the evaluation").cpu()
+        layers = self.layers
+        if self.pp_group is not None:  # each stage holds its own layers
+            with collective("all_gather of the stages' routing figures", self.info.timeout_s):
+                layers, packed = from_every_stage(layers, packed, self.pp_group)
+        return figures_of(layers, packed, self.cfg.model.top_k)
 
     def _summed(self, values: torch.Tensor, what: str) -> torch.Tensor:
         """values summed over routing_group's ranks (itself on one)."""
@@ -150,5 +128,46 @@ class MoEWorkload(LanguageModelWorkload):
             moe.tally.reset()
 
 
-def _scalar(value: torch.Tensor | None) -> torch.Tensor:
-    return value.double().cpu() if value is not None else torch.zeros((), dtype=torch.float64)
+def tallied(moe_layers: list[MoE], n_experts: int) -> torch.Tensor:
+    """The layers' tallies as float64 rows on the host, one per layer: [assigned (E) | probability sums (E) | tokens |
+    dropped], each a total that adds up over ranks (what routing_group's all-reduce sums); n_experts: the width of
+    none (a pipeline stage without MoE layers)."""
+    rows = [torch.cat([assigned(m).double().cpu(), _vector(m.tally.probability, m.router.n_experts),
+                       torch.tensor([m.tally.tokens], dtype=torch.float64), _vector(m.tally.dropped, 1)])
+            for m in moe_layers]
+    return torch.stack(rows) if rows else torch.zeros(0, 2 * n_experts + 2, dtype=torch.float64)
+
+
+def from_every_stage(layers: list[int], packed: torch.Tensor, pp_group) -> tuple[list[int], torch.Tensor]:
+    """Under a pipeline (pp_group), every stage's (layers, tallied rows) gathered and put in layer order; as they are
+    without one."""
+    if pp_group is None:
+        return layers, packed
+    stages = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, (layers, packed), group=pp_group)
+    pairs = sorted((layer, row) for stage_layers, rows in stages for layer, row in zip(stage_layers, rows, strict=True))
+    return [layer for layer, _ in pairs], torch.stack([row for _, row in pairs]) if pairs else packed
+
+
+def figures_of(layers: list[int], packed: torch.Tensor, top_k: int) -> dict:
+    """The legend's figures from every layer's tallied rows, summed over the ranks. Each layer's balance loss is that
+    of all the tokens counted (router.balance_of_totals), not a mean over forwards: it then does not depend on how a
+    layout cut the tokens into forwards (a pipeline's microbatches, the ranks' batches). Means over the layers."""
+    n_experts = (packed.shape[1] - 2) // 2
+    assigned_, probability = packed[:, :n_experts], packed[:, n_experts:2 * n_experts]
+    tokens, dropped = packed[:, -2], packed[:, -1]
+    if tokens.numel() == 0 or tokens.min() == 0:  # nothing routed (no evaluation batch reached a layer)
+        return {}
+    share = assigned_ / (tokens[:, None] * top_k)
+    return {"balance_loss": balance_of_totals(assigned_, probability, tokens, top_k).mean().item(),
+            "expert_share_min": share.min().item(), "expert_share_max": share.max().item(),
+            "expert_entropy": load_entropy(share).mean().item(),
+            "dropped_tokens": int(dropped.sum().item()),
+            "dropped_frac": (dropped.sum() / (tokens.sum() * top_k)).item(),
+            # nested: the JSONL keeps it for the report's picture, the console line and TensorBoard skip it
+            "expert_share": {"layers": layers, "share": share.tolist()}}
+
+
+def _vector(value: torch.Tensor | None, size: int) -> torch.Tensor:
+    """A tally's tensor as a float64 host vector of `size` (zeros where the layer has not routed yet)."""
+    return value.double().cpu().reshape(size) if value is not None else torch.zeros(size, dtype=torch.float64)
