@@ -23,10 +23,11 @@ whole model and optimizer state, gathered, to DIR/gathered-CASE.pt for the test 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -82,8 +83,8 @@ def parse(case: str):
     # they compose with every layout
     train_keys = {"ac": "activation_checkpointing", "compile": "compile", "float8": "float8"}
     for key, value in options.items():
-        if key in ("model", "idle"):  # idle: the moe routes to none of half of its experts (run_case)
-            continue
+        if key in ("model", "idle", "inductor"):  # idle: the moe routes to none of half of its experts (run_case);
+            continue  # inductor=false: compiled by dynamo and AOT autograd alone (build)
         if key in train_keys:
             setattr(cfg.train, train_keys[key], value)
             continue
@@ -135,11 +136,29 @@ def build(cfg, info, case: str = ""):
     dims = ParallelDims.from_config(cfg, info.world_size, info.local_world_size)
     mesh = dims.build_mesh(info.torch_device.type) if info.world_size > 1 else None
     config = dataclasses.replace(config, loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, config.vocab_size))
-    layout = build_layout(idle_upper_experts(model_class(config), "idle=true" in case), cfg, dims, mesh,
-                          info.torch_device, info.rank)
+    with _without_inductor("inductor=false" in case):
+        layout = build_layout(idle_upper_experts(model_class(config), "idle=true" in case), cfg, dims, mesh,
+                              info.torch_device, info.rank)
     optimizer = layout.attach_optimizer(build_optimizer(layout.model.configure_optimizer_groups(0.1), info.torch_device,
                                                         cfg.train.backend, info.world_size, **SGD))
     return dims, layout, optimizer
+
+
+@contextmanager
+def _without_inductor(asked: bool):
+    """torch.compile's backend aot_eager while the layout is built (compile binds its backend then): dynamo's graphs
+    and AOT autograd's joint graph run eagerly, without inductor's code generation. What a compiled case of the
+    mixture of experts checks is how its eager dispatch and the all-to-all meet the graphs, which is AOT autograd's
+    (inductor's kernels are the GPT cases'); cold, inductor took 67 s of CPU for it on 2 ranks."""
+    if not asked:
+        yield
+        return
+    compile_ = torch.compile
+    torch.compile = functools.partial(compile_, backend="aot_eager")
+    try:
+        yield
+    finally:
+        torch.compile = compile_
 
 
 def reference_backward(reference, x, y, dp_size: int, microbatches: int = 1) -> torch.Tensor:

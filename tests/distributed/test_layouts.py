@@ -44,8 +44,9 @@ LAYOUTS = {
         "ddp:cp=2,cp_impl=ring,model=llama",
         "ddp:cp=2,cp_impl=ulysses,model=llama",
         # the mixture of experts, each rank holding half of the experts, its blocks compiled (the dispatch eager
-        # between their graphs); the eager ep path is the 4-rank launch's ddp/fsdp × ep2/ep4 cases
-        "ddp:ep=2,model=moe,compile=blocks",
+        # between their graphs) by dynamo and AOT autograd, without inductor's code generation (layout_check's
+        # _without_inductor); the eager ep path is the 4-rank launch's ddp/fsdp × ep2/ep4 cases
+        "ddp:ep=2,model=moe,compile=blocks,inductor=false",
         # float8 (torchao's tensorwise linears in the blocks, their weights gathered by FSDP2 in float8) beside
         # the experts over ep, against one process with the same float8 linears (where the float8 extra is installed)
         *(["fsdp:ep=2,model=moe,float8=tensorwise"] if find_spec("torchao") else []),
