@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan import experts
+from meshtrain.plan import backward, experts
 from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed, op_block_bytes
 from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
@@ -241,19 +241,21 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
     # embedding keeps its own input
     virtual = p.virtual_stages if dims.pp > 1 else 1
-    kept += virtual * block_input
+    inputs = virtual * block_input
     if share.first and facts.split:
-        kept += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
+        inputs += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
+    kept += inputs
     head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
     first, later = held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
     act_bytes = 2 if autocast(cfg) else FP32
-    working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes + recomputing
+    flowing = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
     if dims.cp > 1 and p.cp_impl == "ring":
-        working += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
-    working = working if share.blocks else 0.0
+        flowing += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
+    flowing = flowing if share.blocks else 0.0
+    working = flowing + recomputing if share.blocks else 0.0
     params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
     buffers = 0.0
     chosen = backends.get(t.backend)
@@ -276,14 +278,21 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     earlier = grads if t.grad_accum > 1 else 0.0
     in_flight, held_grads = (later, grads) if later is not None and later * (kept + head) + grads > \
         first * (kept + head) + earlier else (first, earlier)
-    activations, head = in_flight * kept, in_flight * head
     copies = _weight_copies(facts, cfg, dims, share)
-    backward = params + optimizer + buffers + activations + head + held_grads + working + copies
+    # ... or deeper in the first backward, where the gradients made so far meet a block recomputed (plan/backward.py):
+    # the other micro-batches held and this one's chunk inputs stay, its head's tensors are gone
+    blocks = backward.block_list(facts, cfg, dims, share, micro.tokens, *block_bytes(facts, cfg, dims, micro.tokens,
+                                                                                     machine), machine)
+    inside = params + optimizer + buffers + copies + flowing + (first - 1) * (kept + head) + inputs + \
+        backward.deepest(blocks, share, earlier)
+    activations, head = in_flight * kept, in_flight * head
+    start = params + optimizer + buffers + activations + head + held_grads + working + copies
     optimizer_step = params + grads + optimizer + buffers + expert_copy
     out = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
            "buffers": buffers, "backward working set": working, "16-bit weight copies": copies,
-           "peak": max(backward, optimizer_step)}
-    return out | ({"expert gradient copy": expert_copy} if expert_copy else {})
+           "peak": max(start, inside, optimizer_step)}
+    return out | ({"expert gradient copy": expert_copy} if expert_copy else {}) | \
+        ({"inside backward": inside} if inside > start else {})
 
 
 def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
