@@ -6,6 +6,8 @@ holds move block by block, from the last block back to the first:
     at block j    what the blocks before j keep (checkpointed ones only their input) + block j's whole saved set (a
                   checkpointed block recomputed) + the gradients made so far: the head's and final norm's, then those
                   of every block after j (Share.block_grads; all of them already where earlier micro-steps made them)
+    as j ends     what the blocks before j keep + the gradients through j + FSDP2's fp32 unsharded gradients of j,
+                  which it reduce-scatters (they exist only once j's backward is done and its saved tensors are freed)
 
 Where backward starts, no block's gradient exists yet; by the first block all but the embeddings' do. Which point is
 higher depends on the two rates: a block whose gradients outweigh what it keeps (an MoE block's experts, whole on
@@ -54,17 +56,19 @@ def block_list(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Sha
     return out
 
 
-def deepest(blocks: list[tuple[float, float]], share: Share, earlier: float) -> float:
+def deepest(blocks: list[tuple[float, float]], share: Share, earlier: float, reduced: float = 0.0) -> float:
     """The most bytes one micro-batch's backward holds inside the stage's blocks beyond what is held throughout (the
     states, buffers, other micro-batches): the saved tensors still kept, the block being run, and the gradients made
-    so far (module docstring); `earlier`: gradient bytes that exist from the start (earlier micro-steps')."""
+    so far (module docstring); `earlier`: gradient bytes that exist from the start (earlier micro-steps');
+    `reduced`: bytes held only as a block's backward ends, its saved tensors freed (FSDP2's reduce-scatter input)."""
     if not blocks or len(blocks) != len(share.block_grads):
         return 0.0
     kept = sum(k for k, _ in blocks)
     made = share.head_grads * FP32
     most = 0.0
     for (keeps, holds), grads in zip(reversed(blocks), reversed(share.block_grads), strict=True):
-        most = max(most, kept - keeps + holds + max(earlier, made))
         kept -= keeps
+        most = max(most, kept + holds + max(earlier, made))
         made += grads * FP32
+        most = max(most, kept + max(earlier, made) + reduced)
     return most
