@@ -32,8 +32,8 @@ def test_the_blocks_gradients_and_the_heads_add_up_to_the_ranks_but_the_embeddin
 
 def test_the_walk_is_the_hand_count():
     """Two blocks, each keeping 1 byte (its input) and holding 5 while recomputed, 10 gradient elements each (40
-    bytes), a reduce-scatter buffer of 7: at the last block 1 + 5; as it ends 1 + 40 + 7; at the first 0 + 5 + 40; as
-    it ends 0 + 80 + 7, the most."""
+    bytes), a reduce-scatter buffer of 7: at the last block 1 + 5; as it ends 1 + 40 + 7; at the first 0 + 5 + 40 + 7
+    (FSDP2 still holds the last block's reduce-scatter input); as it ends 0 + 80 + 7, the most."""
     cfg = load_config(["preset=cpu", "model.batch_size=8", "train.dtype=fp32"], "moe")
     share = replace(_shares(ModelFacts.of(cfg, VOCAB), cfg, ParallelDims.from_config(cfg, 1, 1))[0],
                     block_grads=(10, 10), head_grads=0)

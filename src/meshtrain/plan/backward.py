@@ -7,7 +7,8 @@ holds move block by block, from the last block back to the first:
                   checkpointed block recomputed) + the gradients made so far: the head's and final norm's, then those
                   of every block after j (Share.block_grads; all of them already where earlier micro-steps made them)
     as j ends     what the blocks before j keep + the gradients through j + FSDP2's fp32 unsharded gradients of j,
-                  which it reduce-scatters (they exist only once j's backward is done and its saved tensors are freed)
+                  which it reduce-scatters (they exist only once j's backward is done and its saved tensors are freed,
+                  and until the next block's are issued: at block j also those of the block after it)
 
 Where backward starts, no block's gradient exists yet; by the first block all but the embeddings' do. Which point is
 higher depends on the two rates: a block whose gradients outweigh what it keeps (an MoE block's experts, whole on
@@ -65,10 +66,11 @@ def deepest(blocks: list[tuple[float, float]], share: Share, earlier: float, red
         return 0.0
     kept = sum(k for k, _ in blocks)
     made = share.head_grads * FP32
-    most = 0.0
+    most = pending = 0.0
     for (keeps, holds), grads in zip(reversed(blocks), reversed(share.block_grads), strict=True):
         kept -= keeps
-        most = max(most, kept + holds + max(earlier, made))
+        most = max(most, kept + holds + max(earlier, made) + pending)
         made += grads * FP32
         most = max(most, kept + max(earlier, made) + reduced)
+        pending = reduced  # FSDP2 frees a reduce-scatter's input only as it issues the next block's
     return most

@@ -238,11 +238,12 @@ def _blocks_kept(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: S
 
 
 def _data_parallel_buffers(cfg: RunConfig, dims: ParallelDims, share: Share) -> tuple[float, float, float]:
-    """(what data parallelism holds beside the states from forward to the optimizer step, what it holds only as a
-    block's backward ends, what it holds only after backward): DDP's buckets, a flat copy of the gradients it reduces
-    (under ep > 1 the experts' own flat copy, averaged over edp after backward); FSDP2's gathered parameters, and the
-    fp32 unsharded gradients of one block that it reduce-scatters once that block's backward is done (its saved
-    tensors freed by then: counting them where backward starts put the MoE's fsdp cp2 x ep2 peak 13.8% over)."""
+    """(what data parallelism holds beside the states from forward to the optimizer step, what it holds only from
+    where a block's backward ends, what it holds only after backward): DDP's buckets, a flat copy of the gradients it
+    reduces (under ep > 1 the experts' own flat copy, averaged over edp after backward); FSDP2's gathered parameters,
+    and the fp32 unsharded gradients of one block that it reduce-scatters once that block's backward is done (its
+    saved tensors freed by then) until the next block's are issued (plan/backward.py): counting them where backward
+    starts put the MoE's fsdp cp2 x ep2 peak 13.8% over."""
     chosen = backends.get(cfg.train.backend)
     if chosen.all_reduces and dims.size("dp_cp") > 1:
         buckets = (share.grads - share.expert_params) * FP32
