@@ -17,7 +17,6 @@ from meshtrain.models.language import AUTO_CHUNK_LOGITS, AUTO_VOCAB, resolve_los
 from meshtrain.nn import chunked_loss
 from meshtrain.nn.chunked_loss import chunked_cross_entropy
 
-
 # On CUDA the chunks' matmuls pad the output layer's rows to a multiple of 64 (aligned for cuBLAS): here padded
 # on the CPU too, the padding must change nothing.
 PADDED = pytest.mark.parametrize("words_multiple", [1, 64], ids=["as-is", "padded-as-on-cuda"])

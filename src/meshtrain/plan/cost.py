@@ -18,14 +18,17 @@ plan/measured/measure.py, docs/plan.md):
                  bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
                  for the ViT's whole field on every rank (its patches are copied once more into the field)
     buffers      DDP's gradient buckets (a second copy of the gradients); FSDP2's gathered parameters (the blocks in
-                 use and the root's; zero2 keeps every gathered block from forward to backward); a pipeline's
-                 receive buffers (one per micro-batch for each stage's input and its output's gradient)
+                 use and the root's; zero2 keeps every gathered block from forward to backward) and, as a block's
+                 backward ends, its fp32 gradients to reduce-scatter; a pipeline's receive buffers (one per
+                 micro-batch for each stage's input and its output's gradient)
     working set  what backward holds beside the saved tensors: the gradients flowing through one block (its MLP's
                  hidden one and the stream's), the block being recomputed under checkpointing, ring attention's
                  score blocks
     peak         max(a backward's start: states without gradients, buffers, activations and head, working set,
                  and the gradients that exist by then: from earlier accumulation micro-steps at the first backward,
-                 all of them at a later one, which may hold fewer micro-batches; the optimizer step: states, buffers)
+                 all of them at a later one, which may hold fewer micro-batches; inside the first backward, block by
+                 block: the blocks not yet run, the one running, the gradients made so far (plan/backward.py); the
+                 optimizer step: states, buffers)
 
 Step time, seconds per iteration:
 
@@ -56,7 +59,7 @@ from typing import TYPE_CHECKING
 from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan import experts
+from meshtrain.plan import backward, experts
 from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed, op_block_bytes
 from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
@@ -234,6 +237,25 @@ def _blocks_kept(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: S
     return kept, recomputing, block_input
 
 
+def _data_parallel_buffers(cfg: RunConfig, dims: ParallelDims, share: Share) -> tuple[float, float, float]:
+    """(what data parallelism holds beside the states from forward to the optimizer step, what it holds only from
+    where a block's backward ends, what it holds only after backward): DDP's buckets, a flat copy of the gradients it
+    reduces (under ep > 1 the experts' own flat copy, averaged over edp after backward); FSDP2's gathered parameters,
+    and the fp32 unsharded gradients of one block that it reduce-scatters once that block's backward is done (its
+    saved tensors freed by then) until the next block's are issued (plan/backward.py): counting them where backward
+    starts put the MoE's fsdp cp2 x ep2 peak 13.8% over."""
+    chosen = backends.get(cfg.train.backend)
+    if chosen.all_reduces and dims.size("dp_cp") > 1:
+        buckets = (share.grads - share.expert_params) * FP32
+        return buckets, 0.0, share.expert_params * FP32 if dims.ep > 1 and dims.size("edp") > 1 else 0.0
+    if chosen.sharded and dims.size("dp_shard_cp") > 1:
+        blocks_gathered = 2 if chosen.reshard_after_forward else share.blocks  # in use + prefetched, or all
+        gathered_bytes = 2 if fsdp_mixed(cfg, dims) else FP32  # gathered in the compute dtype, reduced in fp32
+        return (share.root_params + blocks_gathered * share.block_params) * gathered_bytes, \
+            share.block_params * FP32, 0.0
+    return 0.0, 0.0, 0.0
+
+
 def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
             machine: Machine) -> dict[str, float]:
     t, p = cfg.train, cfg.parallel
@@ -241,32 +263,23 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     # each chunk of blocks keeps its input (the embedding's output, or what the previous stage sent), and a linear
     # embedding keeps its own input
     virtual = p.virtual_stages if dims.pp > 1 else 1
-    kept += virtual * block_input
+    inputs = virtual * block_input
     if share.first and facts.split:
-        kept += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
+        inputs += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
+    kept += inputs
     head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
     first, later = held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
     act_bytes = 2 if autocast(cfg) else FP32
-    working = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes + recomputing
+    flowing = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
     if dims.cp > 1 and p.cp_impl == "ring":
-        working += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
-    working = working if share.blocks else 0.0
+        flowing += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
+    flowing = flowing if share.blocks else 0.0
+    working = flowing + recomputing if share.blocks else 0.0
     params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
-    buffers = 0.0
-    chosen = backends.get(t.backend)
-    expert_copy = 0.0  # under ep > 1 with DDP: the experts' gradients in one flat tensor, averaged over edp
-    if chosen.all_reduces and dims.size("dp_cp") > 1:
-        buffers = grads - share.expert_params * FP32  # DDP's buckets: a flat copy of the gradients it reduces
-        if dims.ep > 1 and dims.size("edp") > 1:
-            expert_copy = share.expert_params * FP32  # parallel/expert_parallel.average_gradients, after backward
-    elif chosen.sharded and dims.size("dp_shard_cp") > 1:
-        gathered = share.root_params  # the root's (embeddings, head, norms)
-        blocks_gathered = 2 if chosen.reshard_after_forward else share.blocks  # in use + prefetched, or all
-        gathered_bytes = 2 if fsdp_mixed(cfg, dims) else FP32  # gathered in the compute dtype, reduced in fp32
-        buffers = (gathered + blocks_gathered * share.block_params) * gathered_bytes + share.block_params * FP32
+    buffers, reduced, expert_copy = _data_parallel_buffers(cfg, dims, share)
     if dims.pp > 1:  # a receive buffer per micro-batch for each stage's input and its output's gradient
         stages = [share.stage + k * dims.pp for k in range(virtual)]
         ends = sum((s > 0) + (s < dims.pp * virtual - 1) for s in stages)
@@ -276,14 +289,21 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     earlier = grads if t.grad_accum > 1 else 0.0
     in_flight, held_grads = (later, grads) if later is not None and later * (kept + head) + grads > \
         first * (kept + head) + earlier else (first, earlier)
-    activations, head = in_flight * kept, in_flight * head
     copies = _weight_copies(facts, cfg, dims, share)
-    backward = params + optimizer + buffers + activations + head + held_grads + working + copies
-    optimizer_step = params + grads + optimizer + buffers + expert_copy
+    # ... or deeper in the first backward, where the gradients made so far meet a block recomputed (plan/backward.py):
+    # the other micro-batches held and this one's chunk inputs stay, its head's tensors are gone
+    blocks = backward.block_list(facts, cfg, dims, share, micro.tokens, *block_bytes(facts, cfg, dims, micro.tokens,
+                                                                                     machine), machine)
+    inside = params + optimizer + buffers + copies + flowing + (first - 1) * (kept + head) + inputs + \
+        backward.deepest(blocks, share, earlier, reduced)
+    activations, head = in_flight * kept, in_flight * head
+    start = params + optimizer + buffers + activations + head + held_grads + working + copies
+    optimizer_step = params + grads + optimizer + buffers + reduced + expert_copy
     out = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
-           "buffers": buffers, "backward working set": working, "16-bit weight copies": copies,
-           "peak": max(backward, optimizer_step)}
-    return out | ({"expert gradient copy": expert_copy} if expert_copy else {})
+           "buffers": buffers + reduced, "backward working set": working, "16-bit weight copies": copies,
+           "peak": max(start, inside, optimizer_step)}
+    return out | ({"expert gradient copy": expert_copy} if expert_copy else {}) | \
+        ({"inside backward": inside} if inside > start else {})
 
 
 def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,

@@ -50,6 +50,10 @@ class Share:
     expert_params: int = 0  # of params: the routed experts' elements the rank keeps (after ep and their own sharding)
     expert_local: int = 0  # the routed experts' elements after ep, before data-parallel sharding (what edp reduces)
     parts: tuple[tuple[int, ...], ...] = ()  # the blocks (indices) this pp rank runs, one tuple per stage it holds
+    # Gradient elements as backward makes them (plan/backward.py): each block's of `parts` (flattened, forward order),
+    # and those made before any block's, the head's and final norm's (a tied embedding's with them)
+    block_grads: tuple[int, ...] = ()
+    head_grads: int = 0
 
 
 def chunk(size: int, parts: int, index: int = 0) -> int:
@@ -148,8 +152,25 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
                             block_params=_largest_block(gathered, block_prefix) if block_prefix else 0,
                             tensors=len(held), root_params=sum(numel.values()) - in_blocks,
                             expert_params=sum(v for n, v in kept.items() if is_expert(n)),
-                            expert_local=sum(v for n, v in numel.items() if is_expert(n)), parts=parts))
+                            expert_local=sum(v for n, v in numel.items() if is_expert(n)), parts=parts,
+                            block_grads=tuple(_block_total(kept, f"{block_prefix}{i}.") for part in parts for i in part)
+                            if block_prefix else (),
+                            head_grads=_head_grads(kept, split, first=0 in mine, last=n_stages - 1 in mine)))
     return shares
+
+
+def _block_total(kept: dict[str, int], prefix: str) -> int:
+    return sum(v for n, v in kept.items() if n.startswith(prefix))
+
+
+def _head_grads(kept: dict[str, int], split: StageSplit | None, first: bool, last: bool) -> int:
+    """Gradient elements backward makes before it reaches the blocks: the last stage's own modules' (the final norm,
+    the head), and a tied embedding's when both ends are on this rank (the head's backward makes it)."""
+    if split is None or not last:
+        return 0
+    ends = tuple(f"{m}." for m in split.last)
+    tied = split.tied[1] if split.tied and first else None
+    return sum(v for n, v in kept.items() if n.startswith(ends) or n == tied)
 
 
 def _kept(shape: tuple[int, ...], ranks: int) -> int:
