@@ -51,3 +51,18 @@ def test_a_layout_the_trace_cannot_build_is_refused_naming_what_it_can(overrides
     dims = ParallelDims.from_config(cfg, 2, 2)
     with pytest.raises(PlanError, match=r"cannot trace .*" + refused.replace("+", r"\+") + r".*it traces train.backend"):
         check_traceable(cfg, dims)
+
+
+def test_plan_trace_prints_the_traced_terms_beside_the_predicted_ones():
+    """`meshtrain plan ... --trace LABEL`: the row's layout traced, its states equal to the prediction, the peak with
+    the part of the step it falls in; a 16-bit GPU plan also shows the prediction for the CPU's kernels."""
+    out = preloaded.run([sys.executable, "-m", "meshtrain", "plan", "gpt", "preset=cpu", "model.batch_size=8",
+                         "train.dtype=bf16", "--system", "polaris", "--gpus-per-node", "2", "--top", "0", "--trace",
+                         "ddp dp2 ac=none"], env=clean_env(COLUMNS="200"), cwd=REPO, timeout=120)
+    text = output(out)
+    assert out.returncode == 0, text[-3000:]
+    assert "ddp dp2 ac=none: predicted / traced, rank 0 (peak during" in text
+    assert "predicted, CPU kernels" in text
+    for term in ("params", "grads", "optimizer"):
+        assert any(line.split("│")[1].strip() == term and "+0.0%" in line for line in text.splitlines()
+                   if line.count("│") > 3), term

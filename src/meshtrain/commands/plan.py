@@ -104,7 +104,7 @@ def run(args) -> int:
     if args.explain:
         print_rich(explain(pick(ranked, args.explain, "--explain"), machine))
     if args.trace:
-        _trace(pick(ranked, args.trace, "--trace"), per_node, machine, facts)
+        _trace(pick(ranked, args.trace, "--trace"), machine, facts)
     if args.validate:
         return _validate(args, cfg, ranked, per_node * args.nodes, facts)
     return 0
@@ -206,7 +206,7 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
     return "; ".join(said)
 
 
-def _trace(c: Candidate, per_node: int, machine: machines.Machine, facts: ModelFacts) -> None:
+def _trace(c: Candidate, machine: machines.Machine, facts: ModelFacts) -> None:
     """Trace `c`'s layout in this process (plan/measured/trace.py) and print its bytes beside the prediction."""
     from meshtrain.plan.cost import predict
     from meshtrain.plan.measured.trace import check_traceable, trace
@@ -216,7 +216,7 @@ def _trace(c: Candidate, per_node: int, machine: machines.Machine, facts: ModelF
     on_cpu = None  # the trace runs the CPU's kernels: under autocast its attention and logits' gradient keep fp32
     if c.cfg.train.dtype != "fp32" and not machine.cpu:
         on_cpu = predict(facts, c.cfg, c.dims, replace(machine, cpu=True)).memory
-    for traced in trace(c.cfg, c.dims, per_node):
+    for traced in trace(c.cfg, c.dims):
         print_rich(trace_table(c, traced, on_cpu))
         log.info("rank %d traced in %.1f s (this process's largest resident set: %.0f MiB)", traced.rank,
                  traced.seconds, traced.max_rss / 2**20)

@@ -26,8 +26,10 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel import distributed as ddp_module
+from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtrain import config as config_mod
 from meshtrain import registry
@@ -67,7 +69,8 @@ class PhaseBytes(TensorBytes):
 
     def __init__(self):
         super().__init__()
-        self.phase, self.peak_phase, self.phase_peaks = "data", "data", {}  # "data": between the parts, where the batch is made
+        # "data": outside the three parts (where the batch is made, and between micro-steps)
+        self.phase, self.peak_phase, self.phase_peaks = "data", "data", {}
 
     @contextlib.contextmanager
     def during(self, phase: str):
@@ -109,7 +112,7 @@ def traced_ranks(dims) -> list[int]:
     return [0]
 
 
-def trace(cfg, dims, local_world_size: int) -> list[Traced]:
+def trace(cfg, dims) -> list[Traced]:
     """Each distinct rank role of `cfg`'s layout `dims` (a checked plan candidate's), traced in this process."""
     check_traceable(cfg, dims)
     return [trace_rank(cfg, dims, rank) for rank in traced_ranks(dims)]
@@ -118,9 +121,11 @@ def trace(cfg, dims, local_world_size: int) -> list[Traced]:
 def trace_rank(cfg, dims, rank: int) -> Traced:
     """Rank `rank`'s share, built and stepped twice on a fake process group of dims.world_size ranks."""
     started = time.perf_counter()
-    dist.init_process_group("fake", rank=rank, world_size=dims.world_size, store=_fake_store())
+    # torch 2.13 gives the fake backend a store of its own (torch.testing's FakeStore) when given none
+    dist.init_process_group("fake", rank=rank, world_size=dims.world_size)
     try:
         mesh = dims.build_mesh("cpu") if dims.world_size > 1 else None  # real: its rank map is read as data
+        # non-fake inputs allowed: the mesh's real rank maps meet the fake tensors in DTensor's and FSDP2's set-up
         with _fake_ddp(), _real_meshes(), FakeTensorMode(allow_non_fake_inputs=True), PhaseBytes() as tracker:
             layout, optimizer = _build(cfg, dims, mesh, rank)
             _step(cfg, layout, optimizer, tracker, micro_steps=1)  # makes AdamW's state
@@ -132,12 +137,6 @@ def trace_rank(cfg, dims, rank: int) -> Traced:
     return Traced(rank=rank, held=held, peak=tracker.peak(), peak_phase=tracker.peak_phase,
                   phase_peaks=dict(tracker.phase_peaks), seconds=time.perf_counter() - started,
                   max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-def _fake_store():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore()
 
 
 @contextlib.contextmanager
@@ -154,9 +153,6 @@ def _fake_ddp():
 def _real_meshes():
     """DeviceMeshes made during the trace (FSDP2 joins its dp mesh to tp's) from real tensors: a mesh reads its rank
     map as data, which a fake tensor has not (and the tensors' bytes are not the model's)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.utils._python_dispatch import _disable_current_modes
-
     init = DeviceMesh.__init__
 
     def real_init(*args, **kwargs):
@@ -253,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     for case, own in (args.cases or {"layout": []}).items():
         cfg = config_mod.load_config([*args.overrides, *own], registry.get(args.model).name)
         dims = ParallelDims.from_config(cfg, args.world, per_node)
-        for traced in trace(config_mod.with_global_batch(cfg, dims.dp_size), dims, per_node):
+        for traced in trace(config_mod.with_global_batch(cfg, dims.dp_size), dims):
             print(json.dumps({"case": case, **asdict(traced)}), flush=True)
 
 
