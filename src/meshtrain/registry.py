@@ -110,6 +110,9 @@ class ModelSpec:
     shape: Callable  # (cfg) -> ModelShape
     validate: Callable | None = None  # (cfg) -> None: the model's own rules; raises config.ConfigError
     build_model: Callable | None = None  # (cfg, data_facts) -> nn.Module, for export and sample on one process
+    # (model, cfg, dims, mesh, device, rank) -> its parallel.layout.Layout: what the workload's build_layout does, without
+    # the workload's data (`plan --trace` lays the model out on a fake process group from the spec alone)
+    build_layout: Callable | None = None
     legend: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # its metrics' meanings
     text: bool = False  # a language model: `meshtrain sample` can generate from it
     # Where its blocks and ends are, by module path (parallel.pipeline_schedules.StageSplit): a pipeline cuts the model

@@ -4,6 +4,7 @@
     meshtrain plan vit preset=mp --system perlmutter --nodes 4 --top 5
     meshtrain plan gpt preset=cpu --system this --gpus-per-node 4 --explain 1  the first row, term by term
     meshtrain plan gpt preset=cpu --system this --gpus-per-node 4 --validate 12   run 12 layouts here and compare
+    meshtrain plan gpt preset=gpt2 --system polaris --nodes 4 --trace 1        the first row built in this process
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a model.capacity_factor bounds them exactly instead)")
     parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     parser.add_argument("--explain", default=None, help="a row number or layout label: its terms, one by one")
+    parser.add_argument("--trace", default=None, metavar="ROW",
+                        help="a row number or layout label: build that layout at full size in this one process (a fake "
+                             "process group, fake tensors), step it, and print its bytes beside the prediction")
     parser.add_argument("--json", action="store_true", help="every candidate as JSON")
     parser.add_argument("--validate", type=int, default=None, metavar="N",
                         help="run N layouts on this machine (a spread of the ranked ones) and compare")
@@ -102,7 +106,9 @@ def run(args) -> int:
         log.info("train the first with: meshtrain train %s %s", args.model,
                  " ".join([*args.overrides, *ranked[0].overrides]))
     if args.explain:
-        print_rich(explain(pick(ranked, args.explain), machine))
+        print_rich(explain(pick(ranked, args.explain, "--explain"), machine))
+    if args.trace:
+        _trace(pick(ranked, args.trace, "--trace"), machine, facts)
     if args.validate:
         return _validate(args, cfg, ranked, per_node * args.nodes, facts)
     return 0
@@ -116,12 +122,12 @@ def _auto_dtype() -> str:
     return auto_dtype(describe(pick_device(0))).dtype
 
 
-def pick(ranked: list[Candidate], which: str) -> Candidate:
+def pick(ranked: list[Candidate], which: str, option: str = "--explain") -> Candidate:
     if which.isdigit() and 1 <= int(which) <= len(ranked):
         return ranked[int(which) - 1]
     found = [c for c in ranked if c.label == which.strip()]
     if not found:
-        raise systems.PlanError(f"--explain {which!r}: no such layout; give a row number (1-{len(ranked)}) or a "
+        raise systems.PlanError(f"{option} {which!r}: no such layout; give a row number (1-{len(ranked)}) or a "
                                 "label as the table prints it")
     return found[0]
 
@@ -202,6 +208,42 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
         said.append(f"{t.activation_checkpointing} activation checkpointing: recomputes to save activations")
     said.append(f"bound by {c.cost.bottleneck}")
     return "; ".join(said)
+
+
+def _trace(c: Candidate, machine: machines.Machine, facts: ModelFacts) -> None:
+    """Trace `c`'s layout in this process (plan/measured/trace.py) and print its bytes beside the prediction."""
+    from meshtrain.plan.cost import predict
+    from meshtrain.plan.measured.trace import check_traceable, trace
+
+    check_traceable(c.cfg, c.dims)
+    log.info("tracing %s: %d ranks on a fake process group, in %s", c.label, c.dims.world_size, c.cfg.train.dtype)
+    on_cpu = None  # the trace runs the CPU's kernels: under autocast its attention and logits' gradient keep fp32
+    if c.cfg.train.dtype != "fp32" and not machine.cpu:
+        on_cpu = predict(facts, c.cfg, c.dims, replace(machine, cpu=True)).memory
+    for traced in trace(c.cfg, c.dims):
+        print_rich(trace_table(c, traced, on_cpu))
+        log.info("rank %d traced in %.1f s (this process's largest resident set: %.0f MiB)", traced.rank,
+                 traced.seconds, traced.max_rss / 2**20)
+
+
+def trace_table(c: Candidate, traced, on_cpu: dict | None = None):
+    """Predicted against traced, term by term; `on_cpu`: the prediction for CPU kernels too (a 16-bit layout
+    planned for GPUs, traced with the CPU's ops), with the difference from it."""
+    from rich.table import Table
+
+    from meshtrain.plan.measured.trace import compare
+
+    out = Table(title=f"{c.label}: predicted / traced, rank {traced.rank} (peak during {traced.peak_phase})",
+                title_justify="left")
+    columns = ("term", "predicted MiB", "traced MiB", "difference", *["predicted, CPU kernels", "difference"] * bool(on_cpu))
+    for column in columns:
+        out.add_column(column, justify="left" if column == "term" else "right")
+    mib = lambda v: "—" if v is None else f"{v / 2**20:,.2f}"  # noqa: E731
+    differs = lambda p, m: f"{(m - p) / p:+.1%}" if p and m is not None else ""  # noqa: E731
+    for term, predicted, measured in compare(traced, c.cost.memory):
+        cpu = [mib(on_cpu.get(term)), differs(on_cpu.get(term), measured)] if on_cpu else []
+        out.add_row(term, mib(predicted), mib(measured), differs(predicted, measured), *cpu)
+    return out
 
 
 def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int, facts: ModelFacts) -> int:

@@ -65,7 +65,13 @@ def build_model(cfg: GPTRunConfig, data_facts: dict):
                          loss_chunks=resolve_loss_chunks(t.loss_chunks, data_facts["meta"]["vocab_size"])))
 
 
+def _build_layout(model, cfg: RunConfig, dims, mesh, device, rank: int):
+    from meshtrain.models.gpt.parallelize import build_gpt_layout
+
+    return build_gpt_layout(model, cfg, dims, mesh, device, rank)
+
+
 SPEC = model_spec(__file__, language_model=True, name="gpt",
                   summary="a GPT language model on text (Shakespeare char-level or GPT-2 BPE, or your own)",
                   run_config=GPTRunConfig, workload=_workload, shape=_shape, validate=validate, build_model=build_model,
-                  stage_split=SPLIT)
+                  stage_split=SPLIT, build_layout=_build_layout)

@@ -79,4 +79,4 @@ def _workload(cfg: RunConfig, info, dims):
 SPEC = model_spec(__file__, language_model=True, name="llama",
                   summary="a Llama-style decoder on text (GPT-2 BPE Shakespeare by default)",
                   run_config=LlamaRunConfig, workload=_workload, shape=_shape, validate=validate,
-                  build_model=build_model, stage_split=SPLIT)
+                  build_model=build_model, stage_split=SPLIT, build_layout=build_llama_layout)

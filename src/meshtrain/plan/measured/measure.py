@@ -56,6 +56,8 @@ class TensorBytes(TorchDispatchMode):
     Storages resized in place (FSDP2 frees and regathers parameters that way) are followed through resize_. What
     kernels allocate for themselves and never hand back as a tensor is not counted: it is not the tensors' bytes."""
 
+    counted: type = torch.Tensor  # the tensors whose storages count (plan/measured/trace.py counts fake ones)
+
     def __init__(self):
         super().__init__()
         self.alive = self.peak_bytes = 0
@@ -92,7 +94,7 @@ class TensorBytes(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, self.alive)
 
     def _count(self, tensor: torch.Tensor) -> None:
-        if type(tensor) is not torch.Tensor or tensor.device.type == "meta":
+        if type(tensor) is not self.counted or tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
         key = id(storage)

@@ -1,0 +1,68 @@
+"""`plan --trace`: a layout of many ranks built and stepped in one process (plan/measured/trace.py), on a fake process
+group and fake tensors. The trace runs in a process of its own: it starts a process group, which the other tests of
+this worker must not see."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from tests import preloaded
+from tests.conftest import REPO, clean_env, output
+
+from meshtrain import config as config_mod
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan import machines, systems
+from meshtrain.plan.cost import predict
+from meshtrain.plan.measured.trace import check_traceable
+from meshtrain.plan.systems import PlanError
+from meshtrain.plan.workload import ModelFacts
+
+GPT2_64_FSDP = ["preset=gpt2", "train.backend=fsdp", "train.dtype=fp32", "train.grad_accum=1", "parallel.dp_shard=64"]
+
+
+def traced(model: str, overrides: list[str], world: int, per_node: int) -> list[dict]:
+    """Each traced rank's figures, from a trace in a process of its own."""
+    out = preloaded.run([sys.executable, "-m", "meshtrain.plan.measured.trace", model, *overrides, "--world",
+                         str(world), "--per-node", str(per_node)], env=clean_env(), cwd=REPO, timeout=240)
+    assert out.returncode == 0, output(out)[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_64_ranks_of_gpt2_under_fsdp_trace_in_one_process_holding_the_planners_states():
+    """GPT-2 124M sharded over 64 ranks: the rank's parameters, gradients and AdamW state are the planner's to the
+    byte, its traced peak is gigabytes of activations, and the process never held them (fake tensors)."""
+    (rank0,) = traced("gpt", GPT2_64_FSDP, 64, 4)
+    cfg = config_mod.load_config(GPT2_64_FSDP, "gpt")
+    dims = ParallelDims.from_config(cfg, 64, 4)
+    predicted = predict(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris"))).memory
+    assert rank0["held"] == {k: round(predicted[k]) for k in ("params", "grads", "optimizer")}
+    assert rank0["peak"] > 4 * 2**30 and rank0["peak_phase"] in ("forward", "backward")
+    assert rank0["max_rss"] < 1.5 * 2**30, rank0["max_rss"]  # the peak is 4+ GiB: none of it was real
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["parallel.pp=2", "parallel.microbatches=2"], "pp > 1"),
+    (["train.backend=zero1"], "train.backend=zero1"),
+])
+def test_a_layout_the_trace_cannot_build_is_refused_naming_what_it_can(overrides, refused):
+    cfg = config_mod.load_config(["preset=cpu", "model.batch_size=8", *overrides], "gpt")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    with pytest.raises(PlanError, match=r"cannot trace .*" + refused.replace("+", r"\+") + r".*it traces train.backend"):
+        check_traceable(cfg, dims)
+
+
+def test_plan_trace_prints_the_traced_terms_beside_the_predicted_ones():
+    """`meshtrain plan ... --trace LABEL`: the row's layout traced, its states equal to the prediction, the peak with
+    the part of the step it falls in; a 16-bit GPU plan also shows the prediction for the CPU's kernels."""
+    out = preloaded.run([sys.executable, "-m", "meshtrain", "plan", "gpt", "preset=cpu", "model.batch_size=8",
+                         "train.dtype=bf16", "--system", "polaris", "--gpus-per-node", "2", "--top", "0", "--trace",
+                         "ddp dp2 ac=none"], env=clean_env(COLUMNS="200"), cwd=REPO, timeout=120)
+    text = output(out)
+    assert out.returncode == 0, text[-3000:]
+    assert "ddp dp2 ac=none: predicted / traced, rank 0 (peak during" in text
+    assert "predicted, CPU kernels" in text
+    for term in ("params", "grads", "optimizer"):
+        assert any(line.split("│")[1].strip() == term and "+0.0%" in line for line in text.splitlines()
+                   if line.count("│") > 3), term
