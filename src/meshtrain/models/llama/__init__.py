@@ -76,7 +76,14 @@ def _workload(cfg: RunConfig, info, dims):
     return LanguageModelWorkload(cfg, info, dims, build_model=build_model, build_layout=build_llama_layout)
 
 
+def _build_layout(model, cfg: RunConfig, dims, mesh, device, rank: int):
+    from meshtrain.models.llama.parallelize import build_llama_layout
+
+    return build_llama_layout(model, cfg, dims, mesh, device, rank)
+
+
 SPEC = model_spec(__file__, language_model=True, name="llama",
                   summary="a Llama-style decoder on text (GPT-2 BPE Shakespeare by default)",
                   run_config=LlamaRunConfig, workload=_workload, shape=_shape, validate=validate,
-                  build_model=build_model, stage_split=SPLIT, build_layout=build_llama_layout)
+                  build_model=build_model, stage_split=SPLIT,
+                  build_layout=_build_layout)
