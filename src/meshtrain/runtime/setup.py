@@ -114,12 +114,12 @@ def _store_prefix() -> str:
     return "meshtrain/" if attempt is None else f"meshtrain/attempt_{attempt}/"
 
 
-def _attempt_store(addr: str, port: int, rank: int, world_size: int, timeout: float, source: str):
+def _attempt_store(addr: str, port: int, rank: int, world_size: int, timeout: float, alone: bool):
     """Under torchrun, the agent's store under this attempt's prefix. A single process with no MASTER_PORT given, an
     in-memory store: a port probed free can be taken by another process before this one binds it (seen with 8 GPU
     tests starting at once: EADDRINUSE). Otherwise None: init_process_group makes its own store (rank 0 keeps it)
     at the same address."""
-    if source == "single process" and "MASTER_PORT" not in os.environ:
+    if alone:
         return dist.HashStore()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT") is None:
         return None
@@ -142,7 +142,6 @@ def setup(device: str | None = None, backend: str | None = None, timeout: float 
             "(pip install 'meshtrain[mpi]') so rank 0 can broadcast them"
         )
     master_addr, master_port, rdzv_source = rdzv
-    store = _attempt_store(master_addr, master_port, launch.rank, launch.world_size, timeout, rdzv_source)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
 
     torch_device = pick_device(launch.local_rank, device)
@@ -158,6 +157,8 @@ def setup(device: str | None = None, backend: str | None = None, timeout: float 
         dumps = heartbeat.flight_recorder_env(os.path.join("outputs", "flight_recorder",
                                                            launch.job_id or f"port_{master_port}"))
     try:
+        alone = rdzv_source == "single process" and launch.master_port is None  # no port asked for: bind none
+        store = _attempt_store(master_addr, master_port, launch.rank, launch.world_size, timeout, alone)
         kwargs |= {"store": store} if store is not None else {}
         dist.init_process_group(
             backend=backend, rank=launch.rank, world_size=launch.world_size,
