@@ -40,7 +40,7 @@ ROWS = {
     "micro 24 × 2": ["train.dtype=bf16", "train.compile=true", "model.batch_size=24", "train.grad_accum=2"],
     "micro 48 × 1": ["train.dtype=bf16", "train.compile=true", "model.batch_size=48", "train.grad_accum=1"],
     "micro 48 × 1 + loss in chunks": ["train.dtype=bf16", "train.compile=true", "model.batch_size=48",
-                                     "train.grad_accum=1", "train.loss_chunks=8192"],
+                                      "train.grad_accum=1", "train.loss_chunks=8192"],
     "compile whole model": ["train.dtype=bf16", "train.compile=model"],
     "loss in chunks (auto)": ["train.dtype=bf16", "train.compile=true", "train.loss_chunks=auto"],
     "whole model + loss in chunks (auto)": ["train.dtype=bf16", "train.compile=model", "train.loss_chunks=auto"],
