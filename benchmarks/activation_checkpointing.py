@@ -16,10 +16,10 @@ import contextlib
 import io
 import logging
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import replace
+
+from train_runs import prepared
 
 from meshtrain.machine.precision import choose
 from meshtrain.parallel.checkpointing import MODES
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode and round")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshtrain-ac-") as scratch:
-        root = args.data_root or _prepared(scratch)
+        root = args.data_root or str(prepared(scratch))
         base = ["preset=cpu", f"data.root={root}", *args.overrides]
         # train.dtype=auto resolved as the trainer resolves it here, so that the planner prices the same run
         dtype = choose(measure.run_config("gpt", base, scratch).train.dtype, "cpu").dtype
@@ -60,13 +60,6 @@ def main() -> None:
     print(f"GPT preset=cpu {' '.join(args.overrides)} train.dtype={dtype}, one process, {args.rounds} rounds of "
           f"{args.steps} steps per mode")
     _print_table(configs, peaks, {mode: statistics.median(t) for mode, t in times.items()})
-
-
-def _prepared(scratch: str) -> str:
-    root = f"{scratch}/data"
-    subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root", root],
-                   check=True, capture_output=True)
-    return root
 
 
 def _print_table(configs: dict, peaks: dict[str, int], step_s: dict[str, float]) -> None:

@@ -19,13 +19,11 @@ import argparse
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from train_runs import markdown, run_train
+from train_runs import markdown, prepared, run_train
 
 from meshtrain.machine.hardware import device_name
 
@@ -76,9 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("MESHTRAIN_DEVICE", "cpu")  # the CPU recipe, also on a machine with a GPU
     with tempfile.TemporaryDirectory() as tmp:
-        data_root = Path(tmp) / "data"
-        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root",
-                        str(data_root)], check=True, capture_output=True)
+        data_root = prepared(tmp)
         results = [(ranks, mode, measure(ranks, mode, data_root, args.iters, args.dtype, args.extra))
                    for ranks in map(int, args.runs.split(",")) for mode in args.modes.split(",")]
     print(f"GPT preset=cpu {' '.join(args.extra)}, {args.iters} iterations, train.dtype={args.dtype}, on "

@@ -27,13 +27,12 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from train_runs import run_train
+from train_runs import prepared, run_train
 
 ROWS = {
     "bf16+compile": ["train.dtype=bf16", "train.compile=true"],
@@ -137,12 +136,11 @@ def main() -> None:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         sys.exit(f"unknown row(s) {unknown}: choose from {', '.join(ROWS)}")
-    with tempfile.TemporaryDirectory(prefix="gpt2-data-") as data_root:
-        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare", "--data-root", data_root],
-                       check=True, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="gpt2-data-") as tmp:
+        data_root = prepared(tmp, "shakespeare")
         results = []
         for i, name in enumerate(names):
-            results.append(run(name, ROWS[name], Path(data_root), args.iters, args.accum, args.profile and i == 0))
+            results.append(run(name, ROWS[name], data_root, args.iters, args.accum, args.profile and i == 0))
             print(json.dumps(results[-1]), flush=True)
     print(f"\nGPT-2 124M, block 1024, batch 12 x accumulation {args.accum}, {args.iters} iterations, one "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from gpt_vs_nanogpt import run_nanogpt
-from train_runs import run_train
+from train_runs import prepared, run_train
 
 REFERENCE = {"name": "nanoGPT (issue 3's figures, another day)", "ms_iter": 36.6, "tps": 21_000, "val": 1.8857,
              "wall": 80.7, "steps": 2000}
@@ -68,9 +68,7 @@ def main() -> None:
     from rich.table import Table
 
     with tempfile.TemporaryDirectory() as tmp:
-        data_root = Path(tmp) / "data"
-        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root",
-                        str(data_root)], check=True, capture_output=True)
+        data_root = prepared(tmp)
         results, ref = [], REFERENCE
         if args.nanogpt:
             nano = run_nanogpt(args.nanogpt.expanduser(), [*NANOGPT_CPU, f"--eval_interval={args.eval_interval}"],

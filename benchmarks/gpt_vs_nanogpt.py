@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from train_runs import run_train
+from train_runs import prepared, run_train
 
 NANO_ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
 NANO_EVAL = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)")
@@ -85,9 +85,8 @@ def run_baby_gpt_nanogpt(root: Path, iters: int, target: float, stop_at_target: 
 
 
 def run_meshtrain(iters: int, target: float, overrides: list[str], name: str = "meshtrain") -> dict:
-    with tempfile.TemporaryDirectory(prefix="meshtrain-vs-nanogpt-") as root:
-        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root", root],
-                       check=True, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="meshtrain-vs-nanogpt-") as tmp:
+        root = prepared(tmp)
         run = run_train("gpt", 1, ["preset=shakespeare_char", f"data.root={root}", f"train.max_iters={iters}",
                                    f"optimizer.lr_decay_iters={iters}", "train.compile=true", *overrides])
     evals = run.evals()

@@ -17,12 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
-from train_runs import run_train
+from train_runs import prepared, run_train
 
 # The moe preset=cpu's attention, data and optimizer (src/meshtrain/models/moe/presets/cpu.yaml), for the dense run.
 SHAPE = ["model.n_layer=4", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=64", "model.block_size=64",
@@ -66,9 +63,7 @@ def main() -> None:
             f"moe, experts over ep={args.ranks}": ("moe", ["preset=cpu", f"parallel.ep={args.ranks}"])}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        data_root = Path(tmp) / "data"
-        subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "shakespeare_char", "--data-root",
-                        str(data_root)], check=True, capture_output=True)
+        data_root = prepared(tmp)
         for name, (workload, overrides) in runs.items():
             run = run_train(workload, args.ranks, [*overrides, f"data.root={data_root}", *common])
             total, active = parameters(workload, [*overrides, f"data.root={data_root}"])

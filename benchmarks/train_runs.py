@@ -16,6 +16,14 @@ from pathlib import Path
 from meshtrain.runtime.results import torchrun_argv
 
 
+def prepared(folder: str | Path, corpus: str = "shakespeare_char") -> Path:
+    """`meshtrain prepare CORPUS` (a shipped corpus: offline, seconds) into FOLDER/data; returns that data root."""
+    root = Path(folder) / "data"
+    subprocess.run([sys.executable, "-m", "meshtrain", "prepare", corpus, "--data-root", str(root)], check=True,
+                   capture_output=True)
+    return root
+
+
 @dataclass
 class TrainRun:
     rows: list[dict]  # metrics.jsonl
