@@ -58,6 +58,7 @@ class ExpertShape:
     hidden: int  # each routed expert's hidden width
     module: str  # the module path suffix, in a block, of the stacked routed experts ([E, ...] parameters)
     capacity_factor: float | None = None  # None: dropless
+    shared_hidden: int = 0  # the shared experts' hidden width (n_shared_experts × hidden); 0: none
     # Elements an MoE block saves for backward (fp32 eager, no dropout; tests/unit/test_registry.py checks both):
     saved_per_token: int = 0  # per token of this rank: attention, norms, router, gates, shared experts, indices
     saved_per_row: int = 0  # per routed row this rank's experts compute: its input and the SwiGLU's four hiddens
@@ -65,7 +66,8 @@ class ExpertShape:
     autocast_per_token: AutocastActivations | None = None  # per token under autocast, by dtype (int64 as 2 fp32)
     autocast_per_row: int = 0  # per routed row under autocast: all 16-bit (the experts' input and hidden tensors)
     # Of saved_per_token, the block's tensor-parallel half (attention and norms, cut over tp as a dense block's are,
-    # plan/activations.py); the rest, the MoE layer's, is whole on every tp rank. 0 / None: all of it whole.
+    # plan/activations.py); of the rest, the MoE layer's, the shared experts' and (per row) the routed experts' four
+    # hidden tensors are cut over tp (plan/experts.py), the rest is whole on every tp rank. 0 / None: all of it whole.
     attention_per_token: int = 0
     attention_autocast: AutocastActivations | None = None
 

@@ -83,8 +83,8 @@ def parse(case: str):
     # they compose with every layout
     train_keys = {"ac": "activation_checkpointing", "compile": "compile", "float8": "float8"}
     for key, value in options.items():
-        if key in ("model", "idle", "inductor"):  # idle: the moe routes to none of half of its experts (run_case);
-            continue  # inductor=false: compiled by dynamo and AOT autograd alone (build)
+        if key in ("model", "idle", "inductor", "shared"):  # idle: the moe routes to none of half of its experts
+            continue  # (run_case); inductor=false: compiled by dynamo and AOT autograd alone (build); shared: model_config
         if key in train_keys:
             setattr(cfg.train, train_keys[key], value)
             continue
@@ -96,8 +96,11 @@ def parse(case: str):
     return cfg
 
 
-def model_config(config, cfg):
-    """The model's config; compiled, at a width torch's CPU inductor compiles right (pytorch/pytorch#196681)."""
+def model_config(config, cfg, case: str = ""):
+    """The model's config; compiled, at a width torch's CPU inductor compiles right (pytorch/pytorch#196681); with
+    shared=true, the moe's with a shared expert."""
+    if "shared=true" in case:
+        config = dataclasses.replace(config, n_shared_experts=1)
     return config if cfg.train.compile == "off" else dataclasses.replace(config, n_embd=inductor_safe_width())
 
 
@@ -127,7 +130,7 @@ def build(cfg, info, case: str = ""):
     cfg.optimizer.grad_clip, cfg.model.batch_size, cfg.train.grad_accum = 1.0, MICRO, ACCUM  # DeepSpeed's config
     m = cfg.model
     model_class, config, _, build_layout = model_of(cfg)
-    config = model_config(config, cfg)
+    config = model_config(config, cfg, case)
     for key in ("block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden", "n_experts", "top_k",
                 "expert_hidden"):
         if hasattr(m, key):
@@ -237,7 +240,7 @@ def run_case(case: str, info) -> tuple:
     dims, layout, optimizer = build(cfg, info, case)
     torch.manual_seed(0)
     model_class, config, *_ = model_of(cfg)
-    config = model_config(config, cfg)
+    config = model_config(config, cfg, case)
     reference = idle_upper_experts(model_class(config), "idle=true" in case)
     # float8: one process's blocks converted as the layout's are (torchao runs float8 matmuls on a CPU too)
     converted = float8.convert_blocks(reference.transformer.h.values(), cfg.train.float8, fsdp=False)

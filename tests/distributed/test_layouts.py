@@ -50,7 +50,9 @@ LAYOUTS = {
         # float8 (torchao's tensorwise linears in the blocks, their weights gathered by FSDP2 in float8) beside
         # the experts over ep, against one process with the same float8 linears (where the float8 extra is installed)
         *(["fsdp:ep=2,model=moe,float8=tensorwise"] if find_spec("torchao") else []),
-        "ddp:tp=2,model=moe"],  # tp 2 + SP + LP: the MoE layers whole on each rank, their plain weights beside tp's
+        # tp 2 + SP + LP without ep: every routed and the shared expert cut over tp (each rank half of each hidden
+        # width), the router whole on each rank, its plain weights beside tp's
+        "ddp:tp=2,model=moe,shared=true"],
     4: ["ddp:pp=2,pp_schedule=gpipe",  # dp 2 x pp 2
         "fsdp:pp=2,pp_schedule=1f1b",  # fsdp 2 x pp 2
         "ddp:tp=2,pp=2,pp_schedule=1f1b",  # tp 2 x pp 2
@@ -66,9 +68,9 @@ LAYOUTS = {
         "ddp:ep=4,model=moe,idle=true",
         "fsdp:ep=2,model=moe,idle=true",
         "fsdp:ep=4,model=moe",
-        # ep composed with model parallelism (dp 2 × ep 2 in each): tp 2 + SP + LP, each MoE layer whole on both tp
-        # ranks; ring cp 2, each cp rank routing its own positions (the experts sharded by FSDP2 over their cp pair);
-        # pp 2 under DDP, each stage's balance loss through its output
+        # ep composed with model parallelism (dp 2 × ep 2 in each): tp 2 + SP + LP, each expert cut over the (ep, tp)
+        # mesh (a rank holds half of each of its experts); ring cp 2, each cp rank routing its own positions (the
+        # experts sharded by FSDP2 over their cp pair); pp 2 under DDP, each stage's balance loss through its output
         "fsdp:tp=2,ep=2,model=moe",
         "fsdp:cp=2,ep=2,model=moe",
         "ddp:pp=2,pp_schedule=1f1b,ep=2,model=moe",

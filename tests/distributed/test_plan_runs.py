@@ -150,8 +150,8 @@ def test_a_chunked_loss_holds_one_chunk_of_the_logits_as_predicted(tmp_path):
 
 def test_a_mixture_of_experts_holds_and_sends_what_the_planner_counts(data_root):
     """The MoE decoder on 2 ranks, one job: under ddp × ep 2 and fsdp × ep 2 (full checkpointing: its recomputed
-    dispatches count too), and under tp 2 (each MoE layer whole on both tp ranks: its experts not halved; with full
-    checkpointing its peak is inside backward, plan/backward.py), pp 2 (each stage its own MoE layers) and cp 2 (each
+    dispatches count too), and under tp 2 (every expert halved by its hidden width, the router whole on both tp
+    ranks; with full checkpointing its peak is inside backward, plan/backward.py), pp 2 (each stage its own MoE layers) and cp 2 (each
     rank routing its half of the positions). Each layout's parameters,
     gradients and optimizer state are the planner's exactly (on the first rank of the stage it predicts), the peak
     within 10%, and the bytes the run's dispatch and combine passed to all_to_all in the step (under ep), mean over
@@ -162,7 +162,7 @@ def test_a_mixture_of_experts_holds_and_sends_what_the_planner_counts(data_root)
     cases = {"ddp ep2": ["train.backend=ddp", "parallel.ep=2"],
              "fsdp ep2 full": ["train.backend=fsdp", "parallel.ep=2", "train.activation_checkpointing=full"],
              "ddp tp2": ["train.backend=ddp", "parallel.tp=2"],
-             # the peak inside backward: the whole experts' gradients made so far beside the block recomputed
+             # the peak inside backward: the experts' gradients made so far beside the block recomputed
              "ddp tp2 full": ["train.backend=ddp", "parallel.tp=2", "train.activation_checkpointing=full"],
              "ddp pp2": ["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=4"],
              "fsdp cp2": ["train.backend=fsdp", "parallel.cp=2"]}

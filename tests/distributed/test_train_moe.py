@@ -79,15 +79,16 @@ def np_close(a: list[list[float]], b: list[list[float]]) -> bool:
 
 # Expert parallelism's checkpoints reshard: a run saved under fsdp × ep4 on 4 ranks (each rank alone holds 2 of the
 # 8 experts, a DTensor Shard(0) over ep) resumed at iteration 6 under fsdp × ep2 on 2 ranks (4 experts a rank, the
-# accumulation doubled by train.global_batch_size) and under ddp on 2 ranks (ep1: every rank holds every expert)
-# follows the uninterrupted run.
+# accumulation doubled by train.global_batch_size) and under ddp × tp2 on 2 ranks (ep1: every rank holds every
+# expert, half of each one's hidden width: Shard(0) over ep saved, loaded into Shard(1) and Shard(2) over tp) follows
+# the uninterrupted run.
 RESUMABLE = [*TINY, "model.dropout=0.0", "train.max_iters=12", "train.global_batch_size=16", "train.sample_ledger=true",
              "train.save_checkpoints=true", "train.keep_checkpoints=0", "optimizer.lr_decay_iters=12"]
-RESUMED_INTO = [(2, ["train.backend=fsdp", "parallel.ep=2"]), (2, ["train.backend=ddp", "parallel.ep=1"])]
+RESUMED_INTO = [(2, ["train.backend=fsdp", "parallel.ep=2"]), (2, ["train.backend=ddp", "parallel.tp=2"])]
 
 
 @pytest.mark.slow  # one 4-rank and two 2-rank CLI runs
-def test_a_run_saved_under_ep4_resumes_under_ep2_and_ep1_as_if_uninterrupted(data_root, tmp_path):
+def test_a_run_saved_under_ep4_resumes_under_ep2_and_tp2_as_if_uninterrupted(data_root, tmp_path):
     from tests.conftest import rewound_copy
 
     from meshtrain.train.ledger import read_ledger

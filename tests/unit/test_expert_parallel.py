@@ -176,13 +176,11 @@ def test_the_real_meshs_expert_view_has_the_groups_the_arithmetic_says(kwargs):
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_under_tp_a_moe_layer_runs_whole_and_the_dense_layers_are_split(sequence_parallel):
+def test_under_tp_a_moe_layer_is_a_partial_sum_and_the_dense_layers_are_split(sequence_parallel):
     """The moe model's tp plan, block by block: a dense layer's SwiGLU column/row-parallel as the Llama's, an MoE
-    layer's mlp untouched but for the gathered stream in and each rank's positions out under sequence parallel."""
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
+    layer's mlp one PartialSum (the whole stream in, the parts summed out), its own parameters left to its model."""
     from meshtrain.models.moe.model import MoEConfig, MoEDecoder
-    from meshtrain.parallel.tensor_parallel import _blocks_plan
+    from meshtrain.parallel.tensor_parallel import PartialSum, _blocks_plan
 
     model = MoEDecoder(MoEConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                                  ffn_hidden=64, n_experts=4, top_k=2, expert_hidden=16, moe_layers=(1,)))
@@ -190,9 +188,28 @@ def test_under_tp_a_moe_layer_runs_whole_and_the_dense_layers_are_split(sequence
     dense, moe = ({path.split(".", 3)[3] for path in plan if path.startswith(f"transformer.h.{i}.")} for i in (0, 1))
     assert {"mlp.c_fc", "mlp.c_gate", "mlp.c_proj", "attn.q_proj", "attn.c_proj"} <= dense
     assert not any(path.startswith("mlp.") for path in moe) and {"attn.q_proj", "attn.c_proj"} <= moe
-    assert ("mlp" in moe) == sequence_parallel
-    if sequence_parallel:
-        assert isinstance(plan["transformer.h.1.mlp"], PrepareModuleInputOutput)
+    style = plan["transformer.h.1.mlp"]
+    assert isinstance(style, PartialSum) and style.sequence_parallel == sequence_parallel
+
+
+def test_the_experts_mesh_under_tp_is_ep_beside_tp():
+    """fsdp 2 × tp 2 with ep 2, as each rank under torch's fake process group: the experts are cut over a 2-D (ep, tp)
+    mesh whose ep dim holds the ranks group_of says and whose tp dim is the rank's tp group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtrain.parallel.mesh import expert_mesh, submesh
+
+    dims = ParallelDims(world_size=4, tp=2, ep=2)
+    for rank in range(dims.world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+        try:
+            mesh = dims.build_mesh("cpu")
+            experts = expert_mesh(mesh)
+            assert experts.mesh_dim_names == ("ep", "tp")
+            assert sorted(experts["ep"].mesh.tolist()) == dims.group_of(rank, "ep")
+            assert experts["tp"].mesh.tolist() == submesh(mesh, "tp").mesh.tolist()
+        finally:
+            dist.destroy_process_group()
 
 
 def test_dispatch_and_combine_count_the_bytes_they_pass_to_all_to_all():

@@ -314,6 +314,9 @@ def test_entropy_of_the_load_is_one_when_even_and_zero_on_one_expert():
     (["model.n_expert=4"], "unknown key 'model.n_expert': did you mean model.n_experts?"),
     (["parallel.cp=2", "model.capacity_factor=1.25"], "model.capacity_factor=1.25 with parallel.cp=2: the capacity "
                                                         "limits each expert per forward in token order"),
+    (["parallel.tp=4", "model.expert_hidden=66"], "model.expert_hidden=66 is not divisible by parallel.tp=4: tensor "
+                                                  "parallelism cuts every expert's hidden width into tp equal slices; "
+                                                  "set model.expert_hidden to a multiple of 4 (e.g. 64 or 68)"),
 ])
 def test_bad_settings_are_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

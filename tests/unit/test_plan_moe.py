@@ -218,20 +218,20 @@ def test_the_imbalance_knob_moves_the_memory_and_refuses_less_than_even(capsys):
 
 
 # Tensor parallelism: attention, the dense SwiGLU and the ends halved (wte and lm_head: 33 rows of 65 on rank 0); each
-# MoE layer (router, experts, shared expert) whole on every tp rank
+# MoE layer's routed experts and shared expert halved by their hidden width, its router whole on every tp rank
 TP_ENDS = 33 * 64 + 64 + 33 * 64
 TP_ATTENTION = 64 + 64 * 64 // 2 + 2 * (32 * 64 // 2) + 64 * 64 // 2 + 64
-TP2 = TP_ENDS + TP_ATTENTION + 3 * 192 * 64 // 2 + 3 * (TP_ATTENTION + 512 + 196_608 + 3 * 128 * 64)
+TP2 = TP_ENDS + TP_ATTENTION + 3 * 192 * 64 // 2 + 3 * (TP_ATTENTION + 512 + 196_608 // 2 + 3 * 128 * 64 // 2)
 
 
-def test_under_tp_the_experts_are_whole_on_every_tp_rank():
-    """ddp × tp 2 on 2 ranks: 712,896 elements, the experts' 3 × 196,608 among them; the untied embedding's gradient
-    arrives whole (tensor_parallel.WHOLE_GRADIENTS: 32 rows of 64 more than its shard). fsdp × tp 2 on 4 ranks: FSDP2
-    halves each tp-local tensor's dim 0 (17 of wte's and lm_head's 33 rows), experts included."""
+def test_under_tp_every_expert_is_cut_by_its_hidden_width():
+    """ddp × tp 2 on 2 ranks: 381,120 elements, half of the experts' 3 × 196,608 among them; the untied embedding's
+    gradient arrives whole (tensor_parallel.WHOLE_GRADIENTS: 32 rows of 64 more than its shard). fsdp × tp 2 on 4
+    ranks: FSDP2 halves each tp-local tensor's dim 0 (17 of wte's and lm_head's 33 rows), experts included."""
     polaris = machines.from_system(systems.get("polaris"))
     cfg, facts = facts_of("train.backend=ddp", "parallel.tp=2")
     memory = predict(facts, cfg, ParallelDims.from_config(cfg, 2, 2), polaris).memory
-    assert TP2 == 712_896
+    assert TP2 == 381_120
     assert (memory["params"], memory["grads"], memory["optimizer"]) == (4 * TP2, 4 * (TP2 + 32 * 64), 8 * TP2)
     cfg, facts = facts_of("train.backend=fsdp", "parallel.tp=2")
     memory = predict(facts, cfg, ParallelDims.from_config(cfg, 4, 4), polaris).memory
@@ -277,32 +277,33 @@ def test_under_op_level_checkpointing_each_block_keeps_its_matmul_and_attention_
     assert experts.checkpointed_layers(cfg, ((0, 1), (2, 3))) == {0, 1, 2, 3}  # its exchanges all run again
 
 
-def test_under_tp_an_moe_block_cuts_its_attention_half_only():
+def test_under_tp_an_moe_block_cuts_its_attention_half_and_its_experts_hidden_tensors():
     """What an MoE block saves at tp 2: its attention half (the Llama block's count without the SwiGLU: 11 × 64 +
     4 heads + half a head + 2 = 718 a token) cut as a dense block's is (sequence parallel: the two gathered inputs
-    whole, the rest halved), the MoE layer's part and the routed rows (all of the rank's tokens) whole."""
+    whole, the rest halved); of the MoE layer's part, the shared expert's four hidden tensors (4 × 128 a token) and
+    each routed row's (4 × 128, all of the rank's tokens routed: 512 × 2 rows) halved, the rest whole."""
     machine = machines.from_system(systems.get("polaris"))
     cfg, facts = facts_of("train.backend=ddp", "parallel.tp=2")
     moe, tokens = facts.shape.moe, 512
-    assert moe.attention_per_token == 718
+    assert (moe.attention_per_token, moe.shared_hidden) == (718, 128)
     one = experts.moe_block_bytes(facts, cfg, ParallelDims(world_size=2), tokens, machine)
     two = experts.moe_block_bytes(facts, cfg, ParallelDims.from_config(cfg, 2, 2), tokens, machine)
-    assert one - two == (718 - (2 * 64 + (718 - 2 * 64) / 2)) * tokens * 4
-    # the experts' compute is not divided either: every tp rank runs them on the same rows
-    assert experts.expert_matmul_s(facts, cfg, ParallelDims.from_config(cfg, 2, 2), tokens, machine, "fp32") == \
+    attention = 718 - (2 * 64 + (718 - 2 * 64) / 2)
+    assert one - two == (attention + 2 * 128) * tokens * 4 + tokens * 2 * (2 * 128) * 4
+    # and so is their compute: every tp rank runs the same rows through half of each expert
+    assert experts.expert_matmul_s(facts, cfg, ParallelDims.from_config(cfg, 2, 2), tokens, machine, "fp32") < \
         experts.expert_matmul_s(facts, cfg, ParallelDims(world_size=2), tokens, machine, "fp32")
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_under_tp_an_moe_block_reduces_its_attention_only(sequence_parallel):
-    """A dense block all-reduces its stream 4 times a micro-batch (2 forward, 2 backward); an MoE block 2 (its
-    attention's), and under sequence parallel gathers the MoE layer's input and its output's gradient: 2 all-gathers.
-    512 tokens × 64 fp32 = 131,072 bytes each."""
+def test_under_tp_an_moe_block_reduces_its_stream_as_a_dense_block_and_its_gates_gradient(sequence_parallel):
+    """Every block all-reduces its stream 4 times a micro-batch (2 forward, 2 backward; under sequence parallel as
+    all-gather and reduce-scatter pairs): 512 tokens × 64 fp32 = 131,072 bytes each; an MoE layer's backward also
+    all-reduces its gates' gradient, 512 × 2 fp32."""
     cfg, facts = facts_of("train.backend=ddp", "parallel.tp=2", f"parallel.sequence_parallel={sequence_parallel}",
                           f"parallel.loss_parallel={sequence_parallel}")
     cost = predict(facts, cfg, ParallelDims.from_config(cfg, 2, 2), machines.from_system(systems.get("polaris")))
-    collectives = 4 + 3 * 2 + (3 * 2 if sequence_parallel else 0)
-    assert cost.comm_bytes["tp"] == collectives * 512 * 64 * 4
+    assert cost.comm_bytes["tp"] == 4 * 4 * 512 * 64 * 4 + 3 * 512 * 2 * 4
 
 
 def test_under_cp_the_balance_loss_sums_over_the_cp_ranks():

@@ -104,20 +104,40 @@ def scale_grad(tensor: torch.Tensor, scale: float) -> torch.Tensor:
     return _ScaleGrad.apply(tensor, scale)
 
 
-def apply_expert_parallel(experts: nn.Module, ep_mesh) -> None:
-    """Shard `experts`' stacked parameters Shard(0) over the 1-D `ep_mesh` and make its forward dispatch (module
-    docstring). Every rank built the same weights, so each keeps its own slice: nothing is sent."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
+def apply_expert_parallel(experts: nn.Module, mesh, hidden_dims: dict[str, int] | None = None) -> None:
+    """Shard `experts`' stacked parameters Shard(0) over the "ep" dim of `mesh` and make its forward dispatch (module
+    docstring); a 2-D (ep, tp) `mesh` also cuts each expert over tp (`hidden_dims`: parameter name -> its hidden dim:
+    expert tensor parallelism). Every rank built the same weights, so each keeps its own slice: nothing is sent."""
+    ep_mesh = mesh["ep"] if mesh.ndim > 1 else mesh
     ep = ep_mesh.size()
-    for name, param in list(experts.named_parameters(recurse=False)):
+    for name, param in experts.named_parameters(recurse=False):
         if param.shape[0] % ep:
             raise ValueError(f"{name}: {param.shape[0]} experts do not split over ep={ep} ranks")
-        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
-        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    _distribute(experts, mesh, hidden_dims or {})
     setattr(experts, EXPERT_PARALLEL, ep_mesh)
     setattr(experts, SENT, Sent())
     experts.forward = partial(_dispatched_forward, experts, ep_mesh.get_group(), ep)
+
+
+def apply_expert_tensor_parallel(experts: nn.Module, tp_mesh, hidden_dims: dict[str, int]) -> None:
+    """Cut every expert of `experts` over the 1-D `tp_mesh` (without ep): each parameter Shard(hidden_dims[name]),
+    the forward run on this rank's slices, each row's output a partial sum over tp (module docstring)."""
+    _distribute(experts, tp_mesh, hidden_dims)
+    experts.forward = partial(_local_forward, experts)
+
+
+def _distribute(experts: nn.Module, mesh, hidden_dims: dict[str, int]) -> None:
+    """Each parameter a DTensor on `mesh`: Shard(0) (the experts) on its "ep" dim, Shard(hidden) on its "tp" dim."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    names = mesh.mesh_dim_names
+    tp = mesh["tp"].size() if "tp" in names else 1
+    for name, param in list(experts.named_parameters(recurse=False)):
+        placements = [Shard(hidden_dims[name]) if dim == "tp" else Shard(0) for dim in names]
+        if tp > 1 and param.shape[hidden_dims[name]] % tp:
+            raise ValueError(f"{name}: hidden width {param.shape[hidden_dims[name]]} does not split over tp={tp}")
+        sharded = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
@@ -162,6 +182,12 @@ def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, 
         # where its edp peers have one (their reductions would not line up).
         out = out + (local_rows.sum() + sum(w.reshape(-1)[:1].sum() for w in weights)) * 0
     return combine(out, route, rows.shape[0])
+
+
+@torch.compiler.disable  # as _dispatched_forward: dynamo cannot trace the sharded weights' local views
+def _local_forward(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """forward(rows, counts) on this rank's tp slice of every expert: partial sums of the outputs."""
+    return experts.compute(rows, counts, *[_local(p) for p in experts.parameters(recurse=False)])
 
 
 class Route:

@@ -408,3 +408,14 @@ def submesh(mesh, name: str):
         return mesh[present[0]]
     # torch >= 2.5; private, but torchtitan relies on it. Same name + same ranks returns the cached mesh.
     return mesh[tuple(present)]._flatten(name)
+
+
+def expert_mesh(mesh):
+    """The mesh the routed experts are cut over: the expert view's "ep" dim, with "tp" beside it where tp > 1 (each
+    expert's hidden width cut over tp: expert tensor parallelism), or None without ep."""
+    view = getattr(mesh, "expert_view", None)  # built by build_mesh when ep > 1
+    if view is None:
+        return None
+    names = view.mesh_dim_names
+    dims = [d for d in names if d == "ep" or (d == "tp" and view.size(names.index(d)) > 1)]  # in the view's order
+    return view[tuple(dims)] if len(dims) > 1 else view["ep"]

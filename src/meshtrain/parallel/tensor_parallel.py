@@ -11,9 +11,11 @@ Each rank of a tp group holds a slice of every big matrix of a block and compute
 
 A model's parallelize.py adds its own ends (the GPT: vocab-sharded embedding and head; the ViT: replicated patch
 embedding and head) and makes every other parameter a replicated DTensor (`replicate_module`), so every parameter
-sits on the tp mesh and FSDP2, DCP and clip_grad_norm_ handle them uniformly. The exception: a block whose mlp runs
-whole on every tp rank (`whole_mlp_plan`, a mixture of experts) keeps that mlp's parameters plain (the same on every
-tp rank, with the same gradients), which clipping takes norm by norm (parallel/clipping.py).
+sits on the tp mesh and FSDP2, DCP and clip_grad_norm_ handle them uniformly. The exception: a block whose mlp takes
+the whole input on every tp rank and returns a partial sum (`partial_mlp_plan`, a mixture of experts: whole tokens
+to route, a slice of every expert's hidden width) is laid out by its model: the slices run on plain tensors
+(`local_linear`, parallel/expert_parallel.py), the parts it replicates (a router) stay plain, the same on every tp
+rank with the same gradients, which clipping takes norm by norm (parallel/clipping.py).
 
 Between sublayers the residual stream is, without sequence parallel, a plain tensor that is the same on every tp
 rank (the rowwise outputs all-reduce). With sequence parallel it is a DTensor Shard(1): each rank holds T/tp
@@ -45,15 +47,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -69,6 +73,12 @@ BLOCKS = "transformer.h.*"  # a decoder's blocks; parallelize_module matches eac
 # counts a rank's bytes from these without a mesh; plan --validate checks the count against real ranks.
 SHARDED_DIMS = {"attn.q_proj": 0, "attn.k_proj": 0, "attn.v_proj": 0, "mlp.c_fc": 0, "mlp.c_gate": 0, "lm_head": 0,
                 "attn.c_proj": 1, "mlp.c_proj": 1, "transformer.wte": 0}
+# A mixture of experts' feed-forwards, which its layout cuts over tp by their hidden width (models/moe/parallelize.py
+# reads its dims here): the shared experts' linears by module path suffix, the routed experts' stacked weights
+# ([E, hidden, dim], [E, dim, hidden]) by parameter path suffix.
+PARTIAL_SUM_DIMS = {"mlp.shared.c_gate": 0, "mlp.shared.c_fc": 0, "mlp.shared.c_proj": 1,
+                    "mlp.experts.c_gate": 1, "mlp.experts.c_fc": 1, "mlp.experts.c_proj": 2}
+SHARDED_DIMS |= PARTIAL_SUM_DIMS
 SHARDED_BIASES = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc", "mlp.c_gate", "lm_head")
 # Sharded weights whose gradient comes back whole: DTensor's embedding backward hands the vocab-parallel embedding's
 # gradient back Replicate, all [V, C] of it on every tp rank (measured on the Llama's and the MoE's untied wte under
@@ -136,18 +146,70 @@ def block_plan(blocks: str, sequence_parallel: bool) -> dict:
     return plan
 
 
-def whole_mlp_plan(block: str, sequence_parallel: bool) -> dict:
-    """The plan of a block whose `mlp` is not split over tp but runs whole on every tp rank (a mixture of experts,
-    whose routing must see whole tokens): attention and norms as block_plan's; under sequence parallel the mlp takes
-    the gathered stream as a plain tensor and hands back this rank's positions. Every tp rank then computes the same
-    mlp output and gradients (the input's gradient is each rank's slice of the same whole, the output's is gathered)."""
+def partial_mlp_plan(block: str, sequence_parallel: bool) -> dict:
+    """The plan of a block whose `mlp` computes on every tp rank, from the whole input, a partial sum of its output (a
+    mixture of experts: its routing must see whole tokens, each rank holds a slice of every expert's hidden width):
+    attention and norms as block_plan's, the mlp's own parameters laid out by its model (PartialSum)."""
     plan = {path: style for path, style in block_plan(block, sequence_parallel).items()
             if not path.startswith(f"{block}.mlp")}
-    if sequence_parallel:
-        plan[f"{block}.mlp"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
-    return plan
+    return plan | {f"{block}.mlp": PartialSum(sequence_parallel)}
+
+
+class PartialSum(ParallelStyle):
+    """A module that takes the whole input on every tp rank and returns this rank's part of its output, the parts
+    summing to the output (and, in backward, the input's gradient a part of the whole likewise).
+
+    In: under sequence parallel the stream's shards all-gathered (whose backward reduce-scatters the gradient's
+    parts); else the whole stream, whose gradient's parts are all-reduced. Out: the parts reduce-scattered into the
+    stream's shards under sequence parallel (Megatron's combine), else all-reduced; the output's gradient is whole on
+    every rank. Every path inside must then give the input a part of its gradient (a replicated path, the same on
+    every rank, scales its gradient by 1/tp: tensor_parallel's users do that, e.g. models/moe/parallelize.py)."""
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(lambda _mod, args: (whole_input(args[0], device_mesh), *args[1:]))
+        module.register_forward_hook(lambda _mod, _args, out: summed_output(out, device_mesh, self.sequence_parallel))
+        return module
+
+
+def whole_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole of the stream `x` (a plain whole tensor or a DTensor of sequence shards) as a plain tensor whose
+    gradient, a part on each rank, is summed over `mesh` in backward."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def summed_output(part: torch.Tensor, mesh: DeviceMesh, sequence_parallel: bool) -> torch.Tensor:
+    """Each rank's `part` summed over `mesh`: sequence shards (a DTensor) under sequence parallel, else a plain whole."""
+    summed = DTensor.from_local(part, mesh, [Partial()], run_check=False).redistribute(
+        placements=[stream_layout(sequence_parallel)[0]])
+    return summed if sequence_parallel else summed.to_local()
+
+
+def sum_gradient(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """`t` (plain, the same on every rank of `mesh`) unchanged; in backward its gradient's parts summed over `mesh`
+    (Megatron's copy-to-tensor-parallel-region)."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def local_linear(linear: nn.Linear, mesh: DeviceMesh, dim: int) -> None:
+    """`linear`'s weight cut over `mesh` (dim 0: its output features, colwise; 1: its input features, rowwise), and
+    its forward run on plain tensors with this rank's slice: no communication, inside a PartialSum module (a
+    colwise output is this rank's features, a rowwise one a part of the sum)."""
+    if linear.bias is not None:  # a rowwise bias would be added once per rank; colwise ones are not needed yet
+        raise MeshError(f"local_linear: {linear} has a bias; only bias-free linears are cut this way")
+    weight = distribute_tensor(linear.weight.detach(), mesh, [Shard(dim)], src_data_rank=None)
+    linear.register_parameter("weight", nn.Parameter(weight, requires_grad=linear.weight.requires_grad))
+    linear.forward = partial(_local_linear, linear)
+
+
+@torch.compiler.disable  # dynamo cannot trace a sharded weight's local view (parallel/expert_parallel.py)
+def _local_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, linear.weight.to_local())
 
 
 def replicate_module(module: nn.Module, mesh: DeviceMesh, *, output: Shard | None) -> None:
@@ -214,26 +276,26 @@ def plain_loss(_module: nn.Module, _inputs: tuple, outputs):
     return outputs
 
 
-def _blocks_plan(blocks: nn.ModuleDict, sequence_parallel: bool, extras: dict, whole_mlps: set[str]) -> dict:
-    """Every block's plan: one pattern for all of them, or block by block when some keep their mlp whole."""
-    if not whole_mlps:
+def _blocks_plan(blocks: nn.ModuleDict, sequence_parallel: bool, extras: dict, partial_mlps: set[str]) -> dict:
+    """Every block's plan: one pattern for all of them, or block by block when some have a PartialSum mlp."""
+    if not partial_mlps:
         return block_plan(BLOCKS, sequence_parallel) | {f"{BLOCKS}.{path}": style for path, style in extras.items()}
     plan = {}
     for name in blocks:
         block = f"{BLOCKS[:-1]}{name}"
-        plan |= (whole_mlp_plan(block, sequence_parallel) if name in whole_mlps else
+        plan |= (partial_mlp_plan(block, sequence_parallel) if name in partial_mlps else
                  block_plan(block, sequence_parallel) | {f"{block}.{path}": style for path, style in extras.items()})
     return plan
 
 
 def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None, *, sequence_parallel: bool = True,
                                   loss_parallel: bool = True, block_extras: dict | None = None,
-                                  whole_mlps: Collection[str] = ()) -> None:
+                                  partial_mlps: Collection[str] = ()) -> None:
     """Shard a language model with meshtrain's decoder names (`transformer.wte`, optional `transformer.wpe`,
     `transformer.drop`, blocks `transformer.h.N`, `transformer.ln_f`, `lm_head`) in place over the 1-D `tp_mesh` (a
     no-op when it is None or one rank). The plan is block_plan's for every block (plus `block_extras`, sub-paths of
-    a block -> style, for a model's own block parts), except the blocks named in `whole_mlps`, whose mlp runs whole
-    on every tp rank (whole_mlp_plan), and:
+    a block -> style, for a model's own block parts), except the blocks named in `partial_mlps`, whose mlp computes
+    a partial sum on every tp rank from the whole input (partial_mlp_plan; the caller cuts its parameters), and:
 
     wte      rowwise over the vocabulary: a rank embeds the ids in its vocab range, zeros elsewhere, summed
     lm_head  colwise over the vocabulary; tied to wte (the GPT), it is the same Shard(0) of the same [V, C] matrix,
@@ -254,7 +316,7 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None, 
     t = model.transformer
     tied = "wte" in t and hasattr(model, "lm_head") and model.lm_head.weight is t.wte.weight
     stream, local = stream_layout(sequence_parallel)
-    plan = _blocks_plan(t.h, sequence_parallel, block_extras or {}, set(whole_mlps)) | {
+    plan = _blocks_plan(t.h, sequence_parallel, block_extras or {}, set(partial_mlps)) | {
         "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=local),
         "lm_head": ColwiseParallel(input_layouts=stream,
                                    output_layouts=Shard(-1) if loss_parallel else Replicate(),

@@ -1,7 +1,7 @@
 """What a block saves for backward on one rank, per token, in bytes: the model's own count at tp = 1 (ModelShape's,
 exact against autograd's saved tensors) cut as tensor parallelism cuts it. plan/cost.py prices a dense block with it,
-plan/experts.py the tensor-parallel half of a mixture-of-experts block (its attention and norms; the MoE layer runs
-whole on every tp rank).
+plan/experts.py the tensor-parallel half of a mixture-of-experts block (its attention and norms; plan/experts.py cuts
+the MoE layer's experts itself).
 
 Under tp, everything a block's plan shards divides by tp; what stays whole on every tp rank is the stream the
 column-parallel linears read: with sequence parallel their two gathered inputs (attention's and the MLP's, 2 × width a
@@ -19,7 +19,7 @@ from meshtrain.nn.transformer import AutocastActivations
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.machines import Machine
-from meshtrain.plan.shares import tp_local_shape
+from meshtrain.plan.shares import chunk, tp_local_shape
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -100,7 +100,7 @@ def op_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens
     `tokens` on this rank: its input, every matmul's output (each linear's: a column-parallel one's cut over tp, a
     row-parallel one's whole, as its local matmul makes it before the reduction) and attention's output and
     log-sum-exp (cut over tp); an MoE block's experts besides keep their grouped GEMMs' outputs (gate, up: the
-    expert's hidden width; down: the width) for each of the `rows` routed rows. Matmul outputs are 16-bit under
+    expert's hidden width, cut over tp; down: the width) for each of the `rows` routed rows. Matmul outputs are 16-bit under
     autocast; attention's output is in the dtype attention runs in, its log-sum-exp fp32. Exact at tp = 1, fp32 and
     bf16 autocast, against autograd's saved tensors and the checkpoint's cache
     (tests/unit/test_activation_checkpointing.py); under fsdp × tp2 within 1% of the peak measured."""
@@ -110,5 +110,6 @@ def op_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens
     outputs = sum(tp_local_shape(name + ".weight", out_in, dims.tp)[0]
                   for name, out_in in facts.linears if prefix and name.startswith(prefix))
     attention = shape.width / dims.tp * (FP32 if machine.cpu or not autocast(cfg) else 2) + shape.heads / dims.tp * FP32
-    experts = rows * (2 * shape.moe.hidden + shape.width) * low if shape.moe and layer in shape.moe.layers else 0.0
+    hidden = chunk(shape.moe.hidden, dims.tp) if shape.moe else 0  # under tp each rank's slice of every expert
+    experts = rows * (2 * hidden + shape.width) * low if shape.moe and layer in shape.moe.layers else 0.0
     return (outputs * low + attention) * tokens + experts + block_input_bytes(facts, cfg, dims, tokens)

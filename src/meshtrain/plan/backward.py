@@ -11,8 +11,8 @@ holds move block by block, from the last block back to the first:
                   and until the next block's are issued: at block j also those of the block after it)
 
 Where backward starts, no block's gradient exists yet; by the first block all but the embeddings' do. Which point is
-higher depends on the two rates: a block whose gradients outweigh what it keeps (an MoE block's experts, whole on
-every tp rank, under full checkpointing: each block keeps only its input) raises the holding as backward proceeds,
+higher depends on the two rates: a block whose gradients outweigh what it keeps (an MoE block's experts under full
+checkpointing: each block keeps only its input) raises the holding as backward proceeds,
 and the peak is near the first block. A dense model with its activations kept peaks where backward starts.
 """
 

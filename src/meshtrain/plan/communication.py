@@ -51,12 +51,10 @@ def communication(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: 
             add("dp", "all_reduce", "dp_replicate", grads / dims.dp_shard, 1)
     stream = micro.tokens * facts.shape.width * act_bytes  # one block's input on this rank (whole sequence over tp)
     if dims.tp > 1:  # two all-reduces (or all-gather + reduce-scatter pairs) forward, two backward, per block
-        whole = len(experts.moe_layers_of(facts, share.parts)) if facts.shape.moe is not None else 0
-        # an MoE layer runs whole on every tp rank: only its block's attention reduces (forward, backward); under
-        # sequence parallel it gathers its input forward and its output's gradient backward
-        add("tp", "all_reduce", "tp", stream, (4 * share.blocks - 2 * whole) * micro.count)
-        if cfg.parallel.sequence_parallel and dims.pp == 1:
-            add("tp", "all_gather", "tp", stream, 2 * whole * micro.count)
+        add("tp", "all_reduce", "tp", stream, 4 * share.blocks * micro.count)
+        if facts.shape.moe is not None:  # an MoE layer's gates' gradient summed over tp (plan/experts.py), backward
+            gates = micro.tokens * facts.shape.moe.top_k * FP32
+            add("tp", "all_reduce", "tp", gates, len(experts.moe_layers_of(facts, share.parts)) * micro.count)
     if dims.cp > 1:
         kv = 2 * stream / dims.tp * facts.shape.kv_heads / facts.shape.heads
         if p.cp_impl == "ring":  # K and V go round the ring forward and again backward, then their fp32 gradients

@@ -30,10 +30,14 @@ crosses (inside a node or between nodes, Machine.collective_s), times the imbala
 
 With tp, cp and pp, as the trainer lays them out (models/moe/parallelize.py):
 
-    tp    each MoE layer runs whole on every tp rank, on all of the rank's tokens (gathered in under sequence
-          parallel): the experts' states, saved rows, matmuls and all-to-alls are not divided by tp (shares.py leaves
-          their names unsharded); the block's attention half is cut as a dense block's (plan/activations.py), and the
-          block reduces only its attention's stream (2 all-reduces, plus 2 all-gathers under sequence parallel)
+    tp    each MoE layer routes all of the rank's tokens on every tp rank (gathered in under sequence parallel),
+          and every expert's hidden width is cut over tp (expert tensor parallelism): the experts' states
+          (shares.py: tensor_parallel.PARTIAL_SUM_DIMS), their hidden tensors saved per row and per token (the shared
+          experts'), their matmuls and weight casts are divided by tp; the routed rows, their all-to-alls (each tp
+          rank exchanges the same whole rows within its ep group) and the router are not. The block's attention half
+          is cut as a dense block's (plan/activations.py); the block reduces its stream as a dense block does (the
+          MoE layer's partial sums: reduce-scattered, or all-reduced), plus the gates' gradient (fp32 [N, k])
+          all-reduced in backward (communication.py)
     cp    each cp rank routes its own positions: N is the tokens a micro-batch puts on the rank (already / cp); the
           balance loss sums its statistics over cp (balance_loss_collectives)
     pp    a stage holds, keeps, computes and exchanges its own MoE layers only (Share.parts: the pipeline's split)
@@ -49,7 +53,7 @@ from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import activations
 from meshtrain.plan.machines import Machine
-from meshtrain.plan.shares import Share
+from meshtrain.plan.shares import Share, chunk
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -119,25 +123,32 @@ def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, token
     """Bytes one MoE block saves for backward for one micro-batch of `tokens` tokens on the busiest rank: the part
     that grows with its tokens, and the routed rows its experts compute (ExpertShape's counts; under autocast by the
     dtype each is kept in, with 16-bit weights under FSDP2's mixed precision, attention in the machine's dtype).
-    Under tp the block's attention half is cut as a dense block's is (plan/activations.py); the MoE layer runs whole
-    on every tp rank, on all of the rank's tokens (gathered under sequence parallel): its part is not divided."""
+    Under tp the block's attention half is cut as a dense block's is (plan/activations.py); the MoE layer runs on all
+    of the rank's tokens (gathered under sequence parallel), its experts' hidden tensors cut over tp (cut_hidden)."""
     moe = facts.shape.moe
     rows = routed_rows(facts, dims, tokens)
     exchanged = moe.saved_per_row_ep if dims.ep > 1 else 0
+    per_row, shared_cut = cut_hidden(moe.hidden, dims.tp), cut_hidden(moe.shared_hidden, dims.tp)
     # the attention half, whose column-parallel linears (attn.*) keep their inputs whole
     half = activations.per_token_bytes(facts, cfg, dims, machine, moe.attention_per_token, moe.attention_autocast,
                                        lambda name: ".attn." in name) if moe.attention_per_token else 0.0
     if not activations.autocast(cfg) or moe.autocast_per_token is None:
-        rest = (moe.saved_per_token - moe.attention_per_token) * FP32
-        return (half + rest) * tokens + rows * (moe.saved_per_row + exchanged) * FP32
+        rest = (moe.saved_per_token - moe.attention_per_token - shared_cut) * FP32
+        return (half + rest) * tokens + rows * (moe.saved_per_row - per_row + exchanged) * FP32
     saved, cut = moe.autocast_per_token, moe.attention_autocast or AutocastActivations(0, 0, 0, 0, 0)
     if activations.fsdp_mixed(cfg, dims):
         fp32, low = saved.fp32_16bit_weights - cut.fp32_16bit_weights, saved.low_16bit_weights - cut.low_16bit_weights
     else:
         fp32, low = saved.fp32 - cut.fp32, saved.low - cut.low
-    rest = fp32 * FP32 + low * 2 + (saved.attention - cut.attention) * (FP32 if machine.cpu else 2)
+    rest = fp32 * FP32 + (low - shared_cut) * 2 + (saved.attention - cut.attention) * (FP32 if machine.cpu else 2)
     copies = _weight_casts(facts, cfg, dims)
-    return (half + rest) * tokens + rows * (moe.autocast_per_row * 2 + exchanged * FP32) + copies
+    return (half + rest) * tokens + rows * ((moe.autocast_per_row - per_row) * 2 + exchanged * FP32) + copies
+
+
+def cut_hidden(hidden: int, tp: int) -> int:
+    """Elements tp takes off the four hidden tensors a SwiGLU of `hidden` keeps (gate, up, its activation, their
+    product): a rank keeps its 1/tp (torch.chunk's rank 0 share)."""
+    return 4 * (hidden - chunk(hidden, tp)) if tp > 1 else 0
 
 
 def _weight_casts(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> float:
@@ -147,7 +158,7 @@ def _weight_casts(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> floa
     precision, whose gathered weights are already 16-bit)."""
     if activations.fsdp_mixed(cfg, dims):
         return 0.0
-    return 2.0 * 3 * (facts.shape.experts // dims.ep) * facts.shape.width * facts.shape.moe.hidden
+    return 2.0 * 3 * (facts.shape.experts // dims.ep) * facts.shape.width * chunk(facts.shape.moe.hidden, dims.tp)
 
 
 def kept_activations(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, dense_block: float,
@@ -213,15 +224,15 @@ def expert_matmul_s(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, token
                     label: str, parts: Parts | None = None) -> float:
     """Seconds of the routed experts' matmuls in the MoE layers of `parts`, forward and backward, of one micro-batch on
     the busiest rank: 6 FLOPs per multiply-add of its routed rows through three width × hidden matrices, at the
-    machine's rate for one expert's share of the rows (a grouped GEMM runs each expert's rows as one GEMM). Not
-    divided by tp: every tp rank runs the whole MoE layer on the same rows."""
+    machine's rate for one expert's share of the rows (a grouped GEMM runs each expert's rows as one GEMM). Under tp
+    every tp rank runs the same rows through its 1/tp of each expert's hidden width."""
     moe = facts.shape.moe
     rows = routed_rows(facts, dims, tokens)
     local_experts = facts.shape.experts // dims.ep
     per_expert = max(1, round(rows / local_experts))
-    width = facts.shape.width
-    rate = machine.matmul_rate(label, per_expert, width, moe.hidden)
-    return len(moe_layers_of(facts, parts)) * 3 * 6 * rows * width * moe.hidden / rate
+    width, hidden = facts.shape.width, chunk(moe.hidden, dims.tp)
+    rate = machine.matmul_rate(label, per_expert, width, hidden)
+    return len(moe_layers_of(facts, parts)) * 3 * 6 * rows * width * hidden / rate
 
 
 def expert_dp_collectives(share: Share, cfg: RunConfig, dims: ParallelDims, count: int

@@ -8,6 +8,7 @@ The count follows what each parallelism does to a parameter, in the order the la
     tp    tensor_parallel.SHARDED_DIMS says which dim of which module's weight (and bias) a plan shards; a shard is
           torch.chunk's: rank 0 holds ceil(size / tp), the largest
     ep    the routed experts' stacked [E, ...] parameters (ModelShape.moe.module) are cut Shard(0) over the ep ranks
+          (and over tp by their hidden dim before: tensor_parallel.PARTIAL_SUM_DIMS, in SHARDED_DIMS)
     dp    ddp and zero1 replicate parameters and gradients; zero1's ZeroRedundancyOptimizer gives each parameter's
           state to the rank with the fewest elements so far, largest parameters first, group by group; FSDP2 (zero2,
           fsdp, hsdp) chunks dim 0 of each (tp-local) parameter over the ranks it shards across; under ep > 1 the
@@ -63,9 +64,9 @@ def chunk(size: int, parts: int, index: int = 0) -> int:
 
 
 def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """The shape of parameter `name` on tp rank 0."""
+    """The shape of parameter `name` on tp rank 0 (SHARDED_DIMS names its module, or itself: stacked experts)."""
     module, _, kind = name.rpartition(".")
-    suffix = next((s for s in SHARDED_DIMS if module == s or module.endswith("." + s)), None)
+    suffix = next((s for s in SHARDED_DIMS if any(p == s or p.endswith("." + s) for p in (module, name))), None)
     if tp == 1 or suffix is None or (kind == "bias" and suffix not in SHARDED_BIASES):
         return shape
     dim = SHARDED_DIMS[suffix] if kind != "bias" else 0

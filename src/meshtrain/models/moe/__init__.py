@@ -36,7 +36,7 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 def _shape(cfg: MoERunConfig) -> ModelShape:
     m = cfg.model
     saved, autocast = block_activations(m)  # the dense layers' (first_dense, and between MoE layers)
-    # mlp_hidden: the dense layers' width, which tensor parallelism splits (the MoE layers run whole on each tp rank).
+    # mlp_hidden: the dense layers' width, which tensor parallelism splits (the experts' hidden widths too: moe).
     return ModelShape(width=m.n_embd, layers=m.n_layer, heads=m.n_head, kv_heads=m.n_kv_head,
                       mlp_hidden=ffn_hidden(m), tokens=m.block_size, causal=True, batch_size=m.batch_size,
                       dropout=m.dropout, keys=_KEYS, parallelisms=frozenset({"ep", "tp", "cp", "pp"}),
@@ -72,7 +72,7 @@ def _experts_shape(m) -> ExpertShape:
     mlp = 4 * ffn_hidden(m)
     attention = dense_autocast._replace(low=dense_autocast.low - 2 * width - mlp,
                                         low_16bit_weights=dense_autocast.low_16bit_weights - width - mlp)
-    return ExpertShape(layers=tuple(moe_layers(m)), top_k=k, hidden=hidden, module="mlp.experts",
+    return ExpertShape(layers=tuple(moe_layers(m)), top_k=k, hidden=hidden, shared_hidden=shared, module="mlp.experts",
                        capacity_factor=m.capacity_factor, saved_per_token=per_token, saved_per_row=width + 4 * hidden,
                        saved_per_row_ep=4, autocast_per_token=autocast, autocast_per_row=width + 4 * hidden,
                        attention_per_token=dense - mlp, attention_autocast=attention)

@@ -66,6 +66,12 @@ def validate(cfg: MoERunConfig) -> None:
                           "limits each expert per forward in token order, which a context-parallel rank, holding some "
                           "positions of each sequence, cannot see whole; set model.capacity_factor=null (dropless) or "
                           "parallel.cp=1")
+    tp, hidden = cfg.parallel.tp, expert_hidden(m)
+    if tp > 1 and hidden % tp:
+        options = [h for h in (hidden - hidden % tp, hidden - hidden % tp + tp) if h > 0]
+        raise ConfigError(f"model.expert_hidden={hidden} is not divisible by parallel.tp={tp}: tensor parallelism cuts "
+                          f"every expert's hidden width into tp equal slices; set model.expert_hidden to a multiple of "
+                          f"{tp} (e.g. {' or '.join(map(str, options))}) or a parallel.tp that divides {hidden}")
     validate_text_training(cfg)
 
 
