@@ -335,7 +335,7 @@ def test_registered_with_its_presets_and_shaped_for_the_planner():
     assert presets == {"cpu", "shakespeare", "mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3"}
     cfg = load_config(["preset=cpu"], "moe")
     shape = spec.shape(cfg)
-    # mlp_hidden: the dense layer's width, which tp splits (the MoE layers run whole on every tp rank)
+    # mlp_hidden: the dense layer's width, which tp splits (the experts' hidden widths too: ExpertShape.hidden)
     assert (shape.experts, shape.mlp_hidden, shape.parallelisms) == (8, 192, frozenset({"ep", "tp", "cp", "pp"}))
     model = spec.build_model(cfg, {"meta": {"vocab_size": 65}})
     assert model.config.moe_layers == (1, 2, 3) and type(model.transformer.h["0"].mlp).__name__ == "SwiGLU"

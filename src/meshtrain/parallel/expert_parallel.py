@@ -18,6 +18,14 @@ under any ep) and replaces the module's forward by one that
     4. sends the outputs back the same way (the backward of 2 and 4 is the mirrored all-to-all) and appends zeros
        for the dropped rows.
 
+Expert tensor parallelism (ETP = tp, as Megatron-Core's). With a 2-D (ep, tp) mesh, apply_expert_parallel also cuts
+every expert over tp: each parameter Shard(hidden dim) on the tp dim (`hidden_dims`, the model's: the SwiGLU's gate
+and up by their hidden rows, its down projection by its hidden columns), so a rank holds 1/tp of each of its E/ep
+experts and DCP still saves the global [E, ...] shape. The tp ranks of an ep group exchange the same whole rows among
+the ranks with their tp coordinate (the ep group), and `compute` on a rank's slices gives each row's output as a part
+of a sum over tp, which the caller's layout sums (tensor_parallel.PartialSum). apply_expert_tensor_parallel does the
+same without ep (1-D tp mesh, no dispatch). The gradient scale below is unchanged: the tp slices are disjoint.
+
 Bytes sent. Each exchange adds what this rank passes to all_to_all (its part for itself included) to the module's
 `Sent` tally: the row counts, the rows, the outputs, and in backward the gradients of both (counted where autograd
 hands them to the mirrored all-to-all), so a run reports the bytes it really exchanged (`sent_bytes`, read by

@@ -51,7 +51,7 @@ FLATTENED = {
 # The expert view of the same ranks: dp_shard = efsdp × ep (ep inner). "edp": the ranks that hold the same experts
 # and saw other tokens (what their gradients are averaged over, and what FSDP shards them over): efsdp, with
 # dp_replicate under hsdp and cp under context parallelism (cp ranks route other positions of the same sequences).
-# tp ranks hold the same experts too, but route the same tokens and compute the same gradients: not in edp.
+# tp ranks hold other slices of the same experts (each expert's hidden width cut over tp): not in edp.
 EXPERT_DIMS = ("efsdp", "ep")
 EXPERT_FLATTENED = {"edp": ("dp_replicate", "efsdp", "cp")}
 
