@@ -11,7 +11,10 @@ its environment (RANK, WORLD_SIZE, TORCHELASTIC_*, MASTER_ADDR/PORT) and its fai
 method differs: "forkserver", whose server imports PRELOAD once and forks every rank, where torchrun starts a new
 interpreter for each. Not "fork" from the agent itself: the agent has threads by then (its rendezvous keep-alive, the
 store's server), and a rank forked while one of them held a lock of the C library's waits on it for ever (seen:
-getaddrinfo's resolver lock, 1 job in 16). The server is single-threaded.
+getaddrinfo's resolver lock, 1 job in 16). The server is single-threaded: multiprocessing's own (forkserver.main),
+started as a fork of this process as it begins, before the agent has a thread, not as multiprocessing starts it (a
+fresh interpreter importing PRELOAD again: 2.5 CPU seconds a job here). Run by tests/preloaded.py, this process was
+forked from a server that had imported PRELOAD, so a job's ranks import nothing.
 
 Tests whose subject is the launcher itself (signals and restarts, hangs, the examples' launch lines, the documented
 commands) run real torchrun (tests/conftest.py: torchrun_cmd).
@@ -19,11 +22,13 @@ commands) run real torchrun (tests/conftest.py: torchrun_cmd).
 
 from __future__ import annotations
 
-import multiprocessing
+import importlib
 import os
 import runpy
+import socket
 import sys
 import uuid
+from multiprocessing import connection, forkserver, resource_tracker
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -53,9 +58,36 @@ def rank_main(argv: list[str]) -> None:
             raise
 
 
+def fork_the_forkserver() -> None:
+    """Start multiprocessing's forkserver for this process as a fork of it (module docstring): what
+    ForkServer.ensure_running does, with os.fork where it spawns an interpreter. Call it while single-threaded."""
+    for name in PRELOAD:  # imported already where tests/preloaded.py forked this process
+        importlib.import_module(name)
+    resource_tracker.ensure_running()  # its own small interpreter, as ensure_running starts it
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # the server exits when its read end sees every client gone
+    sys.stdout.flush()  # else the server and every rank would write what is buffered once more
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(alive_w)
+        try:
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server = forkserver._forkserver
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
 def main() -> int:
     ranks, argv = int(sys.argv[1]), sys.argv[2:]
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    fork_the_forkserver()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           start_method="forkserver", monitor_interval=0.1)
