@@ -402,7 +402,10 @@ def tokenizer_from_meta(meta: dict) -> Tokenizer:
         return GPT2Tokenizer()
     if "spec" not in meta:
         raise DataError(f"unknown tokenizer {kind!r} in meta.json with no spec to load it by (a tokenizer is {CHOICES})")
-    tokenizer = load_tokenizer(meta["spec"])
+    try:
+        tokenizer = load_tokenizer(meta["spec"])
+    except DataError as e:
+        raise DataError(f"the tokenizer this dataset was prepared with does not load: {e}") from None
     if meta.get("fingerprint") not in (None, tokenizer.fingerprint):
         raise DataError(f"the tokenizer {meta['spec']} is not the one this dataset was prepared with: its "
                         f"fingerprint is {tokenizer.fingerprint[:12]}…, meta.json's {str(meta['fingerprint'])[:12]}…. "
