@@ -166,3 +166,22 @@ def test_an_unknown_spec_names_the_choices(tmp_path):
         load_tokenizer("llama3")
     with pytest.raises(DataError, match=r"tokenizer file .*absent\.json not found"):
         load_tokenizer(str(tmp_path / "absent.json"))
+
+
+def test_the_model_vocabulary_is_the_tokenizers(monkeypatch):
+    from meshtrain.config import ConfigError, load_config
+    from meshtrain.models.gpt import build_model
+    from meshtrain.models.gpt.model import GPT, GPTConfig
+
+    tiny = ["preset=cpu", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16"]
+    meta = {"tokenizer": "huggingface", "vocab_size": 281}
+    assert build_model(load_config(tiny, "gpt"), {"meta": meta}).lm_head.out_features == 281
+    # Pretrained weights bring their own embedding rows: a tokenizer with more ids is refused before training.
+    monkeypatch.setattr(GPT, "from_pretrained", classmethod(
+        lambda cls, name, override_args=None: cls(GPTConfig(block_size=16, vocab_size=256, n_layer=1, n_head=2,
+                                                            n_embd=32))))
+    pretrained = load_config([*tiny, "train.init_from=/weights/of/gpt2"], "gpt")
+    with pytest.raises(ConfigError, match=r"init_from=/weights/of/gpt2 has 256 token embeddings, but the data's "
+                                          r"huggingface tokenizer has 281 ids"):
+        build_model(pretrained, {"meta": meta})
+    assert build_model(pretrained, {"meta": {**meta, "vocab_size": 200}}).lm_head.out_features == 256
