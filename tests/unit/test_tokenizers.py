@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
 import socket
 
@@ -119,6 +120,20 @@ def test_a_named_tiktoken_encoding_missing_from_the_cache_is_one_clear_error(tmp
     assert f"put that file at {cache / CL100K_CACHE_NAME}" in message and CL100K_URL in message
     assert "never downloads at run time" in message
     assert connections == [] and not cache.exists()
+
+
+def test_a_named_tiktoken_encoding_in_the_cache_loads_offline(tmp_path, monkeypatch):
+    # r50k_base's file is GPT-2's ranks, which ship with meshtrain: put them where tiktoken's cache holds them.
+    cache = tmp_path / "tiktoken_cache"
+    cache.mkdir()
+    url = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+    (cache / hashlib.sha1(url.encode()).hexdigest()).write_bytes(tokenizers._gpt2_ranks_bytes())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    monkeypatch.setattr(socket.socket, "connect", lambda self, address: pytest.fail(f"connected to {address}"))
+    tok = load_tokenizer("r50k_base")
+    assert (tok.kind, tok.spec, tok.vocab_size, tok.eot_id) == ("tiktoken", "r50k_base", 50257, 50256)
+    assert tok.encode("hello world") == [31373, 995] and tok.encode(SAMPLE) == load_tokenizer("gpt2").encode(SAMPLE)
+    assert tokenizer_from_meta(tok.meta()).fingerprint == tok.fingerprint
 
 
 def test_prepare_tokenizer_writes_a_spec_that_prepare_text_uses(tmp_path, corpus):

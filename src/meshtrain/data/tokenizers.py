@@ -133,8 +133,8 @@ class TiktokenTokenizer(Tokenizer):
 
     kind = "tiktoken"
 
-    def __init__(self, spec: str, ranks: dict[bytes, int], ranks_sha256: str, pattern: str,
-                 special_tokens: dict[str, int], eot: str | None):
+    def __init__(self, spec: str, ranks: dict[bytes, int], pattern: str, special_tokens: dict[str, int],
+                 eot: str | None):
         import tiktoken
 
         if eot is not None and eot not in special_tokens:
@@ -146,7 +146,7 @@ class TiktokenTokenizer(Tokenizer):
             raise DataError(f"{spec}: tiktoken cannot build this encoding ({e})") from None
         self.spec = spec
         self.eot_id = special_tokens[eot] if eot is not None else None
-        self.fingerprint = _sha256_json({"ranks_sha256": ranks_sha256, "pattern": pattern,
+        self.fingerprint = _sha256_json({"ranks_sha256": ranks_sha256(ranks), "pattern": pattern,
                                          "special_tokens": special_tokens})
 
     @property
@@ -183,6 +183,13 @@ def parse_ranks(raw: bytes, source: str) -> dict[bytes, int]:
     return ranks
 
 
+def ranks_sha256(ranks: dict[bytes, int]) -> str:
+    """The sha256 of the ranks written as tiktoken writes a ranks file (by rank, `base64 rank` a line): the same
+    for the same ranks however they were stored or fetched (the shipped GPT-2 file hashes to itself)."""
+    lines = (base64.b64encode(token) + b" %d\n" % rank for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+    return hashlib.sha256(b"".join(lines)).hexdigest()
+
+
 def _gpt2_ranks_bytes() -> bytes:
     raw = gzip.decompress(resources.files("meshtrain.data").joinpath("assets", GPT2_RANKS_ASSET).read_bytes())
     if hashlib.sha256(raw).hexdigest() != GPT2_RANKS_SHA256:
@@ -193,8 +200,8 @@ def _gpt2_ranks_bytes() -> bytes:
 @lru_cache(maxsize=1)
 def _gpt2_encoding():
     # Built from the shipped ranks: tiktoken.get_encoding("gpt2") would download them.
-    return TiktokenTokenizer("gpt2", parse_ranks(_gpt2_ranks_bytes(), GPT2_RANKS_ASSET), GPT2_RANKS_SHA256,
-                             GPT2_PATTERN, {GPT2_EOT: 50256}, GPT2_EOT)
+    return TiktokenTokenizer("gpt2", parse_ranks(_gpt2_ranks_bytes(), GPT2_RANKS_ASSET), GPT2_PATTERN,
+                             {GPT2_EOT: 50256}, GPT2_EOT)
 
 
 class GPT2Tokenizer(TiktokenTokenizer):
@@ -209,9 +216,9 @@ class GPT2Tokenizer(TiktokenTokenizer):
 
 
 
-def _default_specials(path: Path, ranks: dict[bytes, int], ranks_sha256: str) -> tuple[str, dict[str, int], str]:
+def _default_specials(path: Path, ranks: dict[bytes, int]) -> tuple[str, dict[str, int], str]:
     """(pattern, special tokens, end-of-text token) of a ranks file that has no sidecar, where it is a known one."""
-    if ranks_sha256 == GPT2_RANKS_SHA256:
+    if len(ranks) == 50_256 and ranks_sha256(ranks) == GPT2_RANKS_SHA256:
         return GPT2_PATTERN, {GPT2_EOT: 50256}, GPT2_EOT
     if len(ranks) == LLAMA3_RANKS:
         names = [*LLAMA3_NAMED_SPECIALS,
@@ -228,12 +235,11 @@ def _sidecar(path: Path) -> Path:
 
 def load_ranks_file(path: Path) -> TiktokenTokenizer:
     """A tiktoken ranks file, with the pattern and special tokens of its sidecar (or known defaults)."""
-    raw = path.read_bytes()
-    ranks, ranks_sha256 = parse_ranks(raw, str(path)), hashlib.sha256(raw).hexdigest()
+    ranks = parse_ranks(path.read_bytes(), str(path))
     sidecar = _sidecar(path)
     if not sidecar.is_file():
-        pattern, specials, eot = _default_specials(path, ranks, ranks_sha256)
-        return TiktokenTokenizer(str(path), ranks, ranks_sha256, pattern, specials, eot)
+        pattern, specials, eot = _default_specials(path, ranks)
+        return TiktokenTokenizer(str(path), ranks, pattern, specials, eot)
     try:
         described = json.loads(sidecar.read_text(encoding="utf-8"))
         pattern, specials = described["pattern"], {str(k): int(v) for k, v in described["special_tokens"].items()}
@@ -241,7 +247,7 @@ def load_ranks_file(path: Path) -> TiktokenTokenizer:
         raise DataError(f"{sidecar} should be JSON with a \"pattern\" string and \"special_tokens\" "
                         f"{{name: id}} ({type(e).__name__}: {e})") from None
     eot = described.get("eot", next((name for name in EOT_NAMES if name in specials), None))
-    return TiktokenTokenizer(str(path), ranks, ranks_sha256, pattern, specials, eot)
+    return TiktokenTokenizer(str(path), ranks, pattern, specials, eot)
 
 
 def _tiktoken_cache_path(url: str) -> tuple[str | None, Path | None]:
@@ -280,12 +286,9 @@ def load_named_encoding(name: str) -> TiktokenTokenizer:
     # the constructor runs, so nothing leaves the machine.
     with mock.patch.object(tiktoken.load, "read_file", _offline_fetch(name)):
         described = ENCODING_CONSTRUCTORS[name]()
-    ranks = described["mergeable_ranks"]
-    # The cached file passed tiktoken's sha256 check against the hash it expects: fingerprint what it holds.
-    ranks_sha256 = _sha256_json(sorted((base64.b64encode(t).decode(), r) for t, r in ranks.items()))
     specials = described["special_tokens"]
     eot = next((eot for eot in EOT_NAMES if eot in specials), None)
-    return TiktokenTokenizer(name, ranks, ranks_sha256, described["pat_str"], specials, eot)
+    return TiktokenTokenizer(name, described["mergeable_ranks"], described["pat_str"], specials, eot)
 
 
 def tiktoken_names() -> tuple[str, ...]:
