@@ -35,6 +35,7 @@ from meshtrain.data.text import (
     default_data_root,
     prepare,
 )
+from meshtrain.data.tokenizers import train_bpe
 from meshtrain.runtime.log import get_logger
 
 ERA5_SYNTHETIC = "era5-synthetic"
@@ -108,8 +109,6 @@ def _run_era5_synthetic(args: argparse.Namespace) -> None:
 
 def _run_tokenizer(args: argparse.Namespace) -> int:
     """Train a byte-level BPE on the files at PATH... and write it as a tokenizer.json."""
-    from meshtrain.data.tokenizers import train_bpe  # the `tokenizers` library only when it is needed
-
     log = get_logger("data")
     others = [f"--{key.replace('_', '-')}" for key in ERA5_OPTIONS + ("tokenizer", "name", "val_fraction")
               if key != "out" and getattr(args, key) not in (None, False)]

@@ -215,7 +215,6 @@ class GPT2Tokenizer(TiktokenTokenizer):
         self.encoding, self.spec, self.eot_id, self.fingerprint = built.encoding, "gpt2", 50256, built.fingerprint
 
 
-
 def _default_specials(path: Path, ranks: dict[bytes, int]) -> tuple[str, dict[str, int], str]:
     """(pattern, special tokens, end-of-text token) of a ranks file that has no sidecar, where it is a known one."""
     if len(ranks) == 50_256 and ranks_sha256(ranks) == GPT2_RANKS_SHA256:
