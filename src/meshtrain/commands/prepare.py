@@ -3,6 +3,10 @@
     meshtrain prepare shakespeare_char            characters of the shipped tiny-Shakespeare
     meshtrain prepare shakespeare                 GPT-2 BPE of the same corpus
     meshtrain prepare text PATH [--tokenizer char|gpt2] [--name NAME]   a text file of your own
+    meshtrain prepare text PATH… [--field text] [--workers N] [--shard-tokens N] [--name NAME]
+                                  a corpus (files, folders, globs of text, jsonl, parquet; .gz/.zst) into shards
+                                  and manifest.json (data/corpus.py); llm.c .bin shards are indexed in place
+    meshtrain prepare text --verify --name NAME   read every shard of a sharded corpus against its checksums
     meshtrain prepare era5-synthetic [--out DIR] [--years 2011 ... 2018] [--samples-per-year 64]
                                      [--grid 90x180] [--channels 20] [--seed 0] [--dt-hours 6]
                                      [--train-years ... --valid-years ... --test-years ...]
@@ -10,7 +14,7 @@
                                   for the ViT forecaster; years sorted: all but the last two train, the
                                   second to last validates, the last tests (two years: train + valid)
 
-DATA_ROOT is --data-root, else $MESHTRAIN_DATA_ROOT, else ./data; era5-synthetic writes to --out, else
+One plain text file without the corpus options keeps the single-file format above. DATA_ROOT is --data-root, else $MESHTRAIN_DATA_ROOT, else ./data; era5-synthetic writes to --out, else
 DATA_ROOT/era5_synthetic. Running it again is cheap: a dataset made from the same source bytes (the same
 parameters, for era5-synthetic) is left as it is.
 """
@@ -21,6 +25,7 @@ import argparse
 import re
 from pathlib import Path
 
+from meshtrain.commands.prepare_corpus import DEFAULT_SHARD_TOKENS, is_corpus, run_corpus
 from meshtrain.data.text import (
     BUILTIN_TOKENIZER,
     DATA_ROOT_ENV,
@@ -36,6 +41,7 @@ ERA5_SYNTHETIC = "era5-synthetic"
 ERA5_DIR_NAME = "era5_synthetic"
 DATASETS = (*BUILTIN_TOKENIZER, "text", ERA5_SYNTHETIC)
 DEFAULT_VAL_FRACTION = 0.1
+CORPUS_OPTIONS = ("field", "workers", "shard_tokens", "verify")
 ERA5_OPTIONS = ("out", "years", "samples_per_year", "grid", "channels", "seed", "dt_hours", "train_years",
                 "valid_years", "test_years")
 
@@ -52,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dataset", choices=DATASETS,
                         help="shakespeare_char (chars), shakespeare (GPT-2 BPE), text (your file at PATH), "
                              f"or {ERA5_SYNTHETIC} (weather fields for the ViT)")
-    parser.add_argument("path", nargs="?", type=Path, default=None, metavar="PATH",
-                        help="the UTF-8 text file to prepare (only with `text`)")
+    parser.add_argument("path", nargs="*", type=Path, default=None, metavar="PATH",
+                        help="with `text`: a UTF-8 text file, or a corpus: files, folders, globs (quoted) of text, "
+                             "jsonl and parquet, plain or .gz/.zst; or llm.c .bin shards to index in place")
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
                         help="for `text`: char (default) or gpt2")
     parser.add_argument("--name", default=None,
@@ -63,6 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-fraction", type=float, default=None,
                         help="share of the text, taken from its end, held out for validation (default 0.1)")
     parser.add_argument("--force", action="store_true", help="prepare again even if the dataset is up to date")
+    corpus = parser.add_argument_group("sharded corpus (`text`; any of these, or more than one plain text file)")
+    corpus.add_argument("--field", default=None, help="the jsonl field / parquet column of the text (default text)")
+    corpus.add_argument("--workers", type=int, default=None,
+                        help="tokenizing processes (default: the cores); the shards are the same for any number")
+    corpus.add_argument("--shard-tokens", type=int, default=None,
+                        help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
+    corpus.add_argument("--verify", action="store_true",
+                        help="read every shard of the corpus --name against the manifest's checksums")
 
     era5 = parser.add_argument_group(ERA5_SYNTHETIC)
     era5.add_argument("--out", type=Path, default=None,
@@ -96,6 +111,14 @@ def _run_era5_synthetic(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     log = get_logger("data")
+    args.path = list(args.path or [])
+    corpus_given = [f"--{key.replace('_', '-')}" for key in CORPUS_OPTIONS if getattr(args, key, None) not in (None, False)]
+    if corpus_given and args.dataset != "text":
+        log.error("%s go with `text` only, not %s", ", ".join(corpus_given), args.dataset)
+        return 2
+    if args.dataset == "text" and (corpus_given or is_corpus(args.path)):
+        return run_corpus(args, log)
+    args.path = args.path[0] if args.path else None
     if args.dataset == ERA5_SYNTHETIC:
         if args.path is not None or args.tokenizer or args.name or args.val_fraction is not None:
             log.error("PATH, --tokenizer, --name and --val-fraction go with the text datasets, not %s",

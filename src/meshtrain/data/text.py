@@ -443,11 +443,15 @@ class TokenBatches:
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.global_batch = batch_size * dp_size * accum
         self.device = torch.device(device)
-        self.meta = load_meta(self.data_dir)
-        self.num_tokens = check_split(self.data_dir, split, block_size=block_size, meta=self.meta)
-        self.path = self.data_dir / f"{split}.bin"
+        self._load()
         self.step, self.micro = 0, 0  # where the next batch comes from: global batch `step`, micro-step `micro`
         self._drawn: tuple[int, torch.Tensor] | None = None  # the last global batch's offsets, all ranks'
+
+    def _load(self) -> None:
+        """Check the split and learn its size (a sharded corpus's reader does this its own way)."""
+        self.meta = load_meta(self.data_dir)
+        self.num_tokens = check_split(self.data_dir, self.split, block_size=self.block_size, meta=self.meta)
+        self.path = self.data_dir / f"{self.split}.bin"
 
     @property
     def vocab_size(self) -> int:
@@ -476,16 +480,19 @@ class TokenBatches:
 
     def batch_at(self, offsets) -> tuple[torch.Tensor, torch.Tensor]:
         """The (x, y) windows starting at `offsets`, on the device."""
-        # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped in
-        # this process, so resident memory climbs towards the file size; re-mapping costs microseconds.
-        tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
-        span = self.block_size + 1
-        windows = torch.from_numpy(np.stack([tokens[o:o + span] for o in np.asarray(offsets).tolist()]).astype(np.int64))
-        del tokens
+        windows = torch.from_numpy(self._windows(np.asarray(offsets).tolist()).astype(np.int64))
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
+
+    def _windows(self, offsets: list[int]) -> np.ndarray:
+        """[len(offsets), block_size + 1] tokens, the windows starting at `offsets`."""
+        # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped in
+        # this process, so resident memory climbs towards the file size; re-mapping costs microseconds.
+        tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        span = self.block_size + 1
+        return np.stack([tokens[o:o + span] for o in offsets])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batch_at(self.next_offsets())

@@ -1,0 +1,282 @@
+"""`meshtrain prepare text PATH…` for corpora of any size: documents tokenized by worker processes into shards.
+
+The documents of every input (data/corpus_sources.py) are numbered in order; document d goes to the validation
+split when a hash of d falls below --val-fraction (a fixed choice per document: never a document cut in two, the
+same split whatever the workers). Documents are gathered into chunks of about CHUNK_CHARS characters, chunks go to
+the workers, and their tokens come back and are written in chunk order: the shards are the same bytes for any
+number of workers. At most two chunks per worker are in flight, so memory stays flat whatever the corpus.
+
+Each document is preceded by the tokenizer's end-of-text token (as llm.c's fineweb.py), none for a tokenizer
+without one. After every finished shard, progress.json records the shards so far; a prepare run again with the
+same inputs keeps the finished shards whose checksums agree and continues after them (data/shards.py ShardWriter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from meshtrain.data.corpus_sources import documents, expand_inputs
+from meshtrain.data.shards import (
+    MANIFEST,
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    ShardWriter,
+    file_sha256,
+    load_manifest,
+    read_header,
+    shard_path,
+    token_dtype,
+)
+from meshtrain.data.text import SPLITS, DataError
+from meshtrain.data.tokenizer_adapter import Tokenizer, adapt, load_tokenizer
+from meshtrain.runtime.log import get_logger
+from meshtrain.runtime.progress import progress_bar
+
+log = get_logger("data")
+
+PROGRESS = "progress.json"
+CHUNK_CHARS = 1 << 20  # a worker's unit: large enough that sending it costs little beside tokenizing it
+DEFAULT_SHARD_TOKENS = 100_000_000
+
+
+def is_val(doc: int, val_fraction: float) -> bool:
+    """Whether document `doc` is held out: a hash of its number, so the choice is spread evenly and fixed."""
+    digest = hashlib.blake2b(doc.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * (1 << 64)
+
+
+def _settings(files: list[Path], field: str, tok: Tokenizer, shard_tokens: int, val_fraction: float) -> dict:
+    """Everything the shards depend on: a prepare with other settings starts over rather than resume."""
+    sources = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files]
+    return {"sources": sources, "field": field, "tokenizer": tok.fingerprint, "shard_tokens": shard_tokens,
+            "val_fraction": val_fraction, "format_version": MANIFEST_VERSION}
+
+
+def char_vocabulary(files: list[Path], field: str) -> Tokenizer:
+    """A character tokenizer for the corpus: one streaming pass collects its characters (sorted, as text.py's)."""
+    chars: set[str] = set()
+    for path in files:
+        for doc in documents(path, field):
+            for piece in doc:
+                chars.update(piece)
+    return load_tokenizer("char:" + "".join(sorted(chars)))
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(tok: Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tok
+
+
+def encode_chunk(texts: list[str], firsts: list[bool], tok: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of a chunk's pieces laid end to end (uint32) and each piece's length; a document's first piece
+    starts with the end-of-text token. One array rather than lists: it crosses the process boundary cheaply."""
+    tok = _worker_tokenizer if tok is None else tok
+    eot = tok.eot_id
+    pieces = [([eot] if first and eot is not None else []) + ids for ids, first in zip(tok.encode_batch(texts), firsts, strict=True)]
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+    return np.fromiter((i for p in pieces for i in p), dtype=np.uint32, count=int(lengths.sum())), lengths
+
+
+def _chunks(files: list[Path], field: str, skip_before: int, bar) -> Iterator[tuple[list[int], list[str], list[bool]]]:
+    """(document numbers, texts, first-piece flags) of about CHUNK_CHARS characters each, in corpus order;
+    documents before `skip_before` are counted, not sent (finished shards hold them)."""
+    docs, texts, firsts, size, number = [], [], [], 0, -1
+    for path in files:
+        for doc in documents(path, field):
+            number += 1
+            for i, piece in enumerate(doc):
+                if number < skip_before:
+                    continue
+                docs.append(number)
+                texts.append(piece)
+                firsts.append(i == 0)
+                size += len(piece)
+                if size >= CHUNK_CHARS:
+                    yield docs, texts, firsts
+                    docs, texts, firsts, size = [], [], [], 0
+        bar.update(path.stat().st_size)
+    if docs:
+        yield docs, texts, firsts
+
+
+def _encoded(chunks, tok: Tokenizer, workers: int) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+    """(document numbers, tokens, piece lengths) of every chunk, in order, tokenized by `workers` processes."""
+    if workers <= 1:
+        for docs, texts, firsts in chunks:
+            yield docs, *encode_chunk(texts, firsts, tok)
+        return
+    # fork: the workers start in milliseconds with the tokenizer already built (a spawn re-imports torch)
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(tok,)) as pool:
+        pending: deque = deque()
+        for docs, texts, firsts in chunks:
+            pending.append((docs, pool.submit(encode_chunk, texts, firsts)))
+            if len(pending) >= 2 * workers:  # bounded: the reader never runs ahead of the workers by more
+                docs_done, future = pending.popleft()
+                yield docs_done, *future.result()
+        while pending:
+            docs_done, future = pending.popleft()
+            yield docs_done, *future.result()
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+
+
+def prepare_corpus(inputs, out_dir: Path, tokenizer="gpt2", *, field: str = "text", workers: int | None = None,
+                   shard_tokens: int = DEFAULT_SHARD_TOKENS, val_fraction: float = 0.1, force: bool = False) -> dict:
+    """Tokenize the documents of `inputs` (files, folders, globs) into shards in `out_dir`; return the manifest.
+
+    `tokenizer`: a spec ("gpt2", "char": a vocabulary of the corpus's characters) or a tokenizer object. A corpus
+    prepared before with the same settings is left as it is; one interrupted is continued (unless `force`).
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
+    out_dir, files = Path(out_dir), expand_inputs(inputs)
+    workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
+    if tokenizer == "char":
+        tok = char_vocabulary(files, field)
+    else:
+        tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else adapt(tokenizer)
+    settings = _settings(files, field, tok, shard_tokens, val_fraction)
+    if not force and (done := _up_to_date(out_dir, settings)) is not None:
+        log.info("%s is up to date (%s train and %s val tokens in %s shards): nothing to do", out_dir / MANIFEST,
+                 f"{done['splits']['train']['tokens']:,}", f"{done['splits']['val']['tokens']:,}",
+                 sum(len(done["splits"][s]["shards"]) for s in SPLITS))
+        return done
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = {split: [] for split in SPLITS} if force else _kept_shards(out_dir, settings)
+    _clear(out_dir, keep={e["path"] for split in SPLITS for e in shards[split]})
+    return _run(files, out_dir, tok, settings, shards, workers)
+
+
+def _run(files, out_dir: Path, tok: Tokenizer, settings: dict, shards: dict, workers: int) -> dict:
+    dtype = token_dtype(tok.vocab_size)
+
+    def finished(split):
+        def record(entry):
+            shards[split].append(entry)
+            _write_json(out_dir / PROGRESS, {"settings": settings, "shards": shards})
+            log.info("wrote %s (%s tokens)", out_dir / entry["path"], f"{entry['tokens']:,}")
+        return record
+
+    resume = {split: tuple(shards[split][-1]["end"]) if shards[split] else (0, 0) for split in SPLITS}
+    writers = {split: ShardWriter(out_dir, split, settings["shard_tokens"], dtype, tok.fingerprint, finished(split),
+                                  first_index=len(shards[split]), resume=resume[split]) for split in SPLITS}
+    if any(shards.values()):
+        log.info("continuing after %s finished shard(s) in %s", sum(map(len, shards.values())), out_dir)
+    log.info("tokenizing %s file(s) with %s (vocab %s, %s tokens) in %s worker(s)", len(files), tok.spec[:40],
+             f"{tok.vocab_size:,}", dtype.name, workers)
+    skip_before = min(doc for doc, _ in resume.values())
+    with progress_bar(sum(p.stat().st_size for p in files), "tokenizing, bytes") as bar:
+        for docs, tokens, lengths in _encoded(_chunks(files, settings["field"], skip_before, bar), tok, workers):
+            for doc, piece in zip(docs, np.split(tokens, np.cumsum(lengths)[:-1]), strict=True):
+                writers["val" if is_val(doc, settings["val_fraction"]) else "train"].add(doc, piece)
+    for writer in writers.values():
+        writer.close()
+    return _finish(out_dir, tok, settings, shards, dtype)
+
+
+def _finish(out_dir: Path, tok: Tokenizer, settings: dict, shards: dict, dtype) -> dict:
+    splits = {s: {"tokens": sum(e["tokens"] for e in shards[s]), "shards": shards[s]} for s in SPLITS}
+    for split in SPLITS:
+        if splits[split]["tokens"] == 0 and (split == "train" or settings["val_fraction"] != 0):
+            raise DataError(f"the corpus gave the {split} split no tokens: it needs more documents (a plain text "
+                            "file is one document), or another --val-fraction")
+    manifest = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, "name": out_dir.name,
+                "tokenizer": tok.meta(), "dtype": dtype.name, "splits": splits, "settings": settings,
+                "split_rule": "document d is val when blake2b-64(d) < val_fraction * 2**64 (corpus.is_val)"}
+    _write_json(out_dir / MANIFEST, manifest)
+    (out_dir / PROGRESS).unlink(missing_ok=True)
+    log.info("wrote %s: %s train and %s val tokens", out_dir / MANIFEST, f"{splits['train']['tokens']:,}",
+             f"{splits['val']['tokens']:,}")
+    return manifest
+
+
+def _write_json(path: Path, value: dict) -> None:
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(value, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(temp, path)
+
+
+def _up_to_date(out_dir: Path, settings: dict) -> dict | None:
+    """The manifest of a finished prepare with these settings whose shards are all there at their sizes."""
+    try:
+        manifest = load_manifest(out_dir)
+        if manifest.get("settings") != settings:
+            return None
+        for split in SPLITS:
+            for entry in manifest["splits"][split]["shards"]:
+                if read_header(shard_path(out_dir, entry)).count != entry["tokens"]:
+                    return None
+    except DataError:
+        return None
+    return manifest
+
+
+def _kept_shards(out_dir: Path, settings: dict) -> dict[str, list[dict]]:
+    """The shards an interrupted prepare with the same settings finished whose checksums still agree: per split,
+    the longest run from the first on (a later shard continues where the one before it ended)."""
+    kept = {split: [] for split in SPLITS}
+    try:
+        progress = json.loads((out_dir / PROGRESS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return kept
+    if progress.get("settings") != settings:
+        return kept
+    for split in SPLITS:
+        for entry in progress["shards"].get(split, []):
+            path = out_dir / entry["path"]
+            if not path.is_file() or file_sha256(path) != entry["sha256"]:
+                break
+            kept[split].append(entry)
+    return kept
+
+
+def _clear(out_dir: Path, keep: set[str]) -> None:
+    """Remove what a new or continued prepare rewrites: the manifest first (the folder is then "not prepared",
+    never a manifest over other shards), shards not kept, temp files a killed prepare left."""
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    for path in out_dir.iterdir():
+        shard = path.suffix == ".bin" and path.name.startswith(tuple(f"{s}_" for s in SPLITS))
+        if (shard and path.name not in keep) or path.name.endswith(".tmp"):
+            path.unlink()
+
+
+def index_bin_shards(files: list[Path], out_dir: Path, tokenizer="gpt2", *, force: bool = False) -> dict:
+    """A manifest over token shards that exist already (llm.c's, modded-nanogpt's, or meshtrain's), read where they
+    are: a file whose name holds "val" is validation (llm.c's fineweb_val_000000.bin), every other trains."""
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else adapt(tokenizer)
+    settings = {"sources": [str(Path(p).resolve()) for p in files], "tokenizer": tok.fingerprint,
+                "format_version": MANIFEST_VERSION, "val_fraction": "by name"}
+    out_dir = Path(out_dir)
+    if not force and (done := _up_to_date(out_dir, settings)) is not None:
+        log.info("%s is up to date: nothing to do", out_dir / MANIFEST)
+        return done
+    shards: dict[str, list[dict]] = {split: [] for split in SPLITS}
+    dtypes = set()
+    for path in files:
+        header = read_header(path)
+        if header.fingerprint not in (None, tok.fingerprint) or header.dtype.itemsize > token_dtype(tok.vocab_size).itemsize:
+            raise DataError(f"{path} was not written with the {tok.spec[:40]} tokenizer: choose it with --tokenizer")
+        dtypes.add(header.dtype)
+        split = "val" if "val" in Path(path).name.lower() else "train"
+        shards[split].append({"path": str(Path(path).resolve()), "tokens": header.count, "sha256": file_sha256(path),
+                               "format": header.format})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _finish(out_dir, tok, settings, shards, max(dtypes, key=lambda d: d.itemsize))
