@@ -20,6 +20,7 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -86,9 +87,12 @@ def encode_chunk(texts: list[str], firsts: list[bool], tok: Tokenizer | None = N
     starts with the end-of-text token. One array rather than lists: it crosses the process boundary cheaply."""
     tok = _worker_tokenizer if tok is None else tok
     eot = tok.eot_id
-    pieces = [([eot] if first and eot is not None else []) + ids for ids, first in zip(tok.encode_batch(texts), firsts, strict=True)]
-    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-    return np.fromiter((i for p in pieces for i in p), dtype=np.uint32, count=int(lengths.sum())), lengths
+    encoded = tok.encode_batch(texts)
+    heads = [[eot] if first and eot is not None else [] for first in firsts]
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + [len(h) for h in heads]
+    # chain.from_iterable keeps the per-token loop in C: a generator expression here took most of the time
+    flat = chain.from_iterable(chain.from_iterable(zip(heads, encoded, strict=True)))
+    return np.fromiter(flat, dtype=np.uint32, count=int(lengths.sum())), lengths
 
 
 def _chunks(files: list[Path], field: str, skip_before: int, bar) -> Iterator[tuple[list[int], list[str], list[bool]]]:

@@ -31,9 +31,8 @@ class Tokenizer:
         return self.base.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        encoding = getattr(self.base, "encoding", None)
-        if encoding is not None:  # tiktoken's own batch call spreads the texts over its threads
-            return encoding.encode_ordinary_batch(list(texts))
+        # A plain loop: prepare's worker processes are the parallelism. tiktoken's encode_ordinary_batch starts a
+        # thread pool per call, which cost more than the encoding itself here (benchmarks/prepare_corpus.py).
         return [self.base.encode(text) for text in texts]
 
     def decode(self, ids) -> str:
