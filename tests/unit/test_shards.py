@@ -26,6 +26,7 @@ from meshtrain.data.shards import (
     read_tokens,
     write_llmc_shard,
 )
+from meshtrain.data.streams import EpochBatches, token_batches
 from meshtrain.data.text import DataError, TokenBatches
 
 
@@ -72,7 +73,8 @@ def split_tokens(out: Path, split: str) -> np.ndarray:
 
 
 def shard_bytes(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.glob("*.bin"))}
+    """The shards and their document indexes."""
+    return {p.name: p.read_bytes() for p in sorted([*out.glob("*.bin"), *out.glob("*.idx")])}
 
 
 @pytest.fixture
@@ -229,19 +231,22 @@ def test_windows_across_shard_boundaries_equal_one_concatenated_array(jsonl_gz, 
 def test_the_draw_of_an_iteration_is_the_same_for_every_data_parallel_degree(jsonl_gz, tmp_path):
     prepare_corpus([jsonl_gz], tmp_path / "out", ByteTokenizer(), workers=1, shard_tokens=100)
 
-    def rows(dp_size, accum, step=3):
+    def rows(dp_size, accum, step=3, order="random"):
         out = []
         for micro in range(accum):
             for rank in range(dp_size):
-                batches = ShardBatches(tmp_path / "out", "train", block_size=16, batch_size=8 // (dp_size * accum),
-                                       seed=5, dp_rank=rank, dp_size=dp_size, accum=accum)
+                batches = token_batches(tmp_path / "out", "train", order=order, block_size=16,
+                                        batch_size=8 // (dp_size * accum), seed=5, dp_rank=rank, dp_size=dp_size,
+                                        accum=accum)
                 batches.seek(step)
                 for _ in range(micro + 1):
                     x, _y = batches.next_batch()
                 out.append(x)
         return torch.cat(out)
 
-    assert torch.equal(rows(1, 1), rows(2, 2)) and torch.equal(rows(1, 1), rows(4, 1))
+    for order in ("random", "epoch"):
+        one = rows(1, 1, order=order)
+        assert torch.equal(one, rows(2, 2, order=order)) and torch.equal(one, rows(4, 1, order=order))
 
 
 def test_the_sharded_draw_equals_the_single_file_draw_of_the_same_tokens(jsonl_gz, tmp_path):
@@ -281,3 +286,27 @@ def test_the_command_line_prepares_verifies_and_keeps_the_single_file_path(tmp_p
     assert prepare_command.run(parse("shakespeare", "--workers", "2", "--data-root", root)) == 2
     assert prepare_command.run(parse("text", str(tmp_path / "books" / "00.txt"), "--data-root", root)) == 0
     assert sorted(p.name for p in (tmp_path / "data" / "00").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_the_epoch_order_reads_every_document_once_an_epoch_in_a_new_order_each(jsonl_gz, tmp_path):
+    prepare_corpus([jsonl_gz], tmp_path / "out", ByteTokenizer(), workers=1, shard_tokens=150)
+    docs = [np.array([256, *doc.encode()]) for number, doc in enumerate(DOCS) if not is_val(number, 0.1)]
+    batches = EpochBatches(tmp_path / "out", "train", block_size=15, batch_size=4, seed=3)
+    assert batches.windows_per_epoch == sum(map(len, docs)) // 16
+    orders = []
+    for epoch in (0, 1):
+        order, _ = batches.epoch_order(epoch)
+        assert sorted(order.tolist()) == list(range(len(docs)))
+        windows = [epoch * batches.windows_per_epoch + w for w in range(batches.windows_per_epoch)]
+        stream = np.concatenate([docs[d] for d in order])
+        assert np.array_equal(batches._windows(windows).reshape(-1), stream[:len(windows) * 16])
+        orders.append(order.tolist())
+    assert orders[0] != orders[1]
+    resumed = EpochBatches(tmp_path / "out", "train", block_size=15, batch_size=4, seed=3)
+    resumed.seek(9)  # a resumed run reads at iteration 9 what the uninterrupted one does
+    batches.seek(0)
+    for _ in range(9):
+        batches.next_batch()
+    assert all(torch.equal(a, b) for a, b in zip(batches.next_batch(), resumed.next_batch(), strict=True))
+    with pytest.raises(DataError, match="data.order=epoch"):
+        token_batches(tmp_path / "single_file_dataset", "train", order="epoch", block_size=8, batch_size=2)

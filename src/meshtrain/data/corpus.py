@@ -246,7 +246,8 @@ def _kept_shards(out_dir: Path, settings: dict) -> dict[str, list[dict]]:
     for split in SPLITS:
         for entry in progress["shards"].get(split, []):
             path = out_dir / entry["path"]
-            if not path.is_file() or file_sha256(path) != entry["sha256"]:
+            index = out_dir / entry.get("index", entry["path"])
+            if not path.is_file() or not index.is_file() or file_sha256(path) != entry["sha256"]:
                 break
             kept[split].append(entry)
     return kept
@@ -257,8 +258,8 @@ def _clear(out_dir: Path, keep: set[str]) -> None:
     never a manifest over other shards), shards not kept, temp files a killed prepare left."""
     (out_dir / MANIFEST).unlink(missing_ok=True)
     for path in out_dir.iterdir():
-        shard = path.suffix == ".bin" and path.name.startswith(tuple(f"{s}_" for s in SPLITS))
-        if (shard and path.name not in keep) or path.name.endswith(".tmp"):
+        shard = path.suffix in (".bin", ".idx") and path.name.startswith(tuple(f"{s}_" for s in SPLITS))
+        if (shard and path.with_suffix(".bin").name not in keep) or path.name.endswith(".tmp"):
             path.unlink()
 
 

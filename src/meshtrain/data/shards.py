@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtrain.data.text import SPLITS, DataError, TokenBatches, load_meta, meta_or_builtin
+from meshtrain.data.text import SPLITS, DataError, TokenBatches
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "meshtrain-shards"
@@ -131,7 +131,7 @@ class ShardWriter:
         self.dtype, self.fingerprint, self.on_shard = np.dtype(dtype), fingerprint, on_shard
         self.index, self.resume = first_index, resume
         self.doc, self.in_doc = -1, 0  # the document being added and how many of its tokens came before
-        self.file, self.count = None, 0
+        self.file, self.count, self.starts = None, 0, []  # starts: where documents begin in the open shard
 
     def add(self, doc: int, tokens: np.ndarray) -> None:
         """The next tokens of the split, from document `doc` (documents arrive in order, a long one in pieces)."""
@@ -146,6 +146,8 @@ class ShardWriter:
         while len(tokens):
             if self.file is None:
                 self._open()
+            if position == 0:  # the document's first token goes here
+                self.starts.append(self.count)
             taken = tokens[:self.shard_tokens - self.count]
             self.file.write(np.asarray(taken, dtype=self.dtype).tobytes())
             self.count += len(taken)
@@ -165,7 +167,7 @@ class ShardWriter:
     def _open(self) -> None:
         self.file = open(self._temp(), "wb")
         self.file.write(b"\0" * HEADER_BYTES)  # the real header, with the count, when the shard is done
-        self.count = 0
+        self.count, self.starts = 0, []
 
     def _finish(self, end: tuple[int, int]) -> None:
         self.file.seek(0)
@@ -174,10 +176,15 @@ class ShardWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         self.file = None
-        name = f"{self.split}_{self.index:06d}.bin"
+        name, index = f"{self.split}_{self.index:06d}.bin", f"{self.split}_{self.index:06d}.idx"
+        # The document index beside it (int64 starts within the shard; data.order=epoch shuffles documents), in
+        # place before the shard: a shard on disk always has its index.
+        temp_index = self.out_dir / f".{index}.tmp"
+        np.asarray(self.starts, dtype="<i8").tofile(temp_index)
+        os.replace(temp_index, self.out_dir / index)
         os.replace(self._temp(), self.out_dir / name)
         self.on_shard({"path": name, "tokens": self.count, "sha256": file_sha256(self.out_dir / name),
-                       "end": list(end)})
+                       "end": list(end), "index": index, "documents": len(self.starts)})
         self.index += 1
 
 
@@ -223,7 +230,7 @@ class ShardedTokens:
         self.data_dir = Path(data_dir)
         manifest = load_manifest(self.data_dir) if manifest is None else manifest
         fingerprint = manifest["tokenizer"].get("fingerprint")
-        self.paths, self.headers = [], []
+        self.paths, self.headers, self.indexes = [], [], []
         for entry in manifest["splits"][split]["shards"]:
             path = shard_path(self.data_dir, entry)
             try:
@@ -239,9 +246,23 @@ class ShardedTokens:
                                 "Prepare the corpus again")
             self.paths.append(path)
             self.headers.append(header)
+            self.indexes.append(shard_path(self.data_dir, {"path": entry["index"]}) if "index" in entry else None)
         counts = [h.count for h in self.headers]
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.num_tokens = int(self.starts[-1])
+
+    def document_starts(self) -> np.ndarray:
+        """Where each document of the split begins, as global token indices (from the shards' .idx files)."""
+        if None in self.indexes:
+            raise DataError(f"{self.data_dir} has no document index (shards indexed in place, or an older prepare): "
+                            "data.order=epoch needs the .idx files `meshtrain prepare text` writes beside its shards")
+        parts = []
+        for path, start in zip(self.indexes, self.starts[:-1], strict=True):
+            try:
+                parts.append(np.fromfile(path, dtype="<i8") + start)
+            except OSError as e:
+                raise DataError(f"{path} cannot be read ({e}): prepare the corpus again") from None
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the split, across shard boundaries, as int64."""
@@ -294,15 +315,3 @@ def verify(data_dir: Path) -> list[str]:
                 problems.append(str(e))
     return problems
 
-
-def dataset_meta(data_dir: Path, *, builtin: bool = False) -> dict:
-    """The meta of a prepared dataset, sharded (from its manifest) or single-file (meta.json); with `builtin`, a
-    built-in dataset not prepared here gives what its tokenizer says (text.meta_or_builtin)."""
-    if is_sharded(data_dir):
-        return manifest_meta(load_manifest(data_dir))
-    return meta_or_builtin(data_dir) if builtin else load_meta(data_dir)
-
-
-def token_batches(data_dir: Path, split: str, **kwargs) -> TokenBatches:
-    """The windows stream of one split, whichever format the dataset is in."""
-    return (ShardBatches if is_sharded(data_dir) else TokenBatches)(data_dir, split, **kwargs)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshtrain.config import ConfigError
-from meshtrain.data.shards import dataset_meta, token_batches
+from meshtrain.data.streams import dataset_meta, token_batches
 from meshtrain.data.text import tokenizer_from_meta
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.progress import track
@@ -34,7 +34,8 @@ class _Batches:
         common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=dp_rank,
                       dp_size=dp_size, accum=cfg.train.grad_accum, device=device)
         seed = cfg.train.seed
-        self.train = token_batches(data_dir, "train", seed=seed, **common)  # train.bin or a sharded corpus
+        # train.bin or a sharded corpus; data.order for training (evaluation draws random windows either way)
+        self.train = token_batches(data_dir, "train", order=cfg.data.order, seed=seed, **common)
         self.eval = {"train": token_batches(data_dir, "train", seed=seed + 1, **common),
                      "val": token_batches(data_dir, "val", seed=seed + 2, **common)}
 
