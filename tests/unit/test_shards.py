@@ -214,6 +214,12 @@ def test_a_truncated_foreign_or_missing_shard_is_one_error_at_start_up(jsonl_gz,
     with pytest.raises(DataError, match=rf"{second.name} not found"):
         ShardBatches(out, "train", block_size=8, batch_size=2)
     second.write_bytes(whole)
+    listed = json.loads((out / "manifest.json").read_text())
+    listed["splits"]["train"]["shards"][1]["tokens"] += 1
+    (out / "manifest.json").write_text(json.dumps(listed))
+    with pytest.raises(DataError, match=rf"{second.name} holds 400 tokens where the manifest says 401"):
+        ShardBatches(out, "train", block_size=8, batch_size=2)
+    (out / "manifest.json").write_text(json.dumps(manifest))
     assert shards.verify(out) == []
     second.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
     assert [p for p in shards.verify(out) if "sha256" in p]

@@ -38,7 +38,8 @@ SUBCOMMANDS = {
         "prepare a dataset: shakespeare_char, shakespeare, your own text, or synthetic ERA5 weather data",
         "Write data/<name>/train.bin, val.bin (uint16 tokens, 90/10 split) and meta.json. shakespeare_char and "
         "shakespeare (GPT-2 BPE) use the corpus shipped with meshtrain and need no network; `text PATH` "
-        "tokenizes your own file. `era5-synthetic` writes ERA5-format h5 files (train/valid/test, one per "
+        "tokenizes your own file; `text PATH…` with folders, globs, jsonl, parquet or .gz/.zst (or --workers, "
+        "--shard-tokens) writes a sharded corpus: shards + manifest.json, in worker processes. `era5-synthetic` writes ERA5-format h5 files (train/valid/test, one per "
         "year) of smooth, evolving fields with their normalisation stats.",
         False,
     ),

@@ -20,6 +20,7 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 
@@ -47,6 +48,11 @@ log = get_logger("data")
 PROGRESS = "progress.json"
 CHUNK_CHARS = 1 << 20  # a worker's unit: large enough that sending it costs little beside tokenizing it
 DEFAULT_SHARD_TOKENS = 100_000_000
+
+
+def available_cores() -> int:
+    """The cores this process may run on (a batch job's share of a node, not the node's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def is_val(doc: int, val_fraction: float) -> bool:
@@ -117,24 +123,36 @@ def _chunks(files: list[Path], field: str, skip_before: int, bar) -> Iterator[tu
         yield docs, texts, firsts
 
 
-def _encoded(chunks, tok: Tokenizer, workers: int) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
-    """(document numbers, tokens, piece lengths) of every chunk, in order, tokenized by `workers` processes."""
+@contextmanager
+def worker_pool(tok: Tokenizer, workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """`workers` tokenizing processes (None for one: this process tokenizes), forked before the caller starts any
+    thread (a progress bar's): fork copies only the calling thread, so a lock held by another would stay held."""
     if workers <= 1:
-        for docs, texts, firsts in chunks:
-            yield docs, *encode_chunk(texts, firsts, tok)
+        yield None
         return
     # fork: the workers start in milliseconds with the tokenizer already built (a spawn re-imports torch)
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(tok,)) as pool:
-        pending: deque = deque()
+        pool.submit(int).result()  # under fork, the first task starts every worker
+        yield pool
+
+
+def _encoded(chunks, tok: Tokenizer, pool: ProcessPoolExecutor | None,
+             workers: int) -> Iterator[tuple[list[int], np.ndarray, np.ndarray]]:
+    """(document numbers, tokens, piece lengths) of every chunk, in order, tokenized by the pool's processes."""
+    if pool is None:
         for docs, texts, firsts in chunks:
-            pending.append((docs, pool.submit(encode_chunk, texts, firsts)))
-            if len(pending) >= 2 * workers:  # bounded: the reader never runs ahead of the workers by more
-                docs_done, future = pending.popleft()
-                yield docs_done, *future.result()
-        while pending:
+            yield docs, *encode_chunk(texts, firsts, tok)
+        return
+    pending: deque = deque()
+    for docs, texts, firsts in chunks:
+        pending.append((docs, pool.submit(encode_chunk, texts, firsts)))
+        if len(pending) >= 2 * workers:  # bounded: the reader never runs ahead of the workers by more
             docs_done, future = pending.popleft()
             yield docs_done, *future.result()
+    while pending:
+        docs_done, future = pending.popleft()
+        yield docs_done, *future.result()
 
 
 # ------------------------------------------------------------------------------------------------ prepare
@@ -152,7 +170,7 @@ def prepare_corpus(inputs, out_dir: Path, tokenizer="gpt2", *, field: str = "tex
     if shard_tokens < 1:
         raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
     out_dir, files = Path(out_dir), expand_inputs(inputs)
-    workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
+    workers = available_cores() if workers is None else max(1, int(workers))
     if tokenizer == "char":
         tok = char_vocabulary(files, field)
     else:
@@ -187,8 +205,9 @@ def _run(files, out_dir: Path, tok: Tokenizer, settings: dict, shards: dict, wor
     log.info("tokenizing %s file(s) with %s (vocab %s, %s tokens) in %s worker(s)", len(files), tok.spec[:40],
              f"{tok.vocab_size:,}", dtype.name, workers)
     skip_before = min(doc for doc, _ in resume.values())
-    with progress_bar(sum(p.stat().st_size for p in files), "tokenizing, bytes") as bar:
-        for docs, tokens, lengths in _encoded(_chunks(files, settings["field"], skip_before, bar), tok, workers):
+    total_bytes = sum(p.stat().st_size for p in files)
+    with worker_pool(tok, workers) as pool, progress_bar(total_bytes, "tokenizing, bytes") as bar:
+        for docs, tokens, lengths in _encoded(_chunks(files, settings["field"], skip_before, bar), tok, pool, workers):
             for doc, piece in zip(docs, np.split(tokens, np.cumsum(lengths)[:-1]), strict=True):
                 writers["val" if is_val(doc, settings["val_fraction"]) else "train"].add(doc, piece)
     for writer in writers.values():
