@@ -292,6 +292,15 @@ def test_the_command_line_prepares_verifies_and_keeps_the_single_file_path(tmp_p
     assert prepare_command.run(parse("shakespeare", "--workers", "2", "--data-root", root)) == 2
     assert prepare_command.run(parse("text", str(tmp_path / "books" / "00.txt"), "--data-root", root)) == 0
     assert sorted(p.name for p in (tmp_path / "data" / "00").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    (tmp_path / "fineweb").mkdir()
+    for name in ("fineweb_val_000000.bin", "fineweb_train_000001.bin"):
+        write_llmc_shard(tmp_path / "fineweb" / name, np.arange(100))
+    assert prepare_command.run(parse("text", str(tmp_path / "fineweb" / "*.bin"), "--data-root", root)) == 1  # no name
+    assert prepare_command.run(parse("text", str(tmp_path / "fineweb" / "*.bin"), "--name", "fw", "--data-root",
+                                     root)) == 0
+    indexed = json.loads((tmp_path / "data" / "fw" / "manifest.json").read_text())
+    assert [len(indexed["splits"][s]["shards"]) for s in ("train", "val")] == [1, 1]
+    assert indexed["tokenizer"]["eot_id"] == 50256
 
 
 def test_the_epoch_order_reads_every_document_once_an_epoch_in_a_new_order_each(jsonl_gz, tmp_path):
