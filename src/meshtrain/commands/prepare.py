@@ -62,13 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with `text`: a UTF-8 text file, or a corpus: files, folders, globs (quoted) of text, "
                              "jsonl and parquet, plain or .gz/.zst; or llm.c .bin shards to index in place")
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
-                        help="for `text`: char (default) or gpt2")
+                        help="for `text`: char (the default for one file) or gpt2 (the default for a sharded corpus)")
     parser.add_argument("--name", default=None,
                         help="for `text`: the dataset's folder under the data root (default: PATH's file stem)")
     parser.add_argument("--data-root", type=Path, default=None,
                         help=f"where datasets live (default: ${DATA_ROOT_ENV} or ./{DEFAULT_DATA_ROOT})")
     parser.add_argument("--val-fraction", type=float, default=None,
-                        help="share of the text, taken from its end, held out for validation (default 0.1)")
+                        help="share of the text, taken from its end (one file), or of the documents, chosen by a hash of "
+                             "their numbers (a sharded corpus), held out for validation (default 0.1)")
     parser.add_argument("--force", action="store_true", help="prepare again even if the dataset is up to date")
     corpus = parser.add_argument_group("sharded corpus (`text`; any of these, or more than one plain text file)")
     corpus.add_argument("--field", default=None, help="the jsonl field / parquet column of the text (default text)")
