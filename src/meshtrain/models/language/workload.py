@@ -47,7 +47,7 @@ class _Batches:
 
     def global_ids(self, iteration: int) -> list[int]:
         """The samples of iteration `iteration`, all ranks': its windows' start offsets (in a sharded corpus, in the
-        split's shards laid end to end)."""
+        split's shards laid end to end; with data.order=epoch, the windows' numbers)."""
         return self.train.global_offsets(iteration).tolist()
 
     def close(self) -> None:
