@@ -200,3 +200,45 @@ def test_the_model_vocabulary_is_the_tokenizers(monkeypatch):
                                           r"huggingface tokenizer has 281 ids"):
         build_model(pretrained, {"meta": meta})
     assert build_model(pretrained, {"meta": {**meta, "vocab_size": 200}}).lm_head.out_features == 256
+
+
+def wide_ranks_file(folder) -> tuple:
+    """A tiktoken ranks file of 70,000 tokens with its sidecar: the 256 bytes, unreachable fillers, then the pairs of
+    lowercase letters and spaces at ranks past 65,536, so that ordinary English encodes to ids uint16 cannot hold."""
+    letters = [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyz "]
+    pairs = [a + b for a in letters for b in letters]
+    fillers = [b"\x00" + i.to_bytes(3, "big") for i in range(70_000 - 256 - len(pairs))]  # no merge builds one
+    tokens = [bytes([b]) for b in range(256)] + fillers + pairs
+    path = folder / "wide.tiktoken"
+    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % rank for rank, t in enumerate(tokens)))
+    (folder / "wide.tiktoken.json").write_text(json.dumps(
+        {"pattern": tokenizers.GPT2_PATTERN, "special_tokens": {"<|endoftext|>": 70_000}}))
+    return path, len(tokens) - len(pairs)
+
+
+def test_prepare_text_past_65536_ids_writes_uint32_shards_and_the_models_vocabulary_follows(tmp_path, corpus):
+    from meshtrain.config import load_config
+    from meshtrain.data.shards import ShardBatches, read_header
+    from meshtrain.data.streams import dataset_meta
+    from meshtrain.models.gpt import build_model as build_gpt
+    from meshtrain.models.language.workload import text_data_facts
+    from meshtrain.models.llama import build_model as build_llama
+
+    ranks, first_pair = wide_ranks_file(tmp_path)
+    root, args = tmp_path / "data", ("--name", "wide", "--data-root", str(tmp_path / "data"))
+    assert prepare_command.run(parse("text", str(corpus), "--tokenizer", str(ranks), *args)) == 0
+    data_dir = root / "wide"
+    assert not (data_dir / "train.bin").exists() and (data_dir / "manifest.json").is_file()
+    assert read_header(data_dir / "train_000000.bin").dtype == np.dtype("<u4")
+    meta = dataset_meta(data_dir)
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eot_id"]) == ("tiktoken", 70_001, 70_000)
+    tok = tokenizer_from_meta(meta)
+    x, _ = ShardBatches(data_dir, "val", block_size=64, batch_size=2, seed=0).next_batch()
+    assert int(x.max()) >= first_pair > 1 << 16 and tok.decode(x[0].tolist()) in shakespeare_text()[:60_000]
+    # The same again is up to date; the model's vocabulary is the tokenizer's (GPT and Llama: the data's meta).
+    assert prepare_command.run(parse("text", str(corpus), "--tokenizer", str(ranks), *args)) == 0
+    overrides = [f"data.root={root}", "data.name=wide", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                 "model.block_size=16"]
+    for family, build in (("gpt", build_gpt), ("llama", build_llama)):
+        cfg = load_config(["preset=cpu", *overrides, *(["model.n_kv_head=2"] if family == "llama" else [])], family)
+        assert build(cfg, text_data_facts(cfg)).lm_head.out_features == 70_001

@@ -6,6 +6,8 @@ A prepared dataset is a folder DATA_ROOT/NAME holding
                         text, by character position, and the last 10%
     meta.json           tokenizer kind, vocab size, spec and fingerprint (+ stoi/itos for char), token counts,
                         source md5
+A tokenizer of more than 65,536 ids writes the same split as uint32 shards + manifest.json instead
+(data/corpus.py write_text_shards; data/shards.py's format).
 
 Names: `shakespeare_char` (characters of the shipped corpus), `shakespeare` (GPT-2 BPE of the same),
 and `text` (a file of the user's, in DATA_ROOT/<file stem> unless named otherwise, with any tokenizer spec).
@@ -46,6 +48,7 @@ BUILTIN_TOKENIZER = {"shakespeare_char": "char", "shakespeare": "gpt2"}
 TOKENIZERS = BUILTIN  # the tokenizers by name; any spec of data/tokenizers.py is accepted
 SPLITS = ("train", "val")
 TOKEN_DTYPE = np.dtype("<u2")  # explicit little-endian, so a .bin reads the same on any machine
+WIDE_TOKEN_DTYPE = np.dtype("<u4")  # a vocabulary past 65,536: written as shards (data/shards.py), not train.bin
 FORMAT_VERSION = 1
 ENCODE_PIECE_CHARS = 1 << 23  # 8 Mi characters, a few seconds of BPE: a long corpus's progress is told between
 
@@ -98,6 +101,8 @@ def prepare(name: str, data_root: Path, source: Path | None = None, tokenizer: s
     source_md5 = hashlib.md5(raw).hexdigest()
     if not force:
         meta = _up_to_date_meta(out_dir, source_md5, spec, val_fraction)
+        if meta is None and (out_dir / "manifest.json").is_file():
+            meta = _up_to_date_shards(out_dir, _shard_settings(source_md5, spec, val_fraction))
         if meta is not None:
             log.info("%s is up to date (source md5 %s, train %s tokens, val %s tokens): nothing to do",
                      out_dir, source_md5, f"{meta['train_tokens']:,}", f"{meta['val_tokens']:,}")
@@ -106,6 +111,8 @@ def prepare(name: str, data_root: Path, source: Path | None = None, tokenizer: s
     text = _decode_corpus(raw, source_label)
     tok = _fit_tokenizer(spec, text, source_label)
     ids = _encode_splits(tok, text, val_fraction, source_label)
+    if ids["train"].dtype != TOKEN_DTYPE:  # ids past uint16 (cl100k_base, Llama 3's): uint32 shards instead
+        return _sharded_writer().write_text_shards(out_dir, tok, ids, _shard_settings(source_md5, spec, val_fraction))
     meta = {
         "format_version": FORMAT_VERSION,
         "name": out_dir.name,
@@ -162,10 +169,9 @@ def _fit_tokenizer(spec: str, text: str, source_label: str) -> Tokenizer:
     if tok.kind == "char":
         log.info("all the unique characters: %r", "".join(tok.itos))
     log.info("vocab size: %s", f"{tok.vocab_size:,}")
-    # A char vocabulary of a large, varied text can outgrow the uint16 ids of the .bin format.
     if tok.vocab_size > 1 << 16:
-        raise DataError(f"{source_label} needs {tok.vocab_size:,} token ids, more than uint16 .bin files hold "
-                        f"(65,536); use --tokenizer gpt2")
+        log.info("%s token ids outgrow train.bin's uint16: writing uint32 shards and a manifest.json instead",
+                 f"{tok.vocab_size:,}")
     return tok
 
 
@@ -185,14 +191,16 @@ def _encode_splits(tok: Tokenizer, text: str, val_fraction: float,
 
 
 def _encode_told(tok: Tokenizer, text: str, split: str) -> np.ndarray:
-    """`tok.encode(text)` piece by piece, telling how far it is: a corpus of gigabytes takes minutes."""
+    """`tok.encode(text)` piece by piece, telling how far it is: a corpus of gigabytes takes minutes. uint16 ids
+    where the vocabulary fits (train.bin's), else uint32 (shards')."""
+    dtype = TOKEN_DTYPE if tok.vocab_size <= 1 << 16 else WIDE_TOKEN_DTYPE
     if len(text) <= ENCODE_PIECE_CHARS:
-        return np.asarray(tok.encode(text), dtype=TOKEN_DTYPE)
+        return np.asarray(tok.encode(text), dtype=dtype)
     log.info("tokenizing the %s split: %s characters with %s", split, f"{len(text):,}", tok.kind)
     parts = []
     with progress_bar(len(text), f"tokenizing {split}, characters") as bar:
         for piece in _pieces(text, ENCODE_PIECE_CHARS):
-            parts.append(np.asarray(tok.encode(piece), dtype=TOKEN_DTYPE))
+            parts.append(np.asarray(tok.encode(piece), dtype=dtype))
             bar.update(len(piece))
     return np.concatenate(parts)
 
@@ -229,6 +237,30 @@ def _up_to_date_meta(out_dir: Path, source_md5: str, spec: str, val_fraction: fl
     return meta if same == (FORMAT_VERSION, source_md5, spec, val_fraction) else None
 
 
+def _sharded_writer():
+    """data/corpus.py, imported when first needed: it imports this module."""
+    from meshtrain.data import corpus
+
+    return corpus
+
+
+def _shard_settings(source_md5: str, spec: str, val_fraction: float) -> dict:
+    """What one file's uint32 shards depend on (their manifest keeps it): the same again is up to date."""
+    return {"source_md5": source_md5, "spec": spec, "val_fraction": val_fraction, "format_version": FORMAT_VERSION,
+            "split": "the text's last val_fraction of characters (as train.bin/val.bin)"}
+
+
+def _up_to_date_shards(out_dir: Path, settings: dict) -> dict | None:
+    """The meta of one file's shards prepared with `settings`, whose tokenizer still loads as it was."""
+    meta = _sharded_writer().text_shards_meta(out_dir, settings)
+    try:
+        if meta is not None and meta["spec"] not in TOKENIZERS:
+            tokenizer_from_meta(meta)
+    except DataError:
+        return None
+    return meta
+
+
 def _write_tokens(file, tokens: np.ndarray) -> None:
     tokens.tofile(file)
 
@@ -256,8 +288,10 @@ def _write_dataset(out_dir: Path, ids: dict[str, np.ndarray], meta: dict) -> Non
         meta_bytes = (json.dumps(meta, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
         staged[out_dir / "meta.json"] = _stage(out_dir, "meta.json", lambda f: f.write(meta_bytes))
         # meta.json leaves first and returns last: a crash between the renames leaves no meta.json
-        # ("not prepared"), never an old meta.json describing new .bin files.
+        # ("not prepared"), never an old meta.json describing new .bin files. A manifest.json of shards written
+        # here before (a wider tokenizer's) goes too: the trainer would read it before train.bin.
         (out_dir / "meta.json").unlink(missing_ok=True)
+        (out_dir / "manifest.json").unlink(missing_ok=True)
         for final, temp in staged.items():
             os.replace(temp, final)
     finally:
@@ -360,11 +394,15 @@ class TokenBatches:
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.global_batch = batch_size * dp_size * accum
         self.device = torch.device(device)
-        self.meta = load_meta(self.data_dir)
-        self.num_tokens = check_split(self.data_dir, split, block_size=block_size, meta=self.meta)
-        self.path = self.data_dir / f"{split}.bin"
+        self._load()
         self.step, self.micro = 0, 0  # where the next batch comes from: global batch `step`, micro-step `micro`
         self._drawn: tuple[int, torch.Tensor] | None = None  # the last global batch's offsets, all ranks'
+
+    def _load(self) -> None:
+        """Check the split and learn its size (a sharded corpus's reader does this its own way)."""
+        self.meta = load_meta(self.data_dir)
+        self.num_tokens = check_split(self.data_dir, self.split, block_size=self.block_size, meta=self.meta)
+        self.path = self.data_dir / f"{self.split}.bin"
 
     @property
     def vocab_size(self) -> int:
@@ -393,16 +431,19 @@ class TokenBatches:
 
     def batch_at(self, offsets) -> tuple[torch.Tensor, torch.Tensor]:
         """The (x, y) windows starting at `offsets`, on the device."""
-        # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped in
-        # this process, so resident memory climbs towards the file size; re-mapping costs microseconds.
-        tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
-        span = self.block_size + 1
-        windows = torch.from_numpy(np.stack([tokens[o:o + span] for o in np.asarray(offsets).tolist()]).astype(np.int64))
-        del tokens
+        windows = torch.from_numpy(self._windows(np.asarray(offsets).tolist()).astype(np.int64))
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
+
+    def _windows(self, offsets: list[int]) -> np.ndarray:
+        """[len(offsets), block_size + 1] tokens, the windows starting at `offsets`."""
+        # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped in
+        # this process, so resident memory climbs towards the file size; re-mapping costs microseconds.
+        tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        span = self.block_size + 1
+        return np.stack([tokens[o:o + span] for o in offsets])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batch_at(self.next_offsets())

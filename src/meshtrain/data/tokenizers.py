@@ -79,6 +79,9 @@ class Tokenizer:
         raise NotImplementedError
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # A plain loop (tiktoken's too): prepare's worker processes are the parallelism, and tiktoken's
+        # encode_ordinary_batch starts a thread pool per call, which cost more than it gained there
+        # (benchmarks/prepare_corpus.py).
         return [self.encode(text) for text in texts]
 
     def decode(self, ids) -> str:
@@ -156,9 +159,6 @@ class TiktokenTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         # Ordinary encoding: "<|endoftext|>" inside a text is plain text, never the special token.
         return self.encoding.encode_ordinary(text)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.encoding.encode_ordinary_batch(list(texts))
 
     def decode(self, ids) -> str:
         return self.encoding.decode([int(i) for i in ids])
