@@ -10,7 +10,7 @@ The header: 8 bytes of magic b"MTSHARD\\0", uint32 version (1), uint32 bytes per
 the vocabulary outgrows 65,536 ids), uint64 token count, 64 ASCII bytes of the tokenizer's sha256 fingerprint, zeros
 to 1,024 bytes. llm.c / modded-nanogpt shards (256 int32: magic 20240520, version 1, the count at index 2, uint16
 tokens) are read as they are. The trainer sees one split as the concatenation of its shards: a global token index,
-windows across shard boundaries, shards mapped only when a window touches them.
+windows across shard boundaries, each window read from its shard when drawn (no shard is mapped for long).
 """
 
 from __future__ import annotations
@@ -269,14 +269,23 @@ class ShardedTokens:
         out = np.empty(length, dtype=np.int64)
         shard, done = int(np.searchsorted(self.starts, start, side="right")) - 1, 0
         while done < length:
-            # A fresh map per read (as TokenBatches): a long-lived one keeps every touched page resident.
-            tokens = read_tokens(self.paths[shard], self.headers[shard])
             begin = start + done - int(self.starts[shard])
-            piece = tokens[begin:begin + length - done]
-            out[done:done + len(piece)] = piece
-            done += len(piece)
+            take = min(length - done, self.headers[shard].count - begin)
+            out[done:done + take] = self._pread(shard, begin, take)
+            done += take
             shard += 1
         return out
+
+    def _pread(self, shard: int, begin: int, count: int) -> np.ndarray:
+        """Tokens [begin, begin + count) of one shard. A read, not a map: mapping a shard cost ~40 µs a window
+        against ~6 µs to open it and read, and keeps no page of it in this process (a long-lived map would keep
+        every page it touched resident)."""
+        dtype, path = self.headers[shard].dtype, self.paths[shard]
+        with open(path, "rb", buffering=0) as f:
+            raw = os.pread(f.fileno(), count * dtype.itemsize, HEADER_BYTES + begin * dtype.itemsize)
+        if len(raw) != count * dtype.itemsize:
+            raise DataError(f"{path} was truncated while training read it: prepare the corpus again")
+        return np.frombuffer(raw, dtype=dtype)
 
 
 class ShardBatches(TokenBatches):
