@@ -7,3 +7,8 @@ class MeshtrainError(Exception):
     # True where every rank of a job raises the same error from the same input (a bad key, an unknown model): the
     # CLI prints it on rank 0 only, not once per rank.
     same_on_every_rank = False
+
+
+class DataError(MeshtrainError, RuntimeError):
+    """A dataset or tokenizer that is missing, corrupt or unusable; the message says what to run or change.
+    (Here rather than in data/text.py: the tokenizers, the ERA5 readers and text.py all raise it.)"""

@@ -12,6 +12,8 @@ whose recipes are the commands below them, the test suite itself) are listed in 
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import re
 import shutil
@@ -58,7 +60,8 @@ NOT_HERE = re.compile(r"--rdzv-endpoint node\d")  # hosts of a cluster: the laun
 # A line of the output that says the command did its job, by what the command is.
 SAID = [(r"--dry-run", r"^(env (\S+=\S+ )+)?(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
         r"test-dist passed: \d+ rank\(s\) on 1 node\(s\) hold bit-identical parameters"),
-        (r"\btrain (gpt|vit|llama|moe)\b", r"done: \d+ iterations"), (r"\bprepare\b", r"wrote data/|is up to date"),
+        (r"\btrain (gpt|vit|llama|moe)\b", r"done: \d+ iterations"), (r"prepare text --verify", r"every shard agrees"),
+        (r"\bprepare\b", r"wrote data/|is up to date"),
         (r"\bsample\b", r"^What is an LLM\?"), (r"\bexport\b", r"^wrote \S+\.pt"), (r"\bmachine\b", r"matmul"),
         (r"\bplan\b.*--json", r'"layout":'), (r"\bplan\b.*--validate", r"regret"),
         (r"\bplan\b", r"train the first with: meshtrain train"), (r"\breport\b", r"report of \d+ run\(s\)"),
@@ -123,13 +126,19 @@ def workspace(tmp_path_factory) -> Path:
     for folder in ("examples", "benchmarks"):
         (root / folder).symlink_to(REPO / folder)
     (root / "my_corpus.txt").write_text("To be, or not to be, that is the question.\n" * 400)  # $CORPUS
+    folder = root / "my_corpus_dir"  # $CORPUS_DIR: documents in jsonl.gz and plain text
+    folder.mkdir()
+    with gzip.open(folder / "part0.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": f"Speech {i}. " + "Now is the winter of our discontent. " * 9}) + "\n"
+                     for i in range(60))
+    (folder / "sonnet.txt").write_text("Shall I compare thee to a summer's day?\n" * 20)
     return root
 
 
 def shell_env(root: Path) -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
     return clean_env(PATH=f"{bin_dir}:{os.environ.get('PATH', '')}", ERA5_DIR=str(root / "data" / "era5_synthetic"),
-                     CORPUS=str(root / "my_corpus.txt"),
+                     CORPUS=str(root / "my_corpus.txt"), CORPUS_DIR=str(root / "my_corpus_dir"),
                      OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                      OMPI_MCA_rmaps_base_oversubscribe="1",
                      MESHTRAIN_TIMEOUT="120")

@@ -1,7 +1,11 @@
 """Resume anywhere, exactly: a run saved under ddp on 4 ranks and resumed at iteration 10 on 2 ranks (accumulation
 doubled by train.global_batch_size), under fsdp × tp2 and under ddp × pp2 (the ViT: ddp × cp2) on 4 follows the
 uninterrupted 4-rank run: every iteration's loss and every evaluation within 1e-4, and the sample ledger identical
-(the same samples, none skipped, none repeated). fp32, no dropout (its masks are drawn per rank). The same layout's
+(the same samples, none skipped, none repeated). fp32, no dropout (its masks are drawn per rank). The GPT trains on a
+sharded corpus (issue 45): 20+ shards of Shakespeare's speeches as jsonl documents, tokenized by a byte-level BPE
+trained on them in the fixture (`meshtrain prepare tokenizer`'s), read in data.order=epoch (a shuffled pass over the
+documents an epoch; the resumed part crosses into the second epoch), with the evaluations' random windows over the
+same shards. The same layout's
 bit-exact resumes: test_train_gpt.py, test_train_llama.py (on 4 ranks DDP's first backward after a start buckets
 its gradients in parameter order, later ones in the order they came, and a ring all-reduce of 4 adds each element
 in an order that follows its place in its bucket: the ViT on 4 ranks resumed in its own layout differed by 3e-8)."""
@@ -16,6 +20,7 @@ import pytest
 from tests import preloaded
 from tests.conftest import REPO, RESUMABLE_GPT, clean_env, fork_ranks, output, rewound_copy
 
+from meshtrain.data.text import shakespeare_text
 from meshtrain.train.ledger import read_ledger
 
 pytestmark = pytest.mark.slow
@@ -25,12 +30,41 @@ VIT = ["train", "vit", "preset=tiny", "model.patch_size=4", "model.embed_dim=32"
        "optimizer.min_lr=3e-4", "optimizer.lr_decay_iters=30", "train.max_epochs=null", "data.batch_size=2",
        "train.global_batch_size=8", "data.limit_train=100", "train.max_iters=30", "train.eval_interval=10",
        "train.log_interval=1", "train.sample_ledger=true", "train.keep_checkpoints=0"]  # 12 iterations an epoch
+SHARDED = "shakespeare_bpe"
+GPT = [*RESUMABLE_GPT, f"data.name={SHARDED}", "data.order=epoch"]
+CORPUS_CHARS, SHARD_TOKENS, BPE_VOCAB = 30_000, 400, 512  # 13.6k train tokens in 35 shards: 480 windows, 1.2 epochs
 RESUMED_INTO = {  # (ranks, overrides) of each resume
     "gpt": [(2, ["train.backend=ddp"]), (4, ["train.backend=fsdp", "parallel.tp=2"]),
             (4, ["train.backend=ddp", "parallel.pp=2"])],
     "vit": [(2, ["train.backend=ddp"]), (4, ["train.backend=fsdp", "parallel.tp=2"]),
             (4, ["train.backend=ddp", "parallel.cp=2", "parallel.cp_impl=ring"])],
 }
+
+
+def sharded_corpus(root: Path) -> dict:
+    """Shakespeare's first CORPUS_CHARS characters as jsonl, a speech a document, tokenized by a BPE trained on
+    them into shards of SHARD_TOKENS tokens under root/SHARDED (in this process: no launch); the manifest."""
+    from meshtrain.data.corpus import prepare_corpus
+    from meshtrain.data.tokenizers import train_bpe
+
+    text = shakespeare_text()[:CORPUS_CHARS]
+    (root / "plays.txt").write_text(text, encoding="utf-8")
+    (root / "plays.jsonl").write_text("".join(json.dumps({"text": speech + "\n\n"}) + "\n"
+                                              for speech in text.split("\n\n")), encoding="utf-8")
+    train_bpe([root / "plays.txt"], BPE_VOCAB, root / "bpe.json")
+    return prepare_corpus([root / "plays.jsonl"], root / SHARDED, str(root / "bpe.json"), workers=1,
+                          shard_tokens=SHARD_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_gpt_on_shards(tmp_path_factory) -> tuple[Path, Path]:
+    """(the data root, the run directory) of GPT under ddp on 4 ranks over the sharded corpus, never interrupted."""
+    root = tmp_path_factory.mktemp("sharded_gpt_data")
+    manifest = sharded_corpus(root)
+    assert len(manifest["splits"]["train"]["shards"]) >= 20 and manifest["tokenizer"]["tokenizer"] == "huggingface"
+    out_dir = tmp_path_factory.mktemp("uninterrupted_gpt")
+    train(4, [*GPT, f"data.root={root}"], out_dir, "train.backend=ddp", "train.async_checkpoint=true")
+    return root, (out_dir / "gpt" / "ddp" / "latest").resolve()
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +91,16 @@ def rows(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("model", ["gpt", "vit"])
 def test_a_run_resumed_in_another_layout_goes_on_as_if_uninterrupted(model, request, tmp_path):
-    data_root, full_dir = request.getfixturevalue(f"uninterrupted_{model}")
-    args = [*(RESUMABLE_GPT if model == "gpt" else VIT), f"data.root={data_root}"]
+    data_root, full_dir = request.getfixturevalue("uninterrupted_gpt_on_shards" if model == "gpt" else
+                                                  "uninterrupted_vit")
+    args = [*(GPT if model == "gpt" else VIT), f"data.root={data_root}"]
     want, want_ledger = rows(full_dir), read_ledger(full_dir / "ledger.txt")
     assert sorted(want_ledger) == list(range(30)) and all(len(ids) == (16 if model == "gpt" else 8)
                                                             for ids in want_ledger.values())
+    if model == "gpt":  # data.order=epoch: sample k is window k of the stream of epochs, and the run crosses one
+        assert [i for step in range(30) for i in want_ledger[step]] == list(range(480))
+        manifest = json.loads((data_root / SHARDED / "manifest.json").read_text())
+        assert 16 * 10 < manifest["splits"]["train"]["tokens"] // 33 < 480  # epoch 1 starts after the resume
     if model == "vit":  # the same 100 samples in each epoch, none twice within one
         epoch = [i for step in range(12) for i in want_ledger[step]]
         assert len(set(epoch)) == len(epoch) == 96 and set(epoch) <= set(range(100))

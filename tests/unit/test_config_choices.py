@@ -17,7 +17,7 @@ def choice_keys(workload: str) -> dict[str, tuple]:
 def test_the_closed_sets_are_choices():
     shared = {"train.dtype", "train.activation_checkpointing", "train.wandb", "train.float8", "train.profile",
               "parallel.cp_impl", "parallel.plan", "train.memory_check", "train.compile"}
-    assert set(choice_keys("gpt")) == set(choice_keys("llama")) == shared
+    assert set(choice_keys("gpt")) == set(choice_keys("llama")) == shared | {"data.order"}
     assert set(choice_keys("vit")) == shared | {"model.loss", "data.loader"}
     assert choice_keys("gpt")["train.dtype"] == ("auto", "fp32", "bf16", "fp16")
 

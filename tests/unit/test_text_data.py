@@ -229,11 +229,22 @@ def test_prepare_command_line_mistakes(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_vocabulary_beyond_uint16_fails_clearly(tmp_path):
-    path = tmp_path / "wide.txt"
-    path.write_text("".join(chr(c) for c in range(0x10000, 0x10000 + 70_000)), encoding="utf-8")
-    with pytest.raises(DataError, match="70,000 token ids, more than uint16"):
-        prepare("text", tmp_path / "root", source=path)
+def test_a_vocabulary_beyond_uint16_writes_uint32_shards_and_a_narrower_one_train_bin_again(tmp_path):
+    from meshtrain.data.shards import read_header, read_tokens
+    from meshtrain.data.streams import dataset_meta
+
+    path, out = tmp_path / "wide.txt", tmp_path / "root" / "wide"
+    wide = "".join(chr(c) for c in range(0x10000, 0x10000 + 70_000))
+    path.write_text(wide, encoding="utf-8")
+    meta = prepare("text", tmp_path / "root", source=path)
+    assert (meta["vocab_size"], meta["dtype"], meta["train_tokens"], meta["val_tokens"]) == (70_000, "uint32", 63_000, 7_000)
+    assert read_header(out / "val_000000.bin").dtype == np.dtype("<u4") and not (out / "train.bin").exists()
+    assert np.array_equal(read_tokens(out / "val_000000.bin"), np.arange(63_000, 70_000))  # the text's last 10%
+    assert prepare("text", tmp_path / "root", source=path) == meta  # up to date: nothing written
+    assert dataset_meta(out)["vocab_size"] == 70_000
+    path.write_text("narrow text " * 20, encoding="utf-8")  # the same folder, a vocabulary that fits uint16
+    assert prepare("text", tmp_path / "root", source=path)["vocab_size"] == 9
+    assert (out / "train.bin").is_file() and not (out / "manifest.json").exists() and dataset_meta(out)["vocab_size"] == 9
 
 
 # ----------------------------------------------------------------------------- idempotence + atomicity

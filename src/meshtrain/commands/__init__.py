@@ -35,10 +35,15 @@ SUBCOMMANDS = {
     ),
     "prepare": (
         "meshtrain.commands.prepare",
-        "prepare a dataset: shakespeare_char, shakespeare, your own text, or synthetic ERA5 weather data",
-        "Write data/<name>/train.bin, val.bin (uint16 tokens, 90/10 split) and meta.json. shakespeare_char and "
+        "prepare a dataset: shakespeare_char, shakespeare, your own text, a tokenizer, or synthetic ERA5 weather data",
+        "Write data/<name>/train.bin, val.bin (uint16 tokens, 90/10 split; uint32 shards past 65,536 ids) and "
+        "meta.json. shakespeare_char and "
         "shakespeare (GPT-2 BPE) use the corpus shipped with meshtrain and need no network; `text PATH` "
-        "tokenizes your own file. `era5-synthetic` writes ERA5-format h5 files (train/valid/test, one per "
+        "tokenizes your own file with any tokenizer (--tokenizer: char, gpt2, cl100k_base, a tokenizer.json, a "
+        "tiktoken ranks file); `text PATH…` with folders, globs, jsonl, parquet or .gz/.zst (or --workers, "
+        "--shard-tokens) writes a sharded corpus: shards + manifest.json, in worker processes; `tokenizer PATH... "
+        "--vocab-size N --out FILE.json` trains a byte-level BPE. `era5-synthetic` writes ERA5-format h5 files "
+        "(train/valid/test, one per "
         "year) of smooth, evolving fields with their normalisation stats.",
         False,
     ),

@@ -1,31 +1,42 @@
-"""Text data for the GPT trainer: the shipped corpus, two tokenizers, `prepare`, and random token windows.
+"""Text data for the GPT trainer: the shipped corpus, `prepare`, and random token windows (the tokenizers are
+data/tokenizers.py's).
 
 A prepared dataset is a folder DATA_ROOT/NAME holding
     train.bin, val.bin  token ids as raw little-endian uint16 (np.memmap-able): the first 90% of the
                         text, by character position, and the last 10%
-    meta.json           tokenizer kind, vocab size (+ stoi/itos for char), token counts, source md5
+    meta.json           tokenizer kind, vocab size, spec and fingerprint (+ stoi/itos for char), token counts,
+                        source md5
+A tokenizer of more than 65,536 ids writes the same split as uint32 shards + manifest.json instead
+(data/corpus.py write_text_shards; data/shards.py's format).
 
 Names: `shakespeare_char` (characters of the shipped corpus), `shakespeare` (GPT-2 BPE of the same),
-and `text` (a file of the user's, in DATA_ROOT/<file stem> unless named otherwise).
+and `text` (a file of the user's, in DATA_ROOT/<file stem> unless named otherwise, with any tokenizer spec).
 Everything works offline: the corpus and the GPT-2 rank file ship inside the package.
 """
 
 from __future__ import annotations
 
-import base64
 import gzip
 import hashlib
 import json
 import os
 from collections.abc import Iterator
-from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from meshtrain.errors import MeshtrainError
+from meshtrain.data.tokenizers import (  # CharTokenizer, GPT2Tokenizer, tokenizer_from_meta: importable here as before
+    BUILTIN,
+    CharTokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+    canonical_spec,
+    load_tokenizer,
+    tokenizer_from_meta,
+)
+from meshtrain.errors import DataError
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.progress import progress_bar
 
@@ -34,24 +45,15 @@ log = get_logger("data")
 DATA_ROOT_ENV = "MESHTRAIN_DATA_ROOT"
 DEFAULT_DATA_ROOT = "data"  # relative to the current directory
 BUILTIN_TOKENIZER = {"shakespeare_char": "char", "shakespeare": "gpt2"}
-TOKENIZERS = ("char", "gpt2")
+TOKENIZERS = BUILTIN  # the tokenizers by name; any spec of data/tokenizers.py is accepted
 SPLITS = ("train", "val")
 TOKEN_DTYPE = np.dtype("<u2")  # explicit little-endian, so a .bin reads the same on any machine
+WIDE_TOKEN_DTYPE = np.dtype("<u4")  # a vocabulary past 65,536: written as shards (data/shards.py), not train.bin
 FORMAT_VERSION = 1
 ENCODE_PIECE_CHARS = 1 << 23  # 8 Mi characters, a few seconds of BPE: a long corpus's progress is told between
 
 SHAKESPEARE_ASSET = "tinyshakespeare.txt.gz"
 SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
-GPT2_RANKS_ASSET = "gpt2.tiktoken.gz"
-GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-GPT2_EOT = "<|endoftext|>"
-# GPT-2's pre-tokenizer split as OpenAI released it; tiktoken's bundled copy is an equivalent rewrite
-# with possessive quantifiers (same pieces, measured 20% faster here: not worth a newer-tiktoken pin).
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-class DataError(MeshtrainError, RuntimeError):
-    """A dataset that is missing, corrupt or unusable; the message says what to run or change."""
 
 
 def default_data_root() -> Path:
@@ -81,91 +83,6 @@ def shakespeare_text() -> str:
     return _asset_bytes(SHAKESPEARE_ASSET).decode("utf-8")
 
 
-# --------------------------------------------------------------------------------------------- tokenizers
-
-
-class CharTokenizer:
-    """One token per character; ids follow the sorted order of the characters (as nanoGPT's)."""
-
-    kind = "char"
-
-    def __init__(self, itos: list[str]):
-        self.itos = list(itos)
-        self.stoi = {ch: i for i, ch in enumerate(self.itos)}
-        if len(self.stoi) != len(self.itos):
-            raise ValueError("a character vocabulary must not repeat characters")
-
-    @classmethod
-    def from_text(cls, text: str) -> CharTokenizer:
-        return cls(sorted(set(text)))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.itos)
-
-    def encode(self, text: str) -> list[int]:
-        try:
-            return [self.stoi[ch] for ch in text]
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in this {self.vocab_size}-character vocabulary") from None
-
-    def decode(self, ids) -> str:
-        return "".join(self.itos[int(i)] for i in ids)
-
-    def meta(self) -> dict:
-        return {"tokenizer": self.kind, "vocab_size": self.vocab_size, "stoi": self.stoi, "itos": self.itos}
-
-
-@lru_cache(maxsize=1)
-def _gpt2_encoding():
-    import tiktoken
-
-    raw = _asset_bytes(GPT2_RANKS_ASSET)
-    if hashlib.sha256(raw).hexdigest() != GPT2_RANKS_SHA256:
-        raise DataError(f"the shipped {GPT2_RANKS_ASSET} is damaged (sha256 mismatch); reinstall meshtrain")
-    ranks = {}
-    for line in raw.splitlines():  # each line: base64(token bytes) rank
-        token, rank = line.split()
-        ranks[base64.b64decode(token)] = int(rank)
-    # Built from the shipped ranks: tiktoken.get_encoding("gpt2") would download them.
-    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={GPT2_EOT: 50256}, explicit_n_vocab=50257)
-
-
-class GPT2Tokenizer:
-    """GPT-2's byte-pair encoding (50,257 tokens) via tiktoken, offline."""
-
-    kind = "gpt2"
-    eot_token = 50256  # <|endoftext|>
-
-    def __init__(self):
-        self.encoding = _gpt2_encoding()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.encoding.n_vocab
-
-    def encode(self, text: str) -> list[int]:
-        # Ordinary encoding: "<|endoftext|>" inside a text is plain text, never the special token.
-        return self.encoding.encode_ordinary(text)
-
-    def decode(self, ids) -> str:
-        return self.encoding.decode([int(i) for i in ids])
-
-    def meta(self) -> dict:
-        return {"tokenizer": self.kind, "vocab_size": self.vocab_size}
-
-
-def tokenizer_from_meta(meta: dict) -> CharTokenizer | GPT2Tokenizer:
-    """The tokenizer a prepared dataset was written with."""
-    kind = meta.get("tokenizer")
-    if kind == "char":
-        return CharTokenizer(meta["itos"])
-    if kind == "gpt2":
-        return GPT2Tokenizer()
-    raise DataError(f"unknown tokenizer {kind!r} in meta.json (expected one of {', '.join(TOKENIZERS)})")
-
-
 # ---------------------------------------------------------------------------------------------- prepare
 
 
@@ -179,19 +96,23 @@ def prepare(name: str, data_root: Path, source: Path | None = None, tokenizer: s
     """
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}")
-    kind, raw, source_label, out_dir = _resolve_corpus(name, Path(data_root), source, tokenizer, out_name)
+    spec, raw, source_label, out_dir = _resolve_corpus(name, Path(data_root), source, tokenizer, out_name)
 
     source_md5 = hashlib.md5(raw).hexdigest()
     if not force:
-        meta = _up_to_date_meta(out_dir, source_md5, kind, val_fraction)
+        meta = _up_to_date_meta(out_dir, source_md5, spec, val_fraction)
+        if meta is None and (out_dir / "manifest.json").is_file():
+            meta = _up_to_date_shards(out_dir, _shard_settings(source_md5, spec, val_fraction))
         if meta is not None:
             log.info("%s is up to date (source md5 %s, train %s tokens, val %s tokens): nothing to do",
                      out_dir, source_md5, f"{meta['train_tokens']:,}", f"{meta['val_tokens']:,}")
             return meta
 
     text = _decode_corpus(raw, source_label)
-    tok = _fit_tokenizer(kind, text, source_label)
+    tok = _fit_tokenizer(spec, text, source_label)
     ids = _encode_splits(tok, text, val_fraction, source_label)
+    if ids["train"].dtype != TOKEN_DTYPE:  # ids past uint16 (cl100k_base, Llama 3's): uint32 shards instead
+        return _sharded_writer().write_text_shards(out_dir, tok, ids, _shard_settings(source_md5, spec, val_fraction))
     meta = {
         "format_version": FORMAT_VERSION,
         "name": out_dir.name,
@@ -211,7 +132,7 @@ def prepare(name: str, data_root: Path, source: Path | None = None, tokenizer: s
 
 def _resolve_corpus(name: str, data_root: Path, source: Path | None, tokenizer: str | None,
                     out_name: str | None) -> tuple[str, bytes, str, Path]:
-    """(tokenizer kind, source bytes, source label for messages and meta, output folder) for `prepare`.
+    """(tokenizer spec, source bytes, source label for messages and meta, output folder) for `prepare`.
 
     Every argument mistake is caught here, before any bytes are hashed or tokenized.
     """
@@ -224,15 +145,13 @@ def _resolve_corpus(name: str, data_root: Path, source: Path | None, tokenizer: 
                             f"`meshtrain prepare text PATH --tokenizer {tokenizer}`")
         return kind, _asset_bytes(SHAKESPEARE_ASSET), f"meshtrain:{SHAKESPEARE_ASSET}", data_root / name
     if name == "text":
-        kind = tokenizer or "char"
-        if kind not in TOKENIZERS:
-            raise DataError(f"unknown tokenizer {kind!r}: choose one of {', '.join(TOKENIZERS)}")
+        spec = canonical_spec(tokenizer or "char")
         if source is None:
             raise DataError("`text` needs the text file to prepare: meshtrain prepare text PATH")
         source = Path(source)
         if not source.is_file():
             raise DataError(f"{source} not found: `meshtrain prepare text PATH` needs an existing text file")
-        return kind, source.read_bytes(), str(source.resolve()), data_root / (out_name or source.stem)
+        return spec, source.read_bytes(), str(source.resolve()), data_root / (out_name or source.stem)
     raise DataError(f"unknown dataset {name!r}: choose shakespeare_char, shakespeare or text")
 
 
@@ -243,21 +162,20 @@ def _decode_corpus(raw: bytes, source_label: str) -> str:
         raise DataError(f"{source_label} is not UTF-8 text ({e})") from None
 
 
-def _fit_tokenizer(kind: str, text: str, source_label: str) -> CharTokenizer | GPT2Tokenizer:
-    """The tokenizer of `kind` for `text` (a char vocabulary is built from the text itself)."""
+def _fit_tokenizer(spec: str, text: str, source_label: str) -> Tokenizer:
+    """The tokenizer `spec` names, for `text` (a char vocabulary is built from the text itself)."""
     log.info("length of dataset in characters: %s", f"{len(text):,}")
-    tok = CharTokenizer.from_text(text) if kind == "char" else GPT2Tokenizer()
-    if kind == "char":
+    tok = load_tokenizer(spec, text=text)
+    if tok.kind == "char":
         log.info("all the unique characters: %r", "".join(tok.itos))
     log.info("vocab size: %s", f"{tok.vocab_size:,}")
-    # A char vocabulary of a large, varied text can outgrow the uint16 ids of the .bin format.
     if tok.vocab_size > 1 << 16:
-        raise DataError(f"{source_label} needs {tok.vocab_size:,} token ids, more than uint16 .bin files hold "
-                        f"(65,536); use --tokenizer gpt2")
+        log.info("%s token ids outgrow train.bin's uint16: writing uint32 shards and a manifest.json instead",
+                 f"{tok.vocab_size:,}")
     return tok
 
 
-def _encode_splits(tok: CharTokenizer | GPT2Tokenizer, text: str, val_fraction: float,
+def _encode_splits(tok: Tokenizer, text: str, val_fraction: float,
                    source_label: str) -> dict[str, np.ndarray]:
     """Token ids of the train and val parts of `text`, each long enough for one training window."""
     # Split the text, not the tokens: the val text is then the same whatever the tokenizer (as nanoGPT).
@@ -272,15 +190,17 @@ def _encode_splits(tok: CharTokenizer | GPT2Tokenizer, text: str, val_fraction: 
     return ids
 
 
-def _encode_told(tok: CharTokenizer | GPT2Tokenizer, text: str, split: str) -> np.ndarray:
-    """`tok.encode(text)` piece by piece, telling how far it is: a corpus of gigabytes takes minutes."""
+def _encode_told(tok: Tokenizer, text: str, split: str) -> np.ndarray:
+    """`tok.encode(text)` piece by piece, telling how far it is: a corpus of gigabytes takes minutes. uint16 ids
+    where the vocabulary fits (train.bin's), else uint32 (shards')."""
+    dtype = TOKEN_DTYPE if tok.vocab_size <= 1 << 16 else WIDE_TOKEN_DTYPE
     if len(text) <= ENCODE_PIECE_CHARS:
-        return np.asarray(tok.encode(text), dtype=TOKEN_DTYPE)
+        return np.asarray(tok.encode(text), dtype=dtype)
     log.info("tokenizing the %s split: %s characters with %s", split, f"{len(text):,}", tok.kind)
     parts = []
     with progress_bar(len(text), f"tokenizing {split}, characters") as bar:
         for piece in _pieces(text, ENCODE_PIECE_CHARS):
-            parts.append(np.asarray(tok.encode(piece), dtype=TOKEN_DTYPE))
+            parts.append(np.asarray(tok.encode(piece), dtype=dtype))
             bar.update(len(piece))
     return np.concatenate(parts)
 
@@ -301,15 +221,44 @@ def _pieces(text: str, size: int) -> Iterator[str]:
     yield text[start:]
 
 
-def _up_to_date_meta(out_dir: Path, source_md5: str, kind: str, val_fraction: float) -> dict | None:
+def _up_to_date_meta(out_dir: Path, source_md5: str, spec: str, val_fraction: float) -> dict | None:
     try:
         meta = load_meta(out_dir)
         for split in SPLITS:
             check_split(out_dir, split, meta=meta)
+        # A tokenizer file may have changed under the same path: its fingerprint must still be meta.json's.
+        if spec not in TOKENIZERS:
+            tokenizer_from_meta(meta)
     except DataError:
         return None
-    same = (meta.get("format_version"), meta.get("source_md5"), meta.get("tokenizer"), meta.get("val_fraction"))
-    return meta if same == (FORMAT_VERSION, source_md5, kind, val_fraction) else None
+    # meta.json from before specs names char or gpt2 alone, which is their spec.
+    same = (meta.get("format_version"), meta.get("source_md5"), meta.get("spec", meta.get("tokenizer")),
+            meta.get("val_fraction"))
+    return meta if same == (FORMAT_VERSION, source_md5, spec, val_fraction) else None
+
+
+def _sharded_writer():
+    """data/corpus.py, imported when first needed: it imports this module."""
+    from meshtrain.data import corpus
+
+    return corpus
+
+
+def _shard_settings(source_md5: str, spec: str, val_fraction: float) -> dict:
+    """What one file's uint32 shards depend on (their manifest keeps it): the same again is up to date."""
+    return {"source_md5": source_md5, "spec": spec, "val_fraction": val_fraction, "format_version": FORMAT_VERSION,
+            "split": "the text's last val_fraction of characters (as train.bin/val.bin)"}
+
+
+def _up_to_date_shards(out_dir: Path, settings: dict) -> dict | None:
+    """The meta of one file's shards prepared with `settings`, whose tokenizer still loads as it was."""
+    meta = _sharded_writer().text_shards_meta(out_dir, settings)
+    try:
+        if meta is not None and meta["spec"] not in TOKENIZERS:
+            tokenizer_from_meta(meta)
+    except DataError:
+        return None
+    return meta
 
 
 def _write_tokens(file, tokens: np.ndarray) -> None:
@@ -339,8 +288,10 @@ def _write_dataset(out_dir: Path, ids: dict[str, np.ndarray], meta: dict) -> Non
         meta_bytes = (json.dumps(meta, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
         staged[out_dir / "meta.json"] = _stage(out_dir, "meta.json", lambda f: f.write(meta_bytes))
         # meta.json leaves first and returns last: a crash between the renames leaves no meta.json
-        # ("not prepared"), never an old meta.json describing new .bin files.
+        # ("not prepared"), never an old meta.json describing new .bin files. A manifest.json of shards written
+        # here before (a wider tokenizer's) goes too: the trainer would read it before train.bin.
         (out_dir / "meta.json").unlink(missing_ok=True)
+        (out_dir / "manifest.json").unlink(missing_ok=True)
         for final, temp in staged.items():
             os.replace(temp, final)
     finally:
@@ -443,11 +394,15 @@ class TokenBatches:
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.global_batch = batch_size * dp_size * accum
         self.device = torch.device(device)
-        self.meta = load_meta(self.data_dir)
-        self.num_tokens = check_split(self.data_dir, split, block_size=block_size, meta=self.meta)
-        self.path = self.data_dir / f"{split}.bin"
+        self._load()
         self.step, self.micro = 0, 0  # where the next batch comes from: global batch `step`, micro-step `micro`
         self._drawn: tuple[int, torch.Tensor] | None = None  # the last global batch's offsets, all ranks'
+
+    def _load(self) -> None:
+        """Check the split and learn its size (a sharded corpus's reader does this its own way)."""
+        self.meta = load_meta(self.data_dir)
+        self.num_tokens = check_split(self.data_dir, self.split, block_size=self.block_size, meta=self.meta)
+        self.path = self.data_dir / f"{self.split}.bin"
 
     @property
     def vocab_size(self) -> int:
@@ -476,16 +431,19 @@ class TokenBatches:
 
     def batch_at(self, offsets) -> tuple[torch.Tensor, torch.Tensor]:
         """The (x, y) windows starting at `offsets`, on the device."""
-        # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped in
-        # this process, so resident memory climbs towards the file size; re-mapping costs microseconds.
-        tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
-        span = self.block_size + 1
-        windows = torch.from_numpy(np.stack([tokens[o:o + span] for o in np.asarray(offsets).tolist()]).astype(np.int64))
-        del tokens
+        windows = torch.from_numpy(self._windows(np.asarray(offsets).tolist()).astype(np.int64))
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
+
+    def _windows(self, offsets: list[int]) -> np.ndarray:
+        """[len(offsets), block_size + 1] tokens, the windows starting at `offsets`."""
+        # A fresh memmap per batch, as nanoGPT: a long-lived one keeps every page it touched mapped in
+        # this process, so resident memory climbs towards the file size; re-mapping costs microseconds.
+        tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        span = self.block_size + 1
+        return np.stack([tokens[o:o + span] for o in offsets])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batch_at(self.next_offsets())

@@ -1,6 +1,7 @@
 """The sample ledger (train.sample_ledger=true): which samples every iteration read, all ranks' together, one line
 per iteration in the run's ledger.txt: `ITERATION ID ID ...` (a language model's ids are its windows' start
-offsets in the split, the ViT's the indices of its samples in the split).
+offsets in the split, or with data.order=epoch their numbers in the run's stream of windows; the ViT's the indices
+of its samples in the split).
 
 Rank 0 writes it: the data streams know every rank's samples of a global batch (data/text.py, data/era5_batches.py).
 A resumed run first drops the lines of the iterations it will do again, so the file always reads as one run that

@@ -12,6 +12,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from meshtrain.config import ConfigError
 from meshtrain.models import model_spec
 from meshtrain.models.gpt.config import GPTRunConfig, validate
 from meshtrain.models.language import resolve_loss_chunks
@@ -56,6 +57,11 @@ def build_model(cfg: GPTRunConfig, data_facts: dict):
     m, t = cfg.model, cfg.train
     if t.init_from not in ("scratch", "resume", "auto"):  # auto: the Trainer's scratch or resume
         model = GPT.from_pretrained(t.init_from, override_args={"dropout": m.dropout})
+        data_vocab = int(data_facts["meta"]["vocab_size"])
+        if data_vocab > model.config.vocab_size:  # else an id past the embedding's rows fails mid-step
+            raise ConfigError(f"train.init_from={t.init_from} has {model.config.vocab_size:,} token embeddings, but "
+                              f"the data's {data_facts['meta'].get('tokenizer')} tokenizer has {data_vocab:,} ids: "
+                              "prepare the data with --tokenizer gpt2 (the weights' own)")
         if m.block_size < model.config.block_size:
             model.crop_block_size(m.block_size)
         model.config.loss_chunks = resolve_loss_chunks(t.loss_chunks, model.config.vocab_size)

@@ -5,7 +5,7 @@ its run config (below), its workload (workload.py: token windows in, text sample
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from meshtrain.config import ConfigError, TrainSection
 
@@ -13,10 +13,16 @@ if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
 
 
+Order = Literal["random", "epoch"]  # data/streams.py
+
+
 @dataclass
 class TextDataSection:
     name: str = "shakespeare_char"  # shakespeare_char | shakespeare | the name given to `prepare text`
-    root: str = "data"  # where `meshtrain prepare` wrote <name>/train.bin, val.bin, meta.json
+    root: str = "data"  # where `meshtrain prepare` wrote <name>/train.bin, val.bin, meta.json (or shards + manifest.json)
+    # random: windows at offsets drawn per global batch (any dataset) | epoch: one pass an epoch over the documents in
+    # a shuffled order, each token once (a sharded corpus: data/streams.py)
+    order: Annotated[str, Order] = "random"
 
 
 @dataclass

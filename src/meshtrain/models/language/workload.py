@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshtrain.config import ConfigError
-from meshtrain.data.text import TokenBatches, load_meta, meta_or_builtin, tokenizer_from_meta
+from meshtrain.data.streams import dataset_meta, token_batches
+from meshtrain.data.text import tokenizer_from_meta
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, reduce_scalar
@@ -33,9 +34,10 @@ class _Batches:
         common = dict(block_size=cfg.model.block_size, batch_size=cfg.model.batch_size, dp_rank=dp_rank,
                       dp_size=dp_size, accum=cfg.train.grad_accum, device=device)
         seed = cfg.train.seed
-        self.train = TokenBatches(data_dir, "train", seed=seed, **common)
-        self.eval = {"train": TokenBatches(data_dir, "train", seed=seed + 1, **common),
-                     "val": TokenBatches(data_dir, "val", seed=seed + 2, **common)}
+        # train.bin or a sharded corpus; data.order for training (evaluation draws random windows either way)
+        self.train = token_batches(data_dir, "train", order=cfg.data.order, seed=seed, **common)
+        self.eval = {"train": token_batches(data_dir, "train", seed=seed + 1, **common),
+                     "val": token_batches(data_dir, "val", seed=seed + 2, **common)}
 
     def next_batch(self):
         return self.train.next_batch()
@@ -44,7 +46,8 @@ class _Batches:
         self.train.seek(iteration)
 
     def global_ids(self, iteration: int) -> list[int]:
-        """The samples of iteration `iteration`, all ranks': its windows' start offsets."""
+        """The samples of iteration `iteration`, all ranks': its windows' start offsets (in a sharded corpus, in the
+        split's shards laid end to end; with data.order=epoch, the windows' numbers)."""
         return self.train.global_offsets(iteration).tolist()
 
     def close(self) -> None:
@@ -54,7 +57,7 @@ class _Batches:
 def text_data_facts(cfg: RunConfig) -> dict:
     """What a language model's build takes from its data (the vocabulary in meta.json), without opening the tokens;
     for a built-in dataset not prepared here, its tokenizer's (a plan for another machine needs no data)."""
-    return {"meta": meta_or_builtin(Path(cfg.data.root) / cfg.data.name)}
+    return {"meta": dataset_meta(Path(cfg.data.root) / cfg.data.name, builtin=True)}
 
 
 class LanguageModelWorkload:
@@ -64,7 +67,7 @@ class LanguageModelWorkload:
         self.cfg, self.info, self.dims, self.device = cfg, info, dims, info.torch_device
         self._build_model, self._build_layout = build_model, build_layout
         self.data_dir = Path(cfg.data.root) / cfg.data.name
-        self.meta = load_meta(self.data_dir)  # training needs the prepared data itself
+        self.meta = dataset_meta(self.data_dir)  # training needs the prepared data itself
         self.tokenizer = tokenizer_from_meta(self.meta)
         try:  # the prompt is first used at the first evaluation: find a bad one now
             self.prompt_ids = self.tokenizer.encode(cfg.train.prompt)
