@@ -14,7 +14,7 @@ from tests.conftest import REPO, clean_env, output
 from meshtrain import config as config_mod
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import machines, systems
-from meshtrain.plan.cost import predict
+from meshtrain.plan.cost import predict, stage_memory
 from meshtrain.plan.measured.trace import check_traceable
 from meshtrain.plan.systems import PlanError
 from meshtrain.plan.workload import ModelFacts
@@ -42,9 +42,42 @@ def test_64_ranks_of_gpt2_under_fsdp_trace_in_one_process_holding_the_planners_s
     assert rank0["max_rss"] < 1.5 * 2**30, rank0["max_rss"]  # the peak is 4+ GiB: none of it was real
 
 
+PIPELINE = ["preset=cpu", "model.dropout=0.0", "model.batch_size=8", "train.dtype=fp32", "train.backend=ddp",
+            "parallel.pp=4", "parallel.pp_schedule=1f1b", "parallel.microbatches=4"]
+
+
+def test_a_pipeline_traces_its_first_middle_and_last_stage_each_holding_its_own_share():
+    """4 stages under 1F1B, one step of the whole schedule in one process (the stages' messages on the fake group):
+    the first, a middle and the last stage's rank each hold the planner's states for its own stage to the byte, and
+    peak in a backward, near the planner's peak for that stage (1F1B keeps 4, 2 and 1 micro-batches in flight)."""
+    rows = traced("gpt", PIPELINE, 4, 4)
+    cfg = config_mod.load_config(PIPELINE, "gpt")
+    dims = ParallelDims.from_config(cfg, 4, 4)
+    machine = machines.from_system(systems.get("polaris"))
+    predicted = stage_memory(ModelFacts.of(cfg), cfg, dims, machine)
+    assert [(r["rank"], r["stage"]) for r in rows] == [(0, 0), (2, 2), (3, 3)]
+    for row in rows:
+        stage = predicted[row["stage"]]
+        assert row["held"] == {k: round(stage[k]) for k in ("params", "grads", "optimizer")}, row
+        assert row["peak_phase"] == "backward" and row["peak"] == pytest.approx(stage["peak"], rel=0.05), row
+    assert rows[0]["peak"] > rows[1]["peak"] > rows[2]["peak"]  # micro-batches in flight: 4, 2, 1
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_context_parallel_traces_holding_the_planners_states(impl):
+    overrides = ["preset=cpu", "model.dropout=0.0", "model.batch_size=8", "train.dtype=fp32", "train.backend=fsdp",
+                 "parallel.cp=2", f"parallel.cp_impl={impl}"]
+    (rank0,) = traced("gpt", overrides, 2, 2)
+    cfg = config_mod.load_config(overrides, "gpt")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    predicted = predict(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris"))).memory
+    assert rank0["held"] == {k: round(predicted[k]) for k in ("params", "grads", "optimizer")}
+    assert rank0["peak"] == pytest.approx(predicted["peak"], rel=0.10), (rank0["peak"], predicted["peak"])
+
+
 @pytest.mark.parametrize("overrides, refused", [
-    (["parallel.pp=2", "parallel.microbatches=2"], "pp > 1"),
-    (["train.backend=zero1"], "train.backend=zero1"),
+    (["train.compile=blocks"], "train.compile=blocks"),
+    (["parallel.cpu_offload=true", "train.backend=fsdp"], "parallel.cpu_offload"),
 ])
 def test_a_layout_the_trace_cannot_build_is_refused_naming_what_it_can(overrides, refused):
     cfg = config_mod.load_config(["preset=cpu", "model.batch_size=8", *overrides], "gpt")
