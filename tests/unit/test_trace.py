@@ -63,6 +63,20 @@ def test_a_pipeline_traces_its_first_middle_and_last_stage_each_holding_its_own_
     assert rows[0]["peak"] > rows[1]["peak"] > rows[2]["peak"]  # micro-batches in flight: 4, 2, 1
 
 
+def test_fsdp_keeps_whole_gradients_between_accumulation_micro_steps_as_planned():
+    """FSDP2 reduce-scatters only on an accumulation's last micro-step (set_requires_gradient_sync(False) before):
+    the earlier ones leave the stage's whole fp32 gradients, not the rank's half; the planner prices them (before:
+    4.6% under the traced peak; GPT-2 124M on fsdp dp8: 3.7% under, 475 MiB)."""
+    overrides = ["preset=cpu", "model.dropout=0.0", "model.batch_size=8", "train.dtype=fp32", "train.backend=fsdp",
+                 "train.grad_accum=2"]
+    (rank0,) = traced("gpt", overrides, 2, 2)
+    cfg = config_mod.load_config(overrides, "gpt")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    predicted = predict(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris"))).memory
+    assert predicted["accumulated gradients"] == pytest.approx(2 * predicted["grads"], rel=1e-3)  # whole: not half
+    assert rank0["peak"] == pytest.approx(predicted["peak"], rel=0.03), (rank0["peak"], predicted["peak"])
+
+
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_context_parallel_traces_holding_the_planners_states(impl):
     overrides = ["preset=cpu", "model.dropout=0.0", "model.batch_size=8", "train.dtype=fp32", "train.backend=fsdp",
