@@ -63,6 +63,25 @@ def test_a_pipeline_traces_its_first_middle_and_last_stage_each_holding_its_own_
     assert rows[0]["peak"] > rows[1]["peak"] > rows[2]["peak"]  # micro-batches in flight: 4, 2, 1
 
 
+@pytest.mark.parametrize("schedule", [["parallel.pp_schedule=1f1b"],
+                                      ["parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2"]])
+def test_sharded_pipeline_stages_trace_as_planned(schedule):
+    """FSDP2 over each stage: between a schedule's micro-batches it keeps the stage's whole gradients (torch reduces
+    on the last), as between accumulation micro-steps: the planner, 10-12% under its traced peaks before it priced
+    them, is within 3.2%."""
+    overrides = [*PIPELINE[:4], "train.backend=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4",
+                 *schedule]
+    rows = traced("gpt", overrides, 4, 4)
+    cfg = config_mod.load_config(overrides, "gpt")
+    dims = ParallelDims.from_config(cfg, 4, 4)
+    predicted = stage_memory(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris")))
+    assert [row["stage"] for row in rows] == [0, 1]
+    for row in rows:
+        stage = predicted[row["stage"]]
+        assert row["held"] == {k: round(stage[k]) for k in ("params", "grads", "optimizer")}, row
+        assert row["peak"] == pytest.approx(stage["peak"], rel=0.05), (row["stage"], row["peak"], stage["peak"])
+
+
 def test_fsdp_keeps_whole_gradients_between_accumulation_micro_steps_as_planned():
     """FSDP2 reduce-scatters only on an accumulation's last micro-step (set_requires_gradient_sync(False) before):
     the earlier ones leave the stage's whole fp32 gradients, not the rank's half; the planner prices them (before:

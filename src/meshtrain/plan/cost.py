@@ -305,8 +305,10 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         buffers += ends * micro.microbatches * block_input
     # Backward peaks where its first micro-batch starts (gradients only from earlier accumulation micro-steps) or
     # where a later one does (gradients of this step too, perhaps fewer micro-batches held): whichever is more
-    earlier = _accumulated_grads(cfg, dims, share) if t.grad_accum > 1 else 0.0
-    in_flight, held_grads = (later, grads) if later is not None and later * (kept + head) + grads > \
+    # (FSDP2 keeps them whole between a pipeline's micro-batches too: torch's schedules reduce on the last one)
+    between = _accumulated_grads(cfg, dims, share)
+    earlier = between if t.grad_accum > 1 else 0.0
+    in_flight, held_grads = (later, between) if later is not None and later * (kept + head) + between > \
         first * (kept + head) + earlier else (first, earlier)
     copies = _weight_copies(facts, cfg, dims, share)
     # ... or deeper in the first backward, where the gradients made so far meet a block recomputed (plan/backward.py):
