@@ -132,3 +132,21 @@ def test_plan_trace_prints_the_traced_terms_beside_the_predicted_ones():
     for term in ("params", "grads", "optimizer"):
         assert any(line.split("│")[1].strip() == term and "+0.0%" in line for line in text.splitlines()
                    if line.count("│") > 3), term
+
+
+def test_auto_with_plan_trace_never_picks_a_layout_whose_traced_peak_does_not_fit():
+    """parallel.plan_trace=true: the best layouts traced in forks of this process (no process group here), the
+    first whose traced peak fits taken; with a device a byte smaller than the best layout's traced peak, another."""
+    from meshtrain.config import ConfigError
+    from meshtrain.plan import search
+    from meshtrain.plan.measured.auto import traced_choice
+    from meshtrain.plan.measured.trace import trace
+
+    cfg = config_mod.load_config(["preset=cpu", "model.batch_size=8", "train.dtype=fp32"], "gpt")
+    ranked, _ = search.search(cfg, 1, 2, machines.from_system(systems.get("polaris")))
+    peaks = {c.label: max(t.peak for t in trace(c.cfg, c.dims)) for c in ranked[:2]}
+    ranked = sorted(ranked[:2], key=lambda c: -peaks[c.label])  # the fullest first: as if the planner ranked it so
+    assert traced_choice(ranked, peaks[ranked[0].label]) is ranked[0]
+    assert traced_choice(ranked, peaks[ranked[0].label] - 1) is ranked[1]  # a byte short: passed over
+    with pytest.raises(ConfigError, match="none of the 2 best layouts fits"):
+        traced_choice(ranked, 2**20)

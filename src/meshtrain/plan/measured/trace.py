@@ -139,6 +139,7 @@ def _forked(fn, *args):
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(read)
+        _forget_process_groups()
         try:
             result = (True, fn(*args))
         except BaseException as e:  # noqa: BLE001 (re-raised in the parent)
@@ -158,6 +159,20 @@ def _forked(fn, *args):
     if not ok:
         raise value
     return value
+
+
+def _forget_process_groups() -> None:
+    """In a fork of a running job (parallel.plan=auto traces on rank 0): the job's process groups left to the parent,
+    never destroyed here (their sockets are the parent's; the fork ends without cleaning up), so that the trace can
+    start a fake world of its own."""
+    from torch.distributed import distributed_c10d
+
+    if dist.is_initialized():  # the parent's world kept referenced: its groups' destructors would join threads
+        _PARENT_WORLDS.append(distributed_c10d._world)  # that a fork does not have (and abort)
+        distributed_c10d._world = distributed_c10d._World()
+
+
+_PARENT_WORLDS: list = []
 
 
 def _picklable(value) -> bool:
