@@ -40,6 +40,7 @@ from meshtrain import registry
 from meshtrain.parallel import pipeline as pipeline_module
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan.activations import fsdp_mixed
 from meshtrain.plan.measured.measure import TensorBytes
 from meshtrain.plan.systems import PlanError
 from meshtrain.plan.workload import ModelFacts
@@ -232,8 +233,6 @@ def _fake_pipeline(cfg, dims):
         _StageForwardMeta,
         extract_tensor_meta,
     )
-
-    from meshtrain.plan.activations import fsdp_mixed
 
     facts = ModelFacts.of(cfg)
     microbatches = cfg.parallel.microbatches or dims.pp * cfg.parallel.virtual_stages
