@@ -181,3 +181,23 @@ def test_a_mixture_of_experts_holds_and_sends_what_the_planner_counts(data_root)
         assert check.states_exact, (case, check.predicted, check.measured)
         assert abs(check.relative("peak")) <= 0.10, (case, check.predicted["peak"], check.measured["peak"])
         assert check.all_to_all_exact, (case, candidate.cost.comm_bytes, check.measured)  # 0 == 0 without ep
+    _trace_matches_the_ranks("moe", base, {k: cases[k] for k in ("ddp ep2", "fsdp ep2 full", "fsdp cp2")}, job)
+
+
+def _trace_matches_the_ranks(model: str, base: list[str], cases: dict, job) -> None:
+    """`plan --trace` of the same MoE layouts (no launch: one process): the states of rank 0 to the byte, the peak
+    within 5% of rank 0's, under ep of the mean of the ep ranks' (the trace routes balanced: plan/measured/
+    balanced_routing.py; this run's two ranks 23.36 and 25.76 MiB under ddp × ep 2, traced 24.56, their mean)."""
+    from tests import preloaded
+    from tests.conftest import REPO, clean_env
+
+    out = preloaded.run([sys.executable, "-m", "meshtrain.plan.measured.trace", model, *base, "--world", "2",
+                         "--cases", json.dumps(cases)], env=clean_env(), cwd=REPO, timeout=240)
+    assert out.returncode == 0, output(out)[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [row["case"] for row in rows] == list(cases)
+    for row in rows:
+        ranks = [job.results[r][row["case"]] for r in (0, 1)]
+        assert row["held"] == {k: ranks[0][k] for k in validate.STATES}, (row, ranks[0])
+        expected = sum(r["peak"] for r in ranks) / 2 if "ep2" in row["case"] else ranks[0]["peak"]
+        assert row["peak"] == pytest.approx(expected, rel=0.05), (row["case"], row["peak"], expected)

@@ -41,6 +41,7 @@ from meshtrain.parallel import pipeline as pipeline_module
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.activations import fsdp_mixed
+from meshtrain.plan.measured.balanced_routing import balanced_routing
 from meshtrain.plan.measured.measure import TensorBytes
 from meshtrain.plan.systems import PlanError
 from meshtrain.plan.workload import ModelFacts
@@ -49,8 +50,8 @@ from meshtrain.train.trainer import AUTOCAST
 
 # What the trace can build today; the rest is refused with this list rather than traced wrongly.
 BACKENDS = ("ddp", "zero1", "fsdp", "zero2", "hsdp")
-SUPPORTED = (f"train.backend {', '.join(BACKENDS)}, with tensor parallel and pipeline stages, in fp32 or bf16, "
-             "without context or expert parallelism, float8, compile or CPU offload")
+SUPPORTED = (f"train.backend {', '.join(BACKENDS)}, with tensor, context, pipeline and expert parallelism (experts "
+             "routed balanced), in fp32 or bf16, without float8, compile or CPU offload")
 STATES = ("params", "grads", "optimizer")
 PHASES = {"dtf": "forward", "dtb": "backward", "dtfb": "forward+backward"}
 
@@ -105,7 +106,7 @@ def check_traceable(cfg, dims) -> None:
     t, p = cfg.train, cfg.parallel
     unsupported = [why for why, bad in (
         (f"train.backend={t.backend}", t.backend not in BACKENDS),
-        ("ep > 1", dims.ep > 1), (f"train.dtype={t.dtype}", t.dtype not in ("fp32", "bf16")),
+(f"train.dtype={t.dtype}", t.dtype not in ("fp32", "bf16")),
         (f"train.float8={t.float8}", t.float8 != "off"), (f"train.compile={t.compile}", t.compile != "off"),
         ("parallel.cpu_offload", p.cpu_offload)) if bad]
     if unsupported:
@@ -193,7 +194,7 @@ def trace_rank(cfg, dims, rank: int) -> Traced:
         mesh = dims.build_mesh("cpu") if dims.world_size > 1 else None  # real: its rank map is read as data
         # non-fake inputs allowed: the mesh's real rank maps meet the fake tensors in DTensor's and FSDP2's set-up
         with _fake_ddp(), _fake_pipeline(cfg, dims), _real_meshes(), FakeTensorMode(allow_non_fake_inputs=True), \
-                PhaseBytes() as tracker, _stage_phases(tracker):
+                balanced_routing(), PhaseBytes() as tracker, _stage_phases(tracker):
             layout, optimizer = _build(cfg, dims, mesh, rank)
             _step(cfg, layout, optimizer, tracker, micro_steps=1)  # makes AdamW's state
             tracker.mark()
