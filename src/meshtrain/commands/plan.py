@@ -18,6 +18,7 @@ from meshtrain import config as config_mod
 from meshtrain.parallel import backends
 from meshtrain.plan import machines, search, systems
 from meshtrain.plan.measured import fixed_costs, validate
+from meshtrain.plan.measured.auto import TRACED
 from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
@@ -47,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--explain", default=None, help="a row number or layout label: its terms, one by one")
     parser.add_argument("--trace", default=None, metavar="ROW",
                         help="a row number or layout label: build that layout at full size in this one process (a fake "
-                             "process group, fake tensors), step it, and print its bytes beside the prediction")
+                             "process group, fake tensors), step it, and print its bytes beside the prediction; "
+                             "`all`: the first three rows that fit")
     parser.add_argument("--json", action="store_true", help="every candidate as JSON")
     parser.add_argument("--validate", type=int, default=None, metavar="N",
                         help="run N layouts on this machine (a spread of the ranked ones) and compare")
@@ -107,7 +109,10 @@ def run(args) -> int:
                  " ".join([*args.overrides, *ranked[0].overrides]))
     if args.explain:
         print_rich(explain(pick(ranked, args.explain, "--explain"), machine))
-    if args.trace:
+    if args.trace == "all":  # what parallel.plan_trace would trace
+        for candidate in [c for c in ranked if c.fits][:TRACED]:
+            _trace(candidate, machine, facts)
+    elif args.trace:
         _trace(pick(ranked, args.trace, "--trace"), machine, facts)
     if args.validate:
         return _validate(args, cfg, ranked, per_node * args.nodes, facts)
