@@ -24,6 +24,8 @@ LAYOUTS = {  # one of each way of holding a model: replicated, sharded, tensor-p
     "fsdp": (2, ["train.backend=fsdp"]),
     "fsdp tp2": (4, ["train.backend=fsdp", "parallel.tp=2"]),  # dp 2 × tp 2: FSDP2 shards over 2
     "ddp pp2": (2, ["train.backend=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=4"]),
+    # dp 2 × pp 2: FSDP2 keeps each stage's whole gradients between the schedule's micro-batches
+    "fsdp pp2": (4, ["train.backend=fsdp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=4"]),
     "ddp op": (2, ["train.backend=ddp", "train.activation_checkpointing=op"]),  # op-level checkpointing's cache
 }
 BF16 = ("ddp", "fsdp", "fsdp tp2", "ddp op")  # also measured under bf16 autocast
@@ -104,7 +106,7 @@ def test_a_trace_in_one_process_holds_what_the_ranks_hold(checks, data_root):
                             env=clean_env(), cwd=REPO, timeout=240)
         assert out.returncode == 0, output(out)[-3000:]
         lines += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == len(traceable) + 1  # both stages of ddp pp2
+    assert len(lines) == len(traceable) + sum("pp2" in name for name, _ in traceable)  # a pipeline's two stages
     for row in lines:
         measured = RANK_ROWS[tuple(row["case"].rsplit(" ", 1))][row["rank"]]
         assert row["held"] == {k: measured[k] for k in validate.STATES}, (row, measured)
