@@ -103,7 +103,8 @@ def predict_peak(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine:
     return max(_memory(facts, cfg, dims, share, micro, machine)["peak"] for share in _shares(facts, cfg, dims))
 
 
-def stage_memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> dict[int, dict[str, float]]:
+def stage_memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims,
+                 machine: Machine) -> dict[int, dict[str, float]]:
     """predict's memory terms of every pipeline stage's rank 0, by pp rank (what `plan --trace` sets beside each
     traced stage; predict keeps the fullest's)."""
     facts = facts.for_dp(dims.dp_size)

@@ -8,9 +8,11 @@ collective returns at once, moving no data) with fake tensors (sizes and dtypes,
                                makes AdamW's state, which a steady step holds throughout), counted as measure.py's
                                TensorBytes counts real ones, and the part of the step it falls in
 
-Nothing is timed: a fake collective takes no time and a fake op does no arithmetic. The ops are CPU ops whatever the
-system planned for (attention is the CPU kernel's); torchtitan's dry run (a fake backend) and torch's MemTracker under
-FakeTensorMode rest on the same two pieces.
+Each distinct rank role is traced (rank 0; under a pipeline rank 0 of the first, a middle and the last stage, each
+stepped through torch's own schedule), each in a fork of this process; a mixture of experts routes balanced
+(balanced_routing.py). Nothing is timed: a fake collective takes no time and a fake op does no arithmetic. The ops
+are CPU ops whatever the system planned for (attention is the CPU kernel's); torchtitan's dry run (a fake backend)
+and torch's MemTracker under FakeTensorMode rest on the same two pieces.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def check_traceable(cfg, dims) -> None:
     t, p = cfg.train, cfg.parallel
     unsupported = [why for why, bad in (
         (f"train.backend={t.backend}", t.backend not in BACKENDS),
-(f"train.dtype={t.dtype}", t.dtype not in ("fp32", "bf16")),
+        (f"train.dtype={t.dtype}", t.dtype not in ("fp32", "bf16")),
         (f"train.float8={t.float8}", t.float8 != "off"), (f"train.compile={t.compile}", t.compile != "off"),
         ("parallel.cpu_offload", p.cpu_offload)) if bad]
     if unsupported:
@@ -125,7 +127,8 @@ def traced_ranks(dims) -> list[int]:
 
 
 def trace(cfg, dims) -> list[Traced]:
-    """Each distinct rank role of `cfg`'s layout `dims` (a checked plan candidate's), traced in this process."""
+    """Each distinct rank role of `cfg`'s layout `dims` (a checked plan candidate's), each traced in a fork of this
+    process."""
     check_traceable(cfg, dims)
     return [_forked(trace_rank, cfg, dims, rank) for rank in traced_ranks(dims)]
 
@@ -202,7 +205,8 @@ def trace_rank(cfg, dims, rank: int) -> Traced:
             held = bytes_held(layout.model, optimizer)
     finally:
         dist.destroy_process_group()
-    return Traced(rank=rank, stage=dims.coords(rank)["pp"], held=held, peak=tracker.peak(), peak_phase=tracker.peak_phase,
+    return Traced(rank=rank, stage=dims.coords(rank)["pp"], held=held, peak=tracker.peak(),
+                  peak_phase=tracker.peak_phase,
                   phase_peaks=dict(tracker.phase_peaks), seconds=time.perf_counter() - started,
                   max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
