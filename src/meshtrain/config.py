@@ -142,6 +142,9 @@ class ParallelSection:
     cpu_offload: bool = False  # fsdp/zero2/zero3/hsdp: parameters and optimizer state live in host memory
     # manual: the sizes above | auto: the fastest layout that fits, by `meshtrain plan`'s model
     plan: Annotated[str, PlanMode] = "manual"
+    # with plan=auto: trace the best few layouts first (plan --trace: one process, fake ranks) and never pick one
+    # whose traced peak does not fit
+    plan_trace: bool = False
     zero_stage: int = 2  # train.backend=deepspeed: ZeRO stage 1 (optimizer), 2 (+ gradients) or 3 (+ parameters)
 
 

@@ -18,6 +18,7 @@ from meshtrain import config as config_mod
 from meshtrain.parallel import backends
 from meshtrain.plan import machines, search, systems
 from meshtrain.plan.measured import fixed_costs, validate
+from meshtrain.plan.measured.auto import TRACED
 from meshtrain.plan.measured.this_machine import this_machine
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
@@ -47,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--explain", default=None, help="a row number or layout label: its terms, one by one")
     parser.add_argument("--trace", default=None, metavar="ROW",
                         help="a row number or layout label: build that layout at full size in this one process (a fake "
-                             "process group, fake tensors), step it, and print its bytes beside the prediction")
+                             "process group, fake tensors), step it, and print its bytes beside the prediction; "
+                             "`all`: the first three rows that fit")
     parser.add_argument("--json", action="store_true", help="every candidate as JSON")
     parser.add_argument("--validate", type=int, default=None, metavar="N",
                         help="run N layouts on this machine (a spread of the ranked ones) and compare")
@@ -107,7 +109,10 @@ def run(args) -> int:
                  " ".join([*args.overrides, *ranked[0].overrides]))
     if args.explain:
         print_rich(explain(pick(ranked, args.explain, "--explain"), machine))
-    if args.trace:
+    if args.trace == "all":  # what parallel.plan_trace would trace
+        for candidate in [c for c in ranked if c.fits][:TRACED]:
+            _trace(candidate, machine, facts)
+    elif args.trace:
         _trace(pick(ranked, args.trace, "--trace"), machine, facts)
     if args.validate:
         return _validate(args, cfg, ranked, per_node * args.nodes, facts)
@@ -212,37 +217,39 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
 
 def _trace(c: Candidate, machine: machines.Machine, facts: ModelFacts) -> None:
     """Trace `c`'s layout in this process (plan/measured/trace.py) and print its bytes beside the prediction."""
-    from meshtrain.plan.cost import predict
+    from meshtrain.plan.cost import stage_memory
     from meshtrain.plan.measured.trace import check_traceable, trace
 
     check_traceable(c.cfg, c.dims)
     log.info("tracing %s: %d ranks on a fake process group, in %s", c.label, c.dims.world_size, c.cfg.train.dtype)
+    predicted = stage_memory(facts, c.cfg, c.dims, machine)  # each stage's own terms, beside its traced rank
     on_cpu = None  # the trace runs the CPU's kernels: under autocast its attention and logits' gradient keep fp32
     if c.cfg.train.dtype != "fp32" and not machine.cpu:
-        on_cpu = predict(facts, c.cfg, c.dims, replace(machine, cpu=True)).memory
+        on_cpu = stage_memory(facts, c.cfg, c.dims, replace(machine, cpu=True))
     for traced in trace(c.cfg, c.dims):
-        print_rich(trace_table(c, traced, on_cpu))
+        print_rich(trace_table(c, traced, predicted[traced.stage], on_cpu and on_cpu[traced.stage]))
         log.info("rank %d traced in %.1f s (this process's largest resident set: %.0f MiB)", traced.rank,
                  traced.seconds, traced.max_rss / 2**20)
 
 
-def trace_table(c: Candidate, traced, on_cpu: dict | None = None):
-    """Predicted against traced, term by term; `on_cpu`: the prediction for CPU kernels too (a 16-bit layout
-    planned for GPUs, traced with the CPU's ops), with the difference from it."""
+def trace_table(c: Candidate, traced, predicted: dict, on_cpu: dict | None = None):
+    """Predicted (the terms of the traced rank's stage) against traced, term by term; `on_cpu`: the prediction for
+    CPU kernels too (a 16-bit layout planned for GPUs, traced with the CPU's ops), with the difference from it."""
     from rich.table import Table
 
     from meshtrain.plan.measured.trace import compare
 
-    out = Table(title=f"{c.label}: predicted / traced, rank {traced.rank} (peak during {traced.peak_phase})",
+    stage = f", pipeline stage {traced.stage}" if c.dims.pp > 1 else ""
+    out = Table(title=f"{c.label}: predicted / traced, rank {traced.rank}{stage} (peak during {traced.peak_phase})",
                 title_justify="left")
     columns = ("term", "predicted MiB", "traced MiB", "difference", *["predicted, CPU kernels", "difference"] * bool(on_cpu))
     for column in columns:
         out.add_column(column, justify="left" if column == "term" else "right")
     mib = lambda v: "—" if v is None else f"{v / 2**20:,.2f}"  # noqa: E731
     differs = lambda p, m: f"{(m - p) / p:+.1%}" if p and m is not None else ""  # noqa: E731
-    for term, predicted, measured in compare(traced, c.cost.memory):
+    for term, expected, measured in compare(traced, predicted):
         cpu = [mib(on_cpu.get(term)), differs(on_cpu.get(term), measured)] if on_cpu else []
-        out.add_row(term, mib(predicted), mib(measured), differs(predicted, measured), *cpu)
+        out.add_row(term, mib(expected), mib(measured), differs(expected, measured), *cpu)
     return out
 
 

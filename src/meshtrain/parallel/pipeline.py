@@ -423,7 +423,8 @@ def build_pipeline(model: nn.Module, split: StageSplit, pp_mesh, *, schedule: st
         parent, _, name = path.rpartition(".")
         delattr(model.get_submodule(parent) if parent else model, name)
     parts = [Stage(model, split, blocks[s], first=s == 0, last=s == n_stages - 1) for s in mine]
-    if not any(p.is_meta for part in parts for p in part.parameters()):
+    # already in place: nothing to move (and a fake tensor's module cannot swap its parameters: plan --trace)
+    if not any(p.is_meta or p.device == torch.device(device) for part in parts for p in part.parameters()):
         for part in parts:
             part.to(device)
 

@@ -103,6 +103,15 @@ def predict_peak(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine:
     return max(_memory(facts, cfg, dims, share, micro, machine)["peak"] for share in _shares(facts, cfg, dims))
 
 
+def stage_memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims,
+                 machine: Machine) -> dict[int, dict[str, float]]:
+    """predict's memory terms of every pipeline stage's rank 0, by pp rank (what `plan --trace` sets beside each
+    traced stage; predict keeps the fullest's)."""
+    facts = facts.for_dp(dims.dp_size)
+    micro = _Micro.of(facts, cfg, dims)
+    return {share.stage: _memory(facts, cfg, dims, share, micro, machine) for share in _shares(facts, cfg, dims)}
+
+
 def _shares(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> list[Share]:
     p = cfg.parallel
     return stage_shares(facts.model, facts.split, dims, cfg.train.backend, schedule=p.pp_schedule,
@@ -256,6 +265,17 @@ def _data_parallel_buffers(cfg: RunConfig, dims: ParallelDims, share: Share) -> 
     return 0.0, 0.0, 0.0
 
 
+def _accumulated_grads(cfg: RunConfig, dims: ParallelDims, share: Share) -> float:
+    """The gradient bytes an accumulation's earlier micro-steps leave to the next: the rank's own share, but under
+    FSDP2 the stage's whole gradients (after tp), which it keeps unsharded in fp32 (its reduce dtype) between
+    micro-steps (set_requires_gradient_sync(False): the reduce-scatter waits for the last one). Found by
+    `plan --trace`: GPT-2 124M on fsdp dp8 with grad_accum 2 holds 475 MiB more than its 1/8 share."""
+    chosen = backends.get(cfg.train.backend)
+    if chosen.sharded and dims.size("dp_shard_cp") > 1:
+        return share.stage_params * FP32
+    return share.grads * FP32
+
+
 def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
             machine: Machine) -> dict[str, float]:
     t, p = cfg.train, cfg.parallel
@@ -286,8 +306,10 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         buffers += ends * micro.microbatches * block_input
     # Backward peaks where its first micro-batch starts (gradients only from earlier accumulation micro-steps) or
     # where a later one does (gradients of this step too, perhaps fewer micro-batches held): whichever is more
-    earlier = grads if t.grad_accum > 1 else 0.0
-    in_flight, held_grads = (later, grads) if later is not None and later * (kept + head) + grads > \
+    # (FSDP2 keeps them whole between a pipeline's micro-batches too: torch's schedules reduce on the last one)
+    between = _accumulated_grads(cfg, dims, share)
+    earlier = between if t.grad_accum > 1 else 0.0
+    in_flight, held_grads = (later, between) if later is not None and later * (kept + head) + between > \
         first * (kept + head) + earlier else (first, earlier)
     copies = _weight_copies(facts, cfg, dims, share)
     # ... or deeper in the first backward, where the gradients made so far meet a block recomputed (plan/backward.py):
@@ -303,6 +325,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
            "buffers": buffers + reduced, "backward working set": working, "16-bit weight copies": copies,
            "peak": max(start, inside, optimizer_step)}
     return out | ({"expert gradient copy": expert_copy} if expert_copy else {}) | \
+        ({"accumulated gradients": earlier} if earlier else {}) | \
         ({"inside backward": inside} if inside > start else {})
 
 

@@ -100,10 +100,16 @@ def _workload(cfg: RunConfig, info, dims):
     return MoEWorkload(cfg, info, dims, build_model=build_model, build_layout=build_moe_layout)
 
 
+def _build_layout(model, cfg, dims, mesh, device, rank: int):
+    from meshtrain.models.moe.parallelize import build_moe_layout
+
+    return build_moe_layout(model, cfg, dims, mesh, device, rank)
+
+
 SPEC = model_spec(__file__, language_model=True, name="moe",
                   summary="a mixture-of-experts decoder on text (Llama-style, top-k routed SwiGLU experts)",
                   run_config=MoERunConfig, workload=_workload, shape=_shape, validate=validate,
-                  build_model=build_model, stage_split=SPLIT,
+                  build_model=build_model, stage_split=SPLIT, build_layout=_build_layout,
                   legend=MappingProxyType({
                       "balance_loss": "the routers' balance loss E·Σ f_i·P_i (1: even) over all the evaluation's "
                                       "tokens, mean over MoE layers",

@@ -41,6 +41,10 @@ def resolve(cfg: RunConfig, info: DistInfo):
         machine = this_machine(info.local_world_size, str(info.torch_device), registry.spec_of(cfg).name)
         try:
             chosen = search.best(cfg, info.world_size // info.local_world_size, info.local_world_size, machine)
+            if cfg.parallel.plan_trace:
+                ranked, _ = search.search(cfg, info.world_size // info.local_world_size, info.local_world_size,
+                                          machine)
+                chosen = traced_choice(ranked, search.HEADROOM * machine.device_memory_bytes)
         except MeshtrainError as e:  # every rank raises it, none waits for a layout that never comes
             layout = {"error": str(e)}
         else:
@@ -52,6 +56,37 @@ def resolve(cfg: RunConfig, info: DistInfo):
     if "error" in layout:
         raise config_mod.ConfigError(layout["error"])
     return search.with_layout(cfg, layout)
+
+
+TRACED = 3  # the ranked layouts parallel.plan_trace traces, at most (each takes seconds: docs/plan.md)
+
+
+def traced_choice(ranked: list, memory: float, count: int = TRACED):
+    """The first of the `count` best fitting layouts of `ranked` whose traced peak (plan --trace: every distinct
+    rank role, in a fork of this process) fits in `memory` bytes; a layout the trace cannot build is taken on its
+    prediction. An error when none of them fits."""
+    from meshtrain.plan.measured.trace import check_traceable, trace
+    from meshtrain.plan.systems import PlanError
+
+    tried = []
+    for c in [c for c in ranked if c.fits][:count]:
+        try:
+            check_traceable(c.cfg, c.dims)
+        except PlanError as e:
+            log.info("parallel.plan_trace: %s taken on its prediction (%s)", c.label, e)
+            return c
+        peak = max(t.peak for t in trace(c.cfg, c.dims))
+        if peak <= memory:
+            log.info("parallel.plan_trace: %s traced at %.3f GiB peak per rank (predicted %.3f GiB): fits", c.label,
+                     peak / 2**30, c.cost.peak_bytes / 2**30)
+            return c
+        log.warning("parallel.plan_trace: %s passed over: traced at %.3f GiB peak per rank (predicted %.3f GiB), "
+                    "more than the %.3f GiB a device has", c.label, peak / 2**30, c.cost.peak_bytes / 2**30,
+                    memory / 2**30)
+        tried.append(f"{c.label} ({peak / 2**30:.3f} GiB)")
+    raise config_mod.ConfigError(f"parallel.plan_trace: none of the {len(tried)} best layouts fits in "
+                                 f"{memory / 2**30:.3f} GiB per device when traced: {', '.join(tried)}; use more "
+                                 "devices or a smaller model.batch_size")
 
 
 def restarted() -> bool:

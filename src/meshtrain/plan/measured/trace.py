@@ -8,9 +8,11 @@ collective returns at once, moving no data) with fake tensors (sizes and dtypes,
                                makes AdamW's state, which a steady step holds throughout), counted as measure.py's
                                TensorBytes counts real ones, and the part of the step it falls in
 
-Nothing is timed: a fake collective takes no time and a fake op does no arithmetic. The ops are CPU ops whatever the
-system planned for (attention is the CPU kernel's); torchtitan's dry run (a fake backend) and torch's MemTracker under
-FakeTensorMode rest on the same two pieces.
+Each distinct rank role is traced (rank 0; under a pipeline rank 0 of the first, a middle and the last stage, each
+stepped through torch's own schedule), each in a fork of this process; a mixture of experts routes balanced
+(balanced_routing.py). Nothing is timed: a fake collective takes no time and a fake op does no arithmetic. The ops
+are CPU ops whatever the system planned for (attention is the CPU kernel's); torchtitan's dry run (a fake backend)
+and torch's MemTracker under FakeTensorMode rest on the same two pieces.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import pickle
 import resource
+import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from unittest import mock
 
@@ -33,17 +39,21 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtrain import config as config_mod
 from meshtrain import registry
+from meshtrain.parallel import pipeline as pipeline_module
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.plan.activations import fsdp_mixed
+from meshtrain.plan.measured.balanced_routing import balanced_routing
 from meshtrain.plan.measured.measure import TensorBytes
 from meshtrain.plan.systems import PlanError
+from meshtrain.plan.workload import ModelFacts
 from meshtrain.train.optim import build_optimizer
 from meshtrain.train.trainer import AUTOCAST
 
 # What the trace can build today; the rest is refused with this list rather than traced wrongly.
-BACKENDS = ("ddp", "fsdp", "zero2", "hsdp")
-SUPPORTED = (f"train.backend {', '.join(BACKENDS)}, with tensor parallel, in fp32 or bf16, without a pipeline, "
-             "context or expert parallelism, float8, compile or CPU offload")
+BACKENDS = ("ddp", "zero1", "fsdp", "zero2", "hsdp")
+SUPPORTED = (f"train.backend {', '.join(BACKENDS)}, with tensor, context, pipeline and expert parallelism (experts "
+             "routed balanced), in fp32 or bf16, without float8, compile or CPU offload")
 STATES = ("params", "grads", "optimizer")
 PHASES = {"dtf": "forward", "dtb": "backward", "dtfb": "forward+backward"}
 
@@ -53,6 +63,7 @@ class Traced:
     """One rank's figures from a trace (bytes) and what the trace took."""
 
     rank: int
+    stage: int  # its pp rank (0 without a pipeline): the planner prices each stage's rank 0
     held: dict[str, int]  # params, grads, optimizer
     peak: int
     peak_phase: str  # forward | backward | optimizer
@@ -96,8 +107,8 @@ def check_traceable(cfg, dims) -> None:
     """One clear error for a layout the trace cannot build yet, naming what it can."""
     t, p = cfg.train, cfg.parallel
     unsupported = [why for why, bad in (
-        (f"train.backend={t.backend}", t.backend not in BACKENDS), ("pp > 1", dims.pp > 1), ("cp > 1", dims.cp > 1),
-        ("ep > 1", dims.ep > 1), (f"train.dtype={t.dtype}", t.dtype not in ("fp32", "bf16")),
+        (f"train.backend={t.backend}", t.backend not in BACKENDS),
+        (f"train.dtype={t.dtype}", t.dtype not in ("fp32", "bf16")),
         (f"train.float8={t.float8}", t.float8 != "off"), (f"train.compile={t.compile}", t.compile != "off"),
         ("parallel.cpu_offload", p.cpu_offload)) if bad]
     if unsupported:
@@ -107,15 +118,74 @@ def check_traceable(cfg, dims) -> None:
 
 
 def traced_ranks(dims) -> list[int]:
-    """The ranks whose roles differ in what they hold: rank 0 alone while every rank holds alike (rank 0 holds
-    FSDP2's largest shards, and the planner predicts rank 0)."""
-    return [0]
+    """The ranks whose roles differ in what they hold: rank 0 of the first, a middle and the last pipeline stage
+    (each holds its own blocks, the embedding or the head, and its schedule keeps its own count of micro-batches in
+    flight: 1F1B's first stage the most, the last the fewest; a middle stage stands for the others), or rank 0 alone
+    without a pipeline, where every rank holds alike (rank 0 holds FSDP2's largest shards, as the planner predicts)."""
+    coords = {dim: 0 for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    return sorted({dims.rank_of(coords | {"pp": stage}) for stage in (0, dims.pp // 2, dims.pp - 1)})
 
 
 def trace(cfg, dims) -> list[Traced]:
-    """Each distinct rank role of `cfg`'s layout `dims` (a checked plan candidate's), traced in this process."""
+    """Each distinct rank role of `cfg`'s layout `dims` (a checked plan candidate's), each traced in a fork of this
+    process."""
     check_traceable(cfg, dims)
-    return [trace_rank(cfg, dims, rank) for rank in traced_ranks(dims)]
+    return [_forked(trace_rank, cfg, dims, rank) for rank in traced_ranks(dims)]
+
+
+def _forked(fn, *args):
+    """fn(*args) in a fork of this process, which has torch imported already (a fork takes milliseconds): a trace
+    leaves state behind that the next would meet, DTensor's caches of sharding plans among it, keyed by meshes that
+    compare equal across process groups (one rank's tp mesh is another's): a second trace reused the first's specs,
+    naming groups destroyed since. What the fork returns or raises comes back pickled."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(read)
+        _forget_process_groups()
+        try:
+            result = (True, fn(*args))
+        except BaseException as e:  # noqa: BLE001 (re-raised in the parent)
+            result = (False, e if _picklable(e) else RuntimeError("".join(traceback.format_exception(e))))
+        with os.fdopen(write, "wb") as out:
+            pickle.dump(result, out)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        data = answer.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"the trace's fork ended with status {status} and no answer")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise value
+    return value
+
+
+def _forget_process_groups() -> None:
+    """In a fork of a running job (parallel.plan=auto traces on rank 0): the job's process groups left to the parent,
+    never destroyed here (their sockets are the parent's; the fork ends without cleaning up), so that the trace can
+    start a fake world of its own."""
+    from torch.distributed import distributed_c10d
+
+    if dist.is_initialized():  # the parent's world kept referenced: its groups' destructors would join threads
+        _PARENT_WORLDS.append(distributed_c10d._world)  # that a fork does not have (and abort)
+        distributed_c10d._world = distributed_c10d._World()
+
+
+_PARENT_WORLDS: list = []
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.loads(pickle.dumps(value))
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def trace_rank(cfg, dims, rank: int) -> Traced:
@@ -126,7 +196,8 @@ def trace_rank(cfg, dims, rank: int) -> Traced:
     try:
         mesh = dims.build_mesh("cpu") if dims.world_size > 1 else None  # real: its rank map is read as data
         # non-fake inputs allowed: the mesh's real rank maps meet the fake tensors in DTensor's and FSDP2's set-up
-        with _fake_ddp(), _real_meshes(), FakeTensorMode(allow_non_fake_inputs=True), PhaseBytes() as tracker:
+        with _fake_ddp(), _fake_pipeline(cfg, dims), _real_meshes(), FakeTensorMode(allow_non_fake_inputs=True), \
+                balanced_routing(), PhaseBytes() as tracker, _stage_phases(tracker):
             layout, optimizer = _build(cfg, dims, mesh, rank)
             _step(cfg, layout, optimizer, tracker, micro_steps=1)  # makes AdamW's state
             tracker.mark()
@@ -134,7 +205,8 @@ def trace_rank(cfg, dims, rank: int) -> Traced:
             held = bytes_held(layout.model, optimizer)
     finally:
         dist.destroy_process_group()
-    return Traced(rank=rank, held=held, peak=tracker.peak(), peak_phase=tracker.peak_phase,
+    return Traced(rank=rank, stage=dims.coords(rank)["pp"], held=held, peak=tracker.peak(),
+                  peak_phase=tracker.peak_phase,
                   phase_peaks=dict(tracker.phase_peaks), seconds=time.perf_counter() - started,
                   max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
@@ -146,6 +218,72 @@ def _fake_ddp():
     the same model from the same seed: there is nothing to check or copy)."""
     with mock.patch.object(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None), \
             mock.patch.object(ddp_module, "_sync_module_states", lambda *a, **k: None):
+        yield
+
+
+@contextlib.contextmanager
+def _fake_pipeline(cfg, dims):
+    """What a pipeline's ranks tell each other as data, told here without a message (a fake group returns none):
+    the embedding group ({first-stage rank, last-stage rank}: agreed by an all_gather_object) made from this rank's
+    own pair; torch's start-up vote on static or dynamic shapes (always dynamic: meshtrain gives no static shapes);
+    and the metadata of the tensors a stage receives, which a neighbouring rank sends pickled: forward, the
+    previous stage's output, a micro-batch's hidden states [samples, tokens / cp, width] in the dtype the blocks
+    compute their stream in (16-bit under FSDP2's mixed precision, fp32 otherwise, as autocast leaves the stream);
+    backward, the gradient of this stage's own output, whose metadata torch already holds."""
+    from torch.distributed.pipelining import schedules, stage
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _derive_grad_metas,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        extract_tensor_meta,
+    )
+
+    facts = ModelFacts.of(cfg)
+    microbatches = cfg.parallel.microbatches or dims.pp * cfg.parallel.virtual_stages
+    shape = (facts.batch_size // microbatches, facts.tokens // dims.cp, facts.shape.width)
+    dtype = AUTOCAST[cfg.train.dtype] if fsdp_mixed(cfg, dims) else torch.float32
+
+    def own_group(pair):
+        if pair is None:
+            return None
+        with _disable_current_modes():
+            return dist.new_group(list(pair))
+
+    def vote(self, stages, has_backward, p2p_done):
+        for one in stages:
+            one._inference_mode = InferenceMode.DYNAMIC
+
+    def recv_meta(self, src_stage):
+        if src_stage < self.stage_index:
+            hidden = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+            return _StageForwardMeta(forward_metas=(extract_tensor_meta(hidden),))
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+
+    with mock.patch.object(pipeline_module, "_embedding_group", own_group), \
+            mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", vote), \
+            mock.patch.object(stage.PipelineStage, "_recv_meta", recv_meta), \
+            mock.patch.object(stage.PipelineStage, "_send_meta", lambda *a, **k: None):
+        yield
+
+
+@contextlib.contextmanager
+def _stage_phases(tracker: PhaseBytes):
+    """A pipeline schedule runs forward and backward in one call, chunk by chunk: each stage's chunk is counted in
+    its own part of the step, so that the peak says whether a forward or a backward reached it."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    def counted(method, phase):
+        def run(self, *args, **kwargs):
+            with tracker.during(phase):
+                return method(self, *args, **kwargs)
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for name, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                            ("backward_weight_one_chunk", "backward")):
+            stack.enter_context(mock.patch.object(_PipelineStageBase, name,
+                                                  counted(getattr(_PipelineStageBase, name), phase)))
         yield
 
 
