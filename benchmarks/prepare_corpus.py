@@ -3,6 +3,7 @@ tokenizer over the same documents, and the peak resident memory of each.
 
     python benchmarks/prepare_corpus.py                        # 200 M characters of generated jsonl, GPT-2 BPE
     python benchmarks/prepare_corpus.py --chars 20M --workers 1 2 4
+    python benchmarks/prepare_corpus.py --chars 200M --files 16 --generate-only /tmp/corpus   # jsonl(.gz)+parquet
 
 The corpus is generated once into a temporary folder (words drawn from a fixed vocabulary, documents of 1–8 K
 characters, --seed). Each row runs in a fresh interpreter, so its peak resident memory (getrusage: the process's
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,65 @@ def generate(path: Path, chars: int, seed: int) -> int:
     return docs
 
 
+def shakespeare_documents(chars: int, seed: int, names: int = 200_000) -> Iterator[str]:
+    """Documents of about 1–8 K characters from the shipped Shakespeare, reshuffled: speeches (the text under a
+    speaker's line, up to the blank line) drawn at random, each under one of `names` invented speaker names
+    (2–4 syllables, Zipf-drawn), so that a BPE trained on a slice finds merges past 65,536 tokens (Shakespeare's
+    own words give far fewer). Yields texts until `chars` characters."""
+    import gzip
+    from importlib.resources import files
+
+    raw = files("meshtrain.data").joinpath("assets", "tinyshakespeare.txt.gz").read_bytes()
+    speeches = [s.split("\n", 1)[1] for s in gzip.decompress(raw).decode("utf-8").split("\n\n") if "\n" in s]
+    rng = np.random.default_rng(seed)
+    onsets = ["", "b", "br", "c", "ch", "d", "dr", "f", "g", "gr", "h", "j", "k", "l", "m", "n", "p", "pr", "r",
+              "s", "st", "t", "th", "tr", "v", "w", "z"]
+    vowels = ["a", "e", "i", "o", "u", "ae", "ia", "ou", "ei"]
+    codas = ["", "", "n", "r", "s", "l", "th", "nd", "st"]
+    syllables = np.array([o + v + c for o in onsets for v in vowels for c in codas])
+    pool = ["".join(rng.choice(syllables, rng.integers(2, 5))).upper() for _ in range(names)]
+    written = 0
+    while written < chars:
+        parts, size, goal = [], 0, rng.integers(1_000, 8_000)
+        while size < goal:
+            name = pool[(rng.zipf(1.2) - 1) % names]
+            parts.append(f"{name}:\n{speeches[rng.integers(len(speeches))]}\n\n")
+            size += len(parts[-1])
+        written += size
+        yield "".join(parts)
+
+
+def generate_files(folder: Path, chars: int, seed: int, files: int, formats: list[str]) -> list[Path]:
+    """`files` files of `shakespeare_documents` in `folder`, about `chars` characters in all, the formats taken
+    in turn (jsonl or parquet; every second jsonl gzip-compressed); their paths."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    documents = shakespeare_documents(chars, seed)
+    paths, per_file = [], chars // files
+    for i in range(files):
+        kind = formats[i % len(formats)]
+        texts, size = [], 0
+        for text in documents:
+            texts.append(text)
+            size += len(text)
+            if size >= per_file and i < files - 1:
+                break
+        if kind == "parquet":
+            path = folder / f"part-{i:03d}.parquet"
+            pq.write_table(pa.table({"text": texts}), path, row_group_size=2_000)
+        else:
+            gz = (i // len(formats)) % 2 == 1
+            path = folder / f"part-{i:03d}.jsonl{'.gz' if gz else ''}"
+            with (gzip.open(path, "wt", encoding="utf-8") if gz else open(path, "w", encoding="utf-8")) as f:
+                f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+        paths.append(path)
+    return paths
+
+
 def run_one(mode: str, corpus: Path, out: Path) -> dict:
     """One row, in this (fresh) process: tokens, seconds and peak memory."""
     from meshtrain.data.corpus import prepare_corpus
@@ -74,10 +135,19 @@ def main() -> None:
     parser.add_argument("--chars", type=count, default=count("200M"), help="corpus size in characters (200M)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to time (1 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--files", type=int, default=1, help="with --generate-only: the number of files (1)")
+    parser.add_argument("--formats", default="jsonl,parquet", help="with --generate-only: the formats in turn")
+    parser.add_argument("--generate-only", metavar="FOLDER", type=Path,
+                        help="write a corpus of reshuffled Shakespeare into FOLDER and stop (no timing)")
     parser.add_argument("--run", nargs=3, metavar=("MODE", "CORPUS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         print(json.dumps(run_one(args.run[0], Path(args.run[1]), Path(args.run[2]))))
+        return
+    if args.generate_only:
+        paths = generate_files(args.generate_only, args.chars, args.seed, args.files, args.formats.split(","))
+        print(f"wrote {len(paths)} files, {sum(p.stat().st_size for p in paths) / 2**20:,.0f} MiB, "
+              f"to {args.generate_only}")
         return
     with tempfile.TemporaryDirectory(prefix="prepare_corpus_") as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
