@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.commands import prepare as prepare_command
-from meshtrain.data import text
+from meshtrain.data import prepare_text, text
+from meshtrain.data.prepare_text import prepare
 from meshtrain.data.text import (
     CharTokenizer,
     DataError,
@@ -25,10 +26,9 @@ from meshtrain.data.text import (
     TokenBatches,
     check_split,
     load_meta,
-    prepare,
     shakespeare_text,
-    tokenizer_from_meta,
 )
+from meshtrain.data.tokenizers import tokenizer_from_meta
 
 SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 BPE_TOTAL_TOKENS = 338_025  # tiktoken's GPT-2 encoding of the whole corpus
@@ -165,11 +165,11 @@ def test_a_long_corpus_is_tokenized_in_pieces_with_the_same_ids_and_told(prepare
     GPT-2's pre-tokenizer cuts too), saying what it does and how far along it is: the ids are the whole's."""
     from meshtrain.runtime import progress
 
-    monkeypatch.setattr(text, "ENCODE_PIECE_CHARS", 20_000)  # ~50 pieces of the 1.1M-character corpus
+    monkeypatch.setattr(prepare_text, "ENCODE_PIECE_CHARS", 20_000)  # ~50 pieces of the 1.1M-character corpus
     monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
     monkeypatch.setenv("MESHTRAIN_PROGRESS", "0")
     corpus = shakespeare_text()
-    pieces = list(text._pieces(corpus, text.ENCODE_PIECE_CHARS))
+    pieces = list(text._pieces(corpus, prepare_text.ENCODE_PIECE_CHARS))
     assert "".join(pieces) == corpus and len(pieces) > 40
     assert all(p[-1] == "\n" and p[-2].isalnum() for p in pieces[:-1])
     with captured_log() as lines:
@@ -275,7 +275,7 @@ def test_interrupted_write_keeps_the_old_dataset(tmp_path, user_text, monkeypatc
         file.write(tokens[: len(tokens) // 2].tobytes())
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(text, "_write_tokens", write_half_then_fail)
+    monkeypatch.setattr(prepare_text, "_write_tokens", write_half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         prepare("text", root, source=user_text)
     assert contents(root / "poems") == old  # same files, same bytes, no temp files left over
@@ -293,7 +293,7 @@ def test_crash_between_renames_reads_as_not_prepared(tmp_path, user_text, monkey
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr(text.os, "replace", replace_once_then_die)
+    monkeypatch.setattr(prepare_text.os, "replace", replace_once_then_die)
     with pytest.raises(KeyboardInterrupt):
         prepare("text", root, source=user_text)
     monkeypatch.undo()

@@ -33,13 +33,13 @@ import re
 from pathlib import Path
 
 from meshtrain.commands.prepare_corpus import DEFAULT_SHARD_TOKENS, is_corpus, run_corpus
+from meshtrain.data.prepare_text import prepare
 from meshtrain.data.text import (
     BUILTIN_TOKENIZER,
     DATA_ROOT_ENV,
     DEFAULT_DATA_ROOT,
     DataError,
     default_data_root,
-    prepare,
 )
 from meshtrain.data.tokenizers import train_bpe
 from meshtrain.runtime.log import get_logger

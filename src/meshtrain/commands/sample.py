@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: torch, which `meshtrain sample --help` does without.
     import torch
 
-    from meshtrain.data.text import tokenizer_from_meta
+    from meshtrain.data.tokenizers import tokenizer_from_meta
     from meshtrain.runtime.device import pick_device
     from meshtrain.train.checkpoint import load_language_model
 

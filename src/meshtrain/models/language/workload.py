@@ -16,7 +16,7 @@ import torch
 
 from meshtrain.config import ConfigError
 from meshtrain.data.streams import dataset_meta, token_batches
-from meshtrain.data.text import tokenizer_from_meta
+from meshtrain.data.tokenizers import tokenizer_from_meta
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, reduce_scalar

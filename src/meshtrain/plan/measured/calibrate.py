@@ -33,7 +33,7 @@ from pathlib import Path
 import meshtrain
 from meshtrain import config as config_mod
 from meshtrain import registry
-from meshtrain.data.text import prepare
+from meshtrain.data.prepare_text import prepare
 from meshtrain.errors import MeshtrainError
 from meshtrain.machine import profile
 from meshtrain.machine.hardware import describe

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshtrain import registry
-from meshtrain.data import text
+from meshtrain.data import prepare_text, text
 from meshtrain.plan import search
 from meshtrain.plan.cost import fixed_kind, kinds_of, predict
 from meshtrain.plan.machines import Machine
@@ -153,7 +153,7 @@ def ensure_data(model: str, cfg: RunConfig, progress=print) -> None:
         if data_dir.name not in text.BUILTIN_TOKENIZER:
             raise text.DataError(f"--validate trains the layouts on {data_dir}: {missing}") from None
         progress(f"preparing {data_dir} (the shipped corpus) for the measured runs: `{text.prepare_command(data_dir)}`")
-        text.prepare(data_dir.name, data_dir.parent)
+        prepare_text.prepare(data_dir.name, data_dir.parent)
 
 
 def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list[Candidate], count: int, nodes: int,
