@@ -43,6 +43,7 @@ from meshtrain.data.text import SPLITS, DataError
 from meshtrain.data.tokenizers import CharTokenizer, Tokenizer, load_tokenizer
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.progress import progress_bar
+from meshtrain.runtime.rundir import write_atomically
 
 log = get_logger("data")
 
@@ -233,9 +234,7 @@ def _finish(out_dir: Path, tok: Tokenizer, settings: dict, shards: dict, dtype) 
 
 
 def _write_json(path: Path, value: dict) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps(value, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(temp, path)
+    write_atomically(path, json.dumps(value, indent=1) + "\n")  # ASCII (non-ASCII escaped): any locale writes it
 
 
 def _up_to_date(out_dir: Path, settings: dict) -> dict | None:

@@ -80,8 +80,14 @@ def compute_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 def looped_swiglu(rows: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                   down: torch.Tensor) -> torch.Tensor:
     """The plain path: one SwiGLU per expert over its own rows (experts without rows skipped)."""
+    return swiglu_by_counts(rows, counts.tolist(), gate, up, down)  # the one host read of this path
+
+
+def swiglu_by_counts(rows: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor,
+                     down: torch.Tensor) -> torch.Tensor:
+    """looped_swiglu with the rows per expert given as host numbers; rows after the last expert's: zeros."""
     pieces, start = [], 0
-    for expert, n in enumerate(counts.tolist()):  # the one host read of this path
+    for expert, n in enumerate(counts):
         if n:
             x = rows[start:start + n]
             pieces.append((F.silu(x @ gate[expert].t()) * (x @ up[expert].t())) @ down[expert].t())

@@ -17,7 +17,6 @@ import contextlib
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 from meshtrain.models.moe import experts as experts_module
 from meshtrain.parallel import expert_parallel
@@ -47,13 +46,7 @@ def _counts(input: torch.Tensor, weights: torch.Tensor | None = None, minlength:
 def _looped_swiglu(rows: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                    down: torch.Tensor) -> torch.Tensor:
     """experts.looped_swiglu with each expert's rows an equal share of `rows`."""
-    pieces, start = [], 0
-    for expert, n in enumerate(split(rows.shape[0], gate.shape[0])):
-        if n:
-            x = rows[start:start + n]
-            pieces.append((F.silu(x @ gate[expert].t()) * (x @ up[expert].t())) @ down[expert].t())
-            start += n
-    return torch.cat(pieces) if pieces else rows.new_zeros(0, down.shape[1])
+    return experts_module.swiglu_by_counts(rows, split(rows.shape[0], gate.shape[0]), gate, up, down)
 
 
 def _dispatch(rows: torch.Tensor, counts: torch.Tensor, group, ep: int, tally: Sent | None = None):
