@@ -51,6 +51,11 @@ ROWS = {
     "float8 tensorwise": ["train.dtype=bf16", "train.compile=true", "train.float8=tensorwise"],
     "float8 rowwise": ["train.dtype=bf16", "train.compile=true", "train.float8=rowwise"],
     "bf16 eager": ["train.dtype=bf16"],
+    "bf16 eager + loss in chunks (auto)": ["train.dtype=bf16", "train.loss_chunks=auto"],
+    "bf16 eager + AC op": ["train.dtype=bf16", "train.activation_checkpointing=op"],
+    "bf16 eager + AC full": ["train.dtype=bf16", "train.activation_checkpointing=full"],
+    "fp32 eager": ["train.dtype=fp32"],
+    "compile whole model + epoch order": ["train.dtype=bf16", "train.compile=model", "data.order=epoch"],
     "fp16+scaler+compile": ["train.dtype=fp16", "train.compile=true"],
     "bf16+compile+AC full": ["train.dtype=bf16", "train.compile=true", "train.activation_checkpointing=full"],
     "FSDP2 cpu offload (bf16)": ["train.dtype=bf16", "train.backend=fsdp", "parallel.cpu_offload=true"],
@@ -89,7 +94,7 @@ def kernel_profile(trace_path: Path, top: int = 12) -> dict:
             "top": [(name[:90], d / busy) for name, d in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]}
 
 
-def run(name: str, overrides: list[str], data_root: Path, iters: int, accum: int, profile: bool = False) -> dict:
+def run(name: str, overrides: list[str], data_root: Path | str, iters: int, accum: int, profile: bool = False) -> dict:
     # the profiled iteration is the last but one: compiled and warm, and its own slower time is one logged row
     traced = ["train.profile=torch", f"train.profile_start={iters - 2}", "train.profile_steps=1"] if profile else []
     kept = Path(tempfile.mkdtemp(prefix="gpt2-profiled-")) if profile else None
@@ -127,6 +132,9 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--accum", type=int, default=4, help="micro-steps of 12 x 1024 tokens per iteration")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every row, after the row's own (data.root=DIR data.name=NAME: a corpus "
+                        "from `meshtrain prepare text`; without data.root, BPE Shakespeare prepared afresh)")
     parser.add_argument("--profile", action="store_true", help="trace one iteration of the first row (torch "
                         "profiler) and print its kernels' shares")
     args = parser.parse_args()
@@ -136,14 +144,15 @@ def main() -> None:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         sys.exit(f"unknown row(s) {unknown}: choose from {', '.join(ROWS)}")
+    given = next((s.split("=", 1)[1] for s in args.set if s.startswith("data.root=")), None)
     with tempfile.TemporaryDirectory(prefix="gpt2-data-") as tmp:
-        data_root = prepared(tmp, "shakespeare")
+        data_root = given or prepared(tmp, "shakespeare")
         results = []
         for i, name in enumerate(names):
-            results.append(run(name, ROWS[name], data_root, args.iters, args.accum, args.profile and i == 0))
+            results.append(run(name, ROWS[name] + args.set, data_root, args.iters, args.accum, args.profile and i == 0))
             print(json.dumps(results[-1]), flush=True)
     print(f"\nGPT-2 124M, block 1024, batch 12 x accumulation {args.accum}, {args.iters} iterations, one "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}{', ' + ' '.join(args.set) if args.set else ''}")
     print("| row | ms/iter | tokens/s | × first | MFU | max memory allocated | data wait | train s | last loss | val loss |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     first = next((r for r in results if "tps" in r), None)
