@@ -116,13 +116,20 @@ def test_a_run_resumed_in_another_layout_goes_on_as_if_uninterrupted(model, requ
             assert got == pytest.approx(expected, rel=1e-4), (layout, step, key, got, expected)
         assert read_ledger(split / "ledger.txt") == want_ledger, layout
 
-    if model == "gpt":  # export consolidates the last checkpoint of the pipelined run, which sample reads
-        sampled = [preloaded.run([sys.executable, "-m", "meshtrain", *command], env=clean_env(), cwd=REPO, timeout=120)
-                   for command in (["export", "--run", str(split)],
-                                   ["sample", "--run", str(split / "model.pt"), "--prompt", "ROMEO:",
-                                    "--max-new-tokens", "20", "--seed", "3"],
-                                   ["sample", "--run", str(split), "--prompt", "ROMEO:", "--max-new-tokens", "20",
-                                    "--seed", "3"])]
+    if model == "gpt":  # export consolidates the last checkpoint of the pipelined run, which sample reads, with
+        # the tokenizer.json moved away: the run and model.pt carry its text
+        tokenizer = data_root / "bpe.json"
+        tokenizer.rename(data_root / "bpe.json.moved")
+        try:
+            sampled = [preloaded.run([sys.executable, "-m", "meshtrain", *command], env=clean_env(), cwd=REPO,
+                                     timeout=120)
+                       for command in (["export", "--run", str(split)],
+                                       ["sample", "--run", str(split / "model.pt"), "--prompt", "ROMEO:",
+                                        "--max-new-tokens", "20", "--seed", "3"],
+                                       ["sample", "--run", str(split), "--prompt", "ROMEO:", "--max-new-tokens", "20",
+                                        "--seed", "3"])]
+        finally:
+            (data_root / "bpe.json.moved").rename(tokenizer)
         assert all(s.returncode == 0 for s in sampled), "".join(output(s) for s in sampled)
         assert sampled[1].stdout.startswith("ROMEO:") and sampled[1].stdout == sampled[2].stdout
     else:  # export rebuilds any model from its spec; sample generates text only

@@ -242,3 +242,27 @@ def test_prepare_text_past_65536_ids_writes_uint32_shards_and_the_models_vocabul
     for family, build in (("gpt", build_gpt), ("llama", build_llama)):
         cfg = load_config(["preset=cpu", *overrides, *(["model.n_kv_head=2"] if family == "llama" else [])], family)
         assert build(cfg, text_data_facts(cfg)).lm_head.out_features == 70_001
+
+
+def test_a_run_carries_its_tokenizer_files_and_loads_them_after_the_originals_are_gone(tmp_path, corpus):
+    """A run's meta (in each checkpoint and in model.pt) carries the text of a file-based tokenizer's files: with
+    the tokenizer.json, or a ranks file and its sidecar, moved or rewritten, the run still decodes as it trained;
+    a carried file that is not the one it trained with is refused."""
+    bpe = train_bpe([corpus], 300, tmp_path / "bpe300.json")
+    wide_path, _ = wide_ranks_file(tmp_path)
+    wide = load_tokenizer(str(wide_path))
+    assert list(wide.files()) == ["wide.tiktoken", "wide.tiktoken.json"] and load_tokenizer("gpt2").files() == {}
+    carried = {tok.spec: {**tok.meta(), "tokenizer_files": tok.files()} for tok in (bpe, wide)}
+    ids = {spec: tokenizer_from_meta(meta).encode(SAMPLE) for spec, meta in carried.items()}
+    train_bpe([corpus], 290, tmp_path / "bpe300.json")  # another tokenizer at the run's path
+    for path in (wide_path, wide_path.with_name("wide.tiktoken.json")):
+        path.rename(path.with_suffix(".moved"))
+    for spec, meta in carried.items():
+        with pytest.raises(DataError):  # the originals no longer give the run's ids
+            tokenizer_from_meta({k: v for k, v in meta.items() if k != "tokenizer_files"})
+        again = tokenizer_from_meta(meta)
+        assert again.spec == spec and again.fingerprint == meta["fingerprint"]
+        assert again.encode(SAMPLE) == ids[spec] and again.decode(ids[spec]) == SAMPLE
+    tampered = {**carried[bpe.spec], "tokenizer_files": {"bpe300.json": (tmp_path / "bpe300.json").read_text()}}
+    with pytest.raises(DataError, match="not the ones it was trained with"):
+        tokenizer_from_meta(tampered)

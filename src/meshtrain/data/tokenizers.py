@@ -87,6 +87,11 @@ class Tokenizer:
     def decode(self, ids) -> str:
         raise NotImplementedError
 
+    def files(self) -> dict[str, str]:
+        """The text of the files this tokenizer was read from, the one its spec names first (none for a built-in or
+        a named encoding): what a run and an exported model carry, so that they load without the files."""
+        return dict(getattr(self, "_files", {}))
+
     def meta(self) -> dict:
         """What meta.json keeps of the tokenizer: tokenizer_from_meta(meta) loads it again."""
         return {"tokenizer": self.kind, "vocab_size": self.vocab_size, "spec": self.spec,
@@ -234,19 +239,28 @@ def _sidecar(path: Path) -> Path:
 
 def load_ranks_file(path: Path) -> TiktokenTokenizer:
     """A tiktoken ranks file, with the pattern and special tokens of its sidecar (or known defaults)."""
-    ranks = parse_ranks(path.read_bytes(), str(path))
+    raw = path.read_bytes()
+    ranks = parse_ranks(raw, str(path))
     sidecar = _sidecar(path)
     if not sidecar.is_file():
         pattern, specials, eot = _default_specials(path, ranks)
-        return TiktokenTokenizer(str(path), ranks, pattern, specials, eot)
+        return _reading(TiktokenTokenizer(str(path), ranks, pattern, specials, eot), {path.name: raw.decode("ascii")})
     try:
-        described = json.loads(sidecar.read_text(encoding="utf-8"))
+        described_text = sidecar.read_text(encoding="utf-8")
+        described = json.loads(described_text)
         pattern, specials = described["pattern"], {str(k): int(v) for k, v in described["special_tokens"].items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise DataError(f"{sidecar} should be JSON with a \"pattern\" string and \"special_tokens\" "
                         f"{{name: id}} ({type(e).__name__}: {e})") from None
     eot = described.get("eot", next((name for name in EOT_NAMES if name in specials), None))
-    return TiktokenTokenizer(str(path), ranks, pattern, specials, eot)
+    return _reading(TiktokenTokenizer(str(path), ranks, pattern, specials, eot),
+                    {path.name: raw.decode("ascii"), sidecar.name: described_text})
+
+
+def _reading(tokenizer: Tokenizer, files: dict[str, str]) -> Tokenizer:
+    """`tokenizer`, which keeps the text of the files it was read from (Tokenizer.files)."""
+    tokenizer._files = files
+    return tokenizer
 
 
 def _tiktoken_cache_path(url: str) -> tuple[str | None, Path | None]:
@@ -316,6 +330,7 @@ class HFTokenizer(Tokenizer):
         # As tiktoken's encode_ordinary: a special token's text inside a document is plain text.
         self.backend.encode_special_tokens = True
         self.spec, self.fingerprint = str(path), hashlib.sha256(raw).hexdigest()
+        self._files = {path.name: raw.decode("utf-8")}
         vocab = self.backend.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1  # ids may leave gaps: the model needs the largest + 1 rows
         self.eot_id = next((vocab[name] for name in EOT_NAMES if name in vocab), None)
@@ -398,6 +413,8 @@ def tokenizer_from_meta(meta: dict) -> Tokenizer:
     unchanged; a file-based one must still hold the encoding it had (its fingerprint), or the ids would mean
     other words."""
     kind = meta.get("tokenizer")
+    if meta.get("tokenizer_files"):
+        return _carried(meta)
     if kind == "char":
         return CharTokenizer(meta["itos"])
     if kind == "gpt2":
@@ -412,4 +429,18 @@ def tokenizer_from_meta(meta: dict) -> Tokenizer:
         raise DataError(f"the tokenizer {meta['spec']} is not the one this dataset was prepared with: its "
                         f"fingerprint is {tokenizer.fingerprint[:12]}…, meta.json's {str(meta['fingerprint'])[:12]}…. "
                         "Put the original file back, or prepare the dataset again with this one")
+    return tokenizer
+
+
+def _carried(meta: dict) -> Tokenizer:
+    """The tokenizer of a run's or an exported model's meta, from the files it carries (Tokenizer.files): the
+    files it was trained with, wherever the originals went."""
+    with tempfile.TemporaryDirectory(prefix="meshtrain-tokenizer-") as folder:
+        for name, text in meta["tokenizer_files"].items():
+            (Path(folder) / name).write_text(text, encoding="utf-8")
+        tokenizer = load_tokenizer(str(Path(folder) / next(iter(meta["tokenizer_files"]))))
+    if meta.get("fingerprint") not in (None, tokenizer.fingerprint):
+        raise DataError(f"the tokenizer files carried for {meta['spec']} are not the ones it was trained with "
+                        f"(fingerprint {tokenizer.fingerprint[:12]}…, expected {str(meta['fingerprint'])[:12]}…)")
+    tokenizer.spec = meta["spec"]
     return tokenizer

@@ -90,8 +90,10 @@ class LanguageModelWorkload:
         return self._build_layout(model, self.cfg, self.dims, mesh, self.device, self.info.rank)
 
     def data_facts(self) -> dict:
-        """What the model's build takes from the data (the vocabulary), kept in checkpoints for export and sample."""
-        return {"meta": self.meta}
+        """What the model's build takes from the data (the vocabulary), kept in checkpoints for export and sample,
+        with the text of the tokenizer's files: sample reads them there, not where prepare found them."""
+        files = self.tokenizer.files()
+        return {"meta": {**self.meta, "tokenizer_files": files} if files else self.meta}
 
     def evaluate(self, layout, autocast, it: int) -> dict[str, float]:
         """Mean loss over eval_iters global batches of each split (the training's global batch: every rank reads
