@@ -120,6 +120,8 @@ def test_a_rendezvous_on_another_host_is_not_bound_here_and_none_at_all_warns():
     two_nodes = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
     [check] = network.rendezvous_checks(detect(two_nodes), two_nodes)
     assert check.status == WARNING and "mpi4py" in check.fix
+    [over_mpi] = network.rendezvous_checks(detect(two_nodes), two_nodes, mpi4py=True)
+    assert over_mpi.status == OK and "over MPI" in over_mpi.found
 
 
 NICS = ["lo", "eth0", "ib0", "docker0"]

@@ -50,18 +50,19 @@ def collect(args: argparse.Namespace, environ=None) -> list[doctor.Check]:
     multi_node = max(args.nodes or 1, job_nodes) > 1
     mpiexec = shutil.which("mpiexec")
     flavor = mpi_flavor(mpiexec) if mpiexec else "pals"
+    mpi_library = doctor.mpi_library()
     import torch  # already loaded by runtime.doctor; here only to ask whether NCCL would be used
 
     checks = [doctor.python_check(), doctor.torch_check(),
               doctor.devices_check(args.gpus_per_node, launch, env),
               doctor.launcher_check(env, args.nodes, flavor=flavor)]
     if launch is not None:
-        checks += network.rendezvous_checks(launch, env)
+        checks += network.rendezvous_checks(launch, env, mpi4py=mpi_library is not None)
     checks += [network.gloo_interface_check(env, multi_node),
                network.nccl_interface_check(env, torch.cuda.is_available()),
                doctor.shm_check(), doctor.open_files_check(), doctor.disk_check(args.checkpoint_dir),
                shipped_data_check(args.data_root or default_data_root()), profile_age_check(),
-               doctor.mpi_check(doctor.mpi_library(), mpiexec, flavor if mpiexec else None)]
+               doctor.mpi_check(mpi_library, mpiexec, flavor if mpiexec else None)]
     return checks
 
 

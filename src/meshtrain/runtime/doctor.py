@@ -95,11 +95,13 @@ def _gpus_asked(environ: Mapping[str, str]) -> int | None:
 def devices_check(gpus_per_node: int | None, launch: LaunchEnv | None, environ: Mapping[str, str],
                   counts: Mapping[str, int] | None = None) -> Check:
     """The accelerators torch sees here against those the job asked for per node and the ranks that share them."""
-    counts = {kind: device_count(kind) for kind in ("cuda", "xpu")} if counts is None else counts
+    live = counts is None
+    counts = {kind: device_count(kind) for kind in ("cuda", "xpu")} if live else counts
     kind, count = max(counts.items(), key=lambda item: item[1])
     asked = gpus_per_node if gpus_per_node is not None else _gpus_asked(environ)
     visible = environ.get("CUDA_VISIBLE_DEVICES") or environ.get("ZE_AFFINITY_MASK")
     found = f"{count} {kind} device{'s' * (count != 1)}" if count else "no GPU: ranks run on the CPU"
+    found += f" ({getattr(torch, kind).get_device_name(0)})" if live and count else ""
     found += f" (visible: {visible})" if visible else ""
     if asked and count < asked:
         return Check("devices", ERROR, f"{found}; the job asks for {asked} per node",
