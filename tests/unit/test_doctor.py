@@ -65,7 +65,7 @@ SLURM_JOB = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "nid[001-002]", "SLURM_
 def test_a_slurm_batch_script_names_the_job_its_nodes_and_the_srun_layout():
     check = doctor.launcher_check(SLURM_JOB, machine=CPU_NODE)
     assert check.status == OK
-    assert "slurm job 77 on 2 nodes" in check.found and "launched by nobody" in check.found
+    assert "slurm job 77 on 2 nodes; one process" in check.found
     assert "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=2" in check.found
 
 
@@ -73,6 +73,9 @@ def test_asking_for_more_nodes_than_the_job_has_is_an_error():
     check = doctor.launcher_check(SLURM_JOB, nodes=4, machine=CPU_NODE)
     assert check.status == ERROR and "--nodes 4 asked for, the job has 2" in check.found
     assert "ask the scheduler for 4 nodes" in check.fix
+    login_node = doctor.launcher_check({}, nodes=4, machine=CPU_NODE)  # the job is not there yet to count
+    assert login_node.status == OK and login_node.found.startswith("no scheduler")
+    assert "torchrun --standalone --nproc-per-node=2 -m meshtrain" in login_node.found
 
 
 def test_a_pbs_job_names_its_hostfile_and_the_mpiexec_layout(tmp_path):
@@ -87,8 +90,8 @@ def test_a_pbs_job_names_its_hostfile_and_the_mpiexec_layout(tmp_path):
 def test_a_rank_inside_an_srun_step_reports_its_place_and_a_bad_rank_is_an_error():
     step = {**SLURM_JOB, "SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8",
             "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4"}
-    assert "launched by srun: rank 5 of 8, local rank 1 of 4, 2 node(s)" in doctor.launcher_check(
-        step, machine=CPU_NODE).found
+    inside = doctor.launcher_check(step, machine=CPU_NODE).found
+    assert inside == "slurm job 77 on 2 nodes; launched by srun: rank 5 of 8, local rank 1 of 4, 2 node(s)"
     check = doctor.launcher_check({"RANK": "9", "WORLD_SIZE": "4"}, machine=CPU_NODE)
     assert check.status == ERROR and "RANK=9 is outside the world of 4" in check.found
 
@@ -122,6 +125,21 @@ def test_a_rendezvous_on_another_host_is_not_bound_here_and_none_at_all_warns():
     assert check.status == WARNING and "mpi4py" in check.fix
     [over_mpi] = network.rendezvous_checks(detect(two_nodes), two_nodes, mpi4py=True)
     assert over_mpi.status == OK and "over MPI" in over_mpi.found
+
+
+def test_a_job_script_checks_where_the_ranks_it_launches_will_meet():
+    env = {**SLURM_JOB, "SLURM_JOB_NODELIST": "nid[001-002].invalid"}  # .invalid: never resolves (RFC 2606)
+    [unresolved] = network.rendezvous_checks(detect(env), env)
+    assert unresolved.status == ERROR and unresolved.found.startswith("nid001.invalid (the slurm job's first host")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        here_first = {**SLURM_JOB, "SLURM_JOB_NODELIST": "localhost,nid002",
+                      "MASTER_PORT": str(holder.getsockname()[1])}
+        address, port = network.rendezvous_checks(detect(here_first), here_first)
+        assert address.found.startswith("localhost -> 127.0.0.1") and port.status == ERROR
+    derived = {**SLURM_JOB, "SLURM_JOB_NODELIST": "localhost,nid002"}
+    assert "derives its port" in network.rendezvous_checks(detect(derived), derived)[1].found
 
 
 NICS = ["lo", "eth0", "ib0", "docker0"]

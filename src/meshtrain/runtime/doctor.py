@@ -124,19 +124,21 @@ def launcher_check(environ: Mapping[str, str], nodes: int | None = None, machine
     except LaunchEnvError as e:
         return Check("launcher", ERROR, str(e), "fix the launcher's variables, or start the job with "
                                                 "`meshtrain launch`")
-    job = "no scheduler" if launch.scheduler == "none" else f"{launch.scheduler} job {launch.job_id}"
-    hosts = f" on {len(job_hosts)} node{'s' * (len(job_hosts) != 1)}" if launch.scheduler != "none" else ""
-    if launch.launcher == "none":
-        place = "launched by nobody (one process)"
+    job_nodes = len(job_hosts) or int(environ.get("SLURM_NNODES") or 0) or 1
+    if launch.scheduler == "none":
+        found = "no scheduler (a login node or a workstation)"
     else:
-        place = (f"launched by {launch.launcher}: rank {launch.rank} of {launch.world_size}, local rank "
-                 f"{launch.local_rank} of {launch.local_world_size}, {launch.num_nodes} node(s)")
-    found = f"{job}{hosts}; {place}; `meshtrain launch` would run: {_shown(argv)} ..."
-    job_nodes = len(job_hosts) if launch.scheduler != "none" else 1
-    if nodes and job_nodes < nodes:
+        found = f"{launch.scheduler} job {launch.job_id} on {job_nodes} node{'s' * (job_nodes != 1)}"
+    if launch.launcher == "none":  # a job script or a login shell: what the launch would start
+        found += f"; one process; `meshtrain launch` would run: {_shown(argv)} ..."
+    else:
+        found += (f"; launched by {launch.launcher}: rank {launch.rank} of {launch.world_size}, local rank "
+                  f"{launch.local_rank} of {launch.local_world_size}, {launch.num_nodes} node(s)")
+    if nodes and launch.scheduler != "none" and job_nodes < nodes:
         return Check("launcher", ERROR, f"{found}; --nodes {nodes} asked for, the job has {job_nodes}",
                      f"ask the scheduler for {nodes} nodes (SLURM --nodes, PBS select=) or lower --nodes")
-    return Check("launcher", OK, found)
+    return Check("launcher", OK, found + (f"; --nodes {nodes}: the scheduler's to give" if nodes and
+                                          launch.scheduler == "none" else ""))
 
 
 def _shown(argv: list[str]) -> str:

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable, Mapping
 
 from meshtrain.runtime.doctor import ERROR, OK, WARNING, Check
-from meshtrain.runtime.env import LaunchEnv, rendezvous
+from meshtrain.runtime.env import LaunchEnv, rendezvous, scheduler_info
 
 SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
 
@@ -75,7 +75,7 @@ def port_taken(port: int) -> str | None:
 def rendezvous_checks(launch: LaunchEnv, environ: Mapping[str, str], addresses: Mapping[str, str] | None = None,
                       mpi4py: bool = False) -> list[Check]:
     """The rendezvous address (resolves?) and port (can rank 0 bind it here?), from the same rule setup.py follows."""
-    meeting = rendezvous(launch, environ)
+    meeting = _where_a_launch_would_meet(launch, environ) or rendezvous(launch, environ)
     if meeting is None and mpi4py:
         return [Check("rendezvous", OK, "no address every rank can compute alike: rank 0 broadcasts its own over MPI "
                                         "(mpi4py)")]
@@ -92,8 +92,22 @@ def rendezvous_checks(launch: LaunchEnv, environ: Mapping[str, str], addresses: 
     return checks + [_port_check(host, address, port, launch, environ, addresses)]
 
 
-def _port_check(host: str, address: str, port: int, launch: LaunchEnv, environ: Mapping[str, str],
+def _where_a_launch_would_meet(launch: LaunchEnv, environ: Mapping[str, str]) -> tuple[str, int | None, str] | None:
+    """In the script of a job over several nodes, before any launcher: where the ranks it will start meet, by
+    env.rendezvous's rule for them (MASTER_ADDR, else the job's first host). Without MASTER_PORT the port is None:
+    each launch derives it from its own step's id, unknown until then."""
+    hosts = scheduler_info(environ)[2]
+    if launch.launcher != "none" or len(hosts) < 2:
+        return None
+    if launch.master_addr:
+        return launch.master_addr, launch.master_port, "MASTER_ADDR, for the ranks a launch starts"
+    return hosts[0], launch.master_port, f"the {launch.scheduler} job's first host, where its launched ranks meet"
+
+
+def _port_check(host: str, address: str, port: int | None, launch: LaunchEnv, environ: Mapping[str, str],
                 addresses: Mapping[str, str] | None) -> Check:
+    if port is None:
+        return Check("rendezvous port", OK, f"{host}: each launch derives its port from its job step's id")
     where = f"{host}:{port}"
     if launch.rank != 0:
         return Check("rendezvous port", OK, f"{where}: rank 0 binds it, this is rank {launch.rank}")
