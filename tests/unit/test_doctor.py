@@ -138,6 +138,8 @@ def test_a_job_script_checks_where_the_ranks_it_launches_will_meet():
                       "MASTER_PORT": str(holder.getsockname()[1])}
         address, port = network.rendezvous_checks(detect(here_first), here_first)
         assert address.found.startswith("localhost -> 127.0.0.1") and port.status == ERROR
+        [loopback] = network.rendezvous_checks(detect(here_first), here_first, multi_node=True)
+        assert loopback.status == ERROR and "loopback" in loopback.found and "MASTER_ADDR" in loopback.fix
     derived = {**SLURM_JOB, "SLURM_JOB_NODELIST": "localhost,nid002"}
     assert "derives its port" in network.rendezvous_checks(detect(derived), derived)[1].found
 

@@ -57,7 +57,7 @@ def collect(args: argparse.Namespace, environ=None) -> list[doctor.Check]:
               doctor.devices_check(args.gpus_per_node, launch, env),
               doctor.launcher_check(env, args.nodes, flavor=flavor)]
     if launch is not None:
-        checks += network.rendezvous_checks(launch, env, mpi4py=mpi_library is not None)
+        checks += network.rendezvous_checks(launch, env, mpi4py=mpi_library is not None, multi_node=multi_node)
     checks += [network.gloo_interface_check(env, multi_node),
                network.nccl_interface_check(env, torch.cuda.is_available()),
                doctor.shm_check(), doctor.open_files_check(), doctor.disk_check(args.checkpoint_dir),

@@ -73,8 +73,9 @@ def port_taken(port: int) -> str | None:
 
 
 def rendezvous_checks(launch: LaunchEnv, environ: Mapping[str, str], addresses: Mapping[str, str] | None = None,
-                      mpi4py: bool = False) -> list[Check]:
-    """The rendezvous address (resolves?) and port (can rank 0 bind it here?), from the same rule setup.py follows."""
+                      mpi4py: bool = False, multi_node: bool = False) -> list[Check]:
+    """The rendezvous address (resolves? reachable from other nodes?) and port (can rank 0 bind it here?), by the
+    rule setup.py follows."""
     meeting = _where_a_launch_would_meet(launch, environ) or rendezvous(launch, environ)
     if meeting is None and mpi4py:
         return [Check("rendezvous", OK, "no address every rank can compute alike: rank 0 broadcasts its own over MPI "
@@ -88,6 +89,10 @@ def rendezvous_checks(launch: LaunchEnv, environ: Mapping[str, str], addresses: 
     if address is None:
         return [Check("rendezvous address", ERROR, f"{host} ({source}) does not resolve from this host",
                       "set MASTER_ADDR to a name or IP address of rank 0's node that every node resolves")]
+    if multi_node and address.startswith("127."):
+        return [Check("rendezvous address", ERROR, f"{host} -> {address} ({source}): loopback, which each node "
+                      "resolves to itself", "set MASTER_ADDR to rank 0's node by a name the other nodes resolve, or "
+                      "map this host's name to its network address in /etc/hosts")]
     checks = [Check("rendezvous address", OK, f"{host} -> {address} ({source})")]
     return checks + [_port_check(host, address, port, launch, environ, addresses)]
 
