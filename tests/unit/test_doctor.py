@@ -153,6 +153,7 @@ def test_gloo_socket_ifname_naming_a_missing_interface_is_an_error():
     assert check.status == ERROR and "nosuchif" in check.found and "GLOO_SOCKET_IFNAME" in check.fix
     fine = network.gloo_interface_check({"GLOO_SOCKET_IFNAME": "eth0"}, True, NICS, ADDRESSES)
     assert fine.status == OK and fine.found == "GLOO_SOCKET_IFNAME=eth0: eth0 (10.0.0.5)"
+    assert network.gloo_interface_check({"GLOO_SOCKET_IFNAME": "lo"}, True, NICS, ADDRESSES).status == ERROR
     live = network.gloo_interface_check({"GLOO_SOCKET_IFNAME": "nosuchif"}, False)  # this host's own interfaces
     assert live.status == ERROR and "names nosuchif" in live.found
 

@@ -141,8 +141,12 @@ def gloo_interface_check(environ: Mapping[str, str], multi_node: bool, names: li
             return Check("network (gloo)", ERROR, f"GLOO_SOCKET_IFNAME={chosen} names {', '.join(missing)}, which "
                          f"this host does not have (it has {', '.join(names) or 'none'})",
                          "set GLOO_SOCKET_IFNAME to one of this host's interfaces, or unset it")
-        return Check("network (gloo)", OK, f"GLOO_SOCKET_IFNAME={chosen}: " + ", ".join(
-            f"{name} ({addresses.get(name, 'no IPv4')})" for name in chosen.split(",")))
+        found = f"GLOO_SOCKET_IFNAME={chosen}: " + ", ".join(
+            f"{name} ({addresses.get(name, 'no IPv4')})" for name in chosen.split(","))
+        if multi_node and all(addresses.get(name, "").startswith("127.") for name in chosen.split(",")):
+            return Check("network (gloo)", ERROR, found + ": loopback, which the other nodes cannot reach",
+                         "set GLOO_SOCKET_IFNAME to the interface between the nodes")
+        return Check("network (gloo)", OK, found)
     name = hostname()
     address = resolve(name)
     interface = carrying(address, addresses) if address else None
