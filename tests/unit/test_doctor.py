@@ -267,6 +267,17 @@ def test_mpi4py_against_another_familys_mpiexec_warns():
     assert doctor.mpi_check("unloadable: libmpi.so.40", "/usr/bin/mpiexec").status == ERROR
 
 
+def test_an_mpi4py_whose_library_fails_to_load_is_reported_as_such(tmp_path, monkeypatch):
+    broken = tmp_path / "mpi4py"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('libmpi.so.40: cannot open shared object file')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    library = doctor.mpi_library()
+    assert library == "unloadable: ImportError: libmpi.so.40: cannot open shared object file"
+    check = doctor.mpi_check(library, "/usr/bin/mpiexec", "openmpi")
+    assert check.status == ERROR and "libmpi.so.40" in check.found
+
+
 # ------------------------------------------------------------------------------------------------ the command
 def test_doctor_json_lists_every_check_and_exits_1_on_an_error(tmp_path):
     env = clean_env(MESHTRAIN_CACHE_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="nosuchif")

@@ -33,7 +33,7 @@ SHM_MIN_BYTES = 1 * GiB
 # default soft limit, runs out at a few hundred ranks.
 OPEN_FILES_MIN = 4096
 CHECKPOINT_MIN_FREE_BYTES = 10 * GiB
-PROBE_S = 20.0  # the longest an `mpiexec --version` or an MPI library's load may take
+PROBE_S = 20.0  # the longest mpi4py's import may take (an MPI library on a slow shared file system loads slowly)
 
 
 @dataclass(frozen=True)
@@ -209,11 +209,13 @@ def mpi_library() -> str | None:
              "print(MPI.Get_library_version().splitlines()[0])")
     try:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=PROBE_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    except subprocess.TimeoutExpired:
+        return f"unloadable: its import took more than {PROBE_S:.0f} s"
     if "No module named 'mpi4py'" in out.stderr:
         return None
-    return out.stdout.strip() if out.returncode == 0 else f"unloadable: {out.stderr.strip().splitlines()[-1:]}"
+    if out.returncode != 0:
+        return "unloadable: " + (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+    return out.stdout.strip()
 
 
 def mpi_check(library: str | None, mpiexec: str | None, mpiexec_flavor: str | None = None) -> Check:
