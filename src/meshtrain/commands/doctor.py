@@ -19,6 +19,7 @@ from meshtrain.config import TrainSection
 from meshtrain.data.text import default_data_root, shipped_data_check
 from meshtrain.machine.profile import profile_age_check
 from meshtrain.runtime import doctor, network
+from meshtrain.runtime.device import device_count
 from meshtrain.runtime.env import LaunchEnvError, detect, scheduler_info
 from meshtrain.runtime.launch import mpi_flavor
 from meshtrain.runtime.log import print_rich
@@ -51,15 +52,13 @@ def collect(args: argparse.Namespace, environ=None) -> list[doctor.Check]:
     mpiexec = shutil.which("mpiexec")
     flavor = mpi_flavor(mpiexec) if mpiexec else "pals"
     mpi_library = doctor.mpi_library()
-    import torch  # already loaded by runtime.doctor; here only to ask whether NCCL would be used
-
     checks = [doctor.python_check(), doctor.torch_check(),
               doctor.devices_check(args.gpus_per_node, launch, env),
               doctor.launcher_check(env, args.nodes, flavor=flavor)]
     if launch is not None:
-        checks += network.rendezvous_checks(launch, env, mpi4py=mpi_library is not None, multi_node=multi_node)
+        checks += network.rendezvous_checks(launch, env, mpi4py=doctor.mpi_loads(mpi_library), multi_node=multi_node)
     checks += [network.gloo_interface_check(env, multi_node),
-               network.nccl_interface_check(env, torch.cuda.is_available()),
+               network.nccl_interface_check(env, device_count("cuda") > 0),
                doctor.shm_check(), doctor.open_files_check(), doctor.disk_check(args.checkpoint_dir),
                shipped_data_check(args.data_root or default_data_root()), profile_age_check(),
                doctor.mpi_check(mpi_library, mpiexec, flavor if mpiexec else None)]

@@ -218,6 +218,11 @@ def mpi_library() -> str | None:
     return out.stdout.strip()
 
 
+def mpi_loads(library: str | None) -> bool:
+    """Whether mpi4py, as mpi_library found it, can carry the ranks' rendezvous (setup.py's fallback)."""
+    return library is not None and not library.startswith("unloadable")
+
+
 def mpi_check(library: str | None, mpiexec: str | None, mpiexec_flavor: str | None = None) -> Check:
     """mpi4py (optional) against the `mpiexec` on PATH: a library of one family under the other's launcher sees
     every rank as rank 0 of its own world."""
