@@ -105,6 +105,16 @@ SUBCOMMANDS = {
         "and bus bandwidth (nccl-tests' definitions) per collective.",
         True,
     ),
+    "doctor": (
+        "meshtrain.commands.doctor",
+        "check this host and job: torch, devices, launcher, network, limits, data, profile; each with its fix",
+        "One table of checks, each ok / warning / error with the fix: Python and torch's build; devices against "
+        "--gpus-per-node; the launcher and scheduler and the rank layout they imply (--nodes); the rendezvous "
+        "address and port; the interface gloo and NCCL would use (*_SOCKET_IFNAME); /dev/shm, open files, free "
+        "disk where checkpoints go; the shipped data; the machine profile's age; mpi4py against mpiexec. Exits 1 "
+        "on an error; --json for scripts.",
+        False,
+    ),
 }
 
 

@@ -33,6 +33,7 @@ from meshtrain.data.tokenizers import (  # CharTokenizer, GPT2Tokenizer: importa
     GPT2Tokenizer,
 )
 from meshtrain.errors import DataError
+from meshtrain.runtime.doctor import ERROR, OK, WARNING, Check
 from meshtrain.runtime.log import get_logger
 
 log = get_logger("data")
@@ -158,6 +159,27 @@ def check_split(data_dir: Path, split: str, block_size: int | None = None, meta:
                         f"shifted targets), but the {split} split ({path}) has only {n_tokens:,} tokens: "
                         "use a smaller block_size or a longer text")
     return n_tokens
+
+
+def shipped_data_check(data_root: Path) -> Check:
+    """`meshtrain doctor`'s row: which of the shipped corpus's datasets are prepared under `data_root`, and whole."""
+    prepared, missing = [], []
+    for name in BUILTIN_TOKENIZER:
+        data_dir = Path(data_root) / name
+        if not (data_dir / "meta.json").is_file():
+            missing.append(name)
+            continue
+        try:
+            meta = load_meta(data_dir)
+            tokens = [check_split(data_dir, split, meta=meta) for split in SPLITS]
+        except DataError as e:
+            return Check("shipped data", ERROR, str(e), f"{prepare_command(data_dir)} --force")
+        prepared.append(f"{name} ({tokens[0]:,} train / {tokens[1]:,} val tokens)")
+    found = f"{data_root}: " + "; ".join(prepared + [f"{name} not prepared" for name in missing])
+    if missing:
+        return Check("shipped data", WARNING, found, " && ".join(
+            prepare_command(Path(data_root) / name) for name in missing))
+    return Check("shipped data", OK, found)
 
 
 def window_seed(seed: int, split: str, step: int) -> int:

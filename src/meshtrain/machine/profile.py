@@ -31,6 +31,7 @@ import torch
 from meshtrain.machine import measure
 from meshtrain.machine.datasheet import match_device
 from meshtrain.machine.hardware import Hardware, describe
+from meshtrain.runtime.doctor import OK, WARNING, Check
 from meshtrain.runtime.log import get_logger
 
 log = get_logger("machine")
@@ -83,6 +84,27 @@ def _write_cache(data: dict) -> None:
         os.replace(tmp, path)
     except OSError as err:
         log.debug("could not write the machine profile %s: %s", path, err)
+
+
+PROFILE_MAX_AGE_DAYS = 30.0  # a driver, BIOS or torch update in the meantime changes what the machine does
+
+
+def profile_age_check(max_age_days: float = PROFILE_MAX_AGE_DAYS, now: float | None = None) -> Check:
+    """`meshtrain doctor`'s row: is there a profile, written lately, with figures for this torch?"""
+    path = cache_path()
+    try:
+        age_days = ((time.time() if now is None else now) - path.stat().st_mtime) / 86400
+    except OSError:
+        return Check("machine profile", WARNING, f"none at {path}: MFU and train.dtype=auto measure on first use",
+                     "meshtrain machine")
+    keys = read_cache().get("devices", {})
+    found = f"{path}, written {age_days:.0f} days ago, {len(keys)} device entr{'y' if len(keys) == 1 else 'ies'}"
+    if age_days > max_age_days:
+        return Check("machine profile", WARNING, f"{found}: older than {max_age_days:.0f} days",
+                     "meshtrain machine --refresh")
+    if not any(key.endswith(f"|torch={torch.__version__}") for key in keys):
+        return Check("machine profile", WARNING, f"{found}, none for torch {torch.__version__}", "meshtrain machine")
+    return Check("machine profile", OK, found)
 
 
 def remember(section: str, key: str, value) -> None:
