@@ -73,15 +73,22 @@ def _verdict(cfg: RunConfig, dims: ParallelDims, info: DistInfo) -> str | None:
     # What the rank holds already (the runtime, on a CPU) plus the predicted peak of its tensors, against the
     # share of the memory that fits as plan=auto counts it (search.HEADROOM: allocator slack).
     have = HEADROOM * available_bytes(device, info.local_world_size)
-    need_tensors = predict_peak(facts, cfg, dims, machine)
-    need = need_tensors + (0 if device.type == "cuda" else _resident_bytes())
     where = f"{HEADROOM:.0%} of {device}'s free memory" if device.type == "cuda" else \
         f"{HEADROOM:.0%} of this host's available memory shared by {info.local_world_size} rank(s)"
+    return shortfall(facts, cfg, dims, machine, have, where, held=0 if device.type == "cuda" else _resident_bytes())
+
+
+def shortfall(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine, have: float, where: str,
+              held: float = 0.0) -> str | None:
+    """None when the layout's predicted peak per rank, plus the `held` bytes a rank holds already, fits in `have`
+    bytes (`where` says whose); else both figures and the nearest settings that fit. `meshtrain submit` asks it for
+    a shipped system's devices before a job is queued."""
+    need = predict_peak(facts, cfg, dims, machine) + held
     log.info("memory check: %s needs about %s per rank at its peak; %s gives %s", label(cfg, dims), _size(need),
              where, _size(have))
     if need <= have:
         return None
-    fits = [change for change, peak in _alternatives(facts, cfg, dims, machine) if peak + need - need_tensors <= have]
+    fits = [change for change, peak in _alternatives(facts, cfg, dims, machine) if peak + held <= have]
     return (f"out of memory ahead: {label(cfg, dims)} needs about {need / GIB:.2f} GiB per rank at its peak "
             f"(`meshtrain plan`'s prediction, {cfg.train.dtype}), but {where} gives {have / GIB:.2f} GiB"
             + (f"; these fit: {'; '.join(fits[:4])}" if fits else
