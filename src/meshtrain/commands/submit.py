@@ -36,6 +36,7 @@ from meshtrain.plan.measured.preflight import shortfall
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime import jobscript
 from meshtrain.runtime.jobscript import Job, SubmitError
+from meshtrain.runtime.launch import PYTHON_NAMES
 
 SITE_KEYS = ("system", "scheduler", "queue", "account", "time", "filesystems", "constraint")
 DEFAULT_TIME = "01:00:00"
@@ -124,12 +125,16 @@ def build_job(args: argparse.Namespace, site: dict, system: systems.System | Non
     ranks = args.ranks_per_node or gpus or 1
     if system and gpus > system.devices_per_node:
         raise SubmitError(f"--gpus-per-node {gpus}: a {system.name} node has {system.devices_per_node}")
+    if _runs_launch(command):
+        raise SubmitError(f"`{shlex.join(command)}`: the job script runs `meshtrain launch` itself; give what follows "
+                          "launch's `--`")
     train = train_arguments(command)
     if train is not None and not any(word.startswith("train.init_from=") for word in train.overrides):
         command = [*command, RESUME]
     activate, launcher = _environment()
     filesystems = args.filesystems or site.get("filesystems") or (facts.filesystems if facts else ())
-    return Job(scheduler=scheduler, name=args.name or (f"meshtrain-{train.workload}" if train else "meshtrain"),
+    name = jobscript.check_name(args.name or (f"meshtrain-{train.workload}"[:15] if train else "meshtrain"))
+    return Job(scheduler=scheduler, name=name,
                nodes=args.nodes, ranks_per_node=ranks, gpus_per_node=gpus,
                cpus_per_node=facts.cpus_per_node if facts else None,
                walltime=jobscript.parse_walltime(args.time or site.get("time") or DEFAULT_TIME),
@@ -137,8 +142,7 @@ def build_job(args: argparse.Namespace, site: dict, system: systems.System | Non
                workdir=Path.cwd(), command=tuple(command), activate=activate, launcher=launcher,
                queue_option=facts.queue_option if facts else "queue",
                constraint=args.constraint or site.get("constraint") or (facts.constraint if facts else None),
-               filesystems=tuple(filesystems.split(":") if isinstance(filesystems, str) else filesystems),
-               preemption=facts.preemption if facts else "")
+               filesystems=tuple(filesystems.split(":") if isinstance(filesystems, str) else filesystems))
 
 
 def _scheduler(named: str | None, system: systems.System | None) -> str:
@@ -159,6 +163,13 @@ def _queue_name(queue: str | None, system: systems.System | None) -> str | None:
     if queue not in facts.queues:
         raise SubmitError(f"--queue {queue}: {system.name}'s {facts.queue_option}s are {', '.join(facts.queues)}")
     return queue
+
+
+def _runs_launch(command: list[str]) -> bool:
+    """Whether `command` is `meshtrain launch ...` or `python -m meshtrain launch ...` (launched twice, it would
+    start a launcher on every rank)."""
+    words = command[2:] if command[:1] and command[0] in PYTHON_NAMES and command[1:2] == ["-m"] else command
+    return [os.path.basename(word) for word in words[:2]] == ["meshtrain", "launch"]
 
 
 def _environment() -> tuple[Path | None, tuple[str, ...]]:

@@ -191,9 +191,10 @@ NERSC_QOS = "NERSC, Queue Policies, https://docs.nersc.gov/jobs/policy/"
 OLCF_FRONTIER_JOBS = ("OLCF, Frontier User Guide, Running Jobs (Slurm partitions), "
                       "https://docs.olcf.ornl.gov/systems/frontier_user_guide.html")
 
-# ncpus counts hardware threads, as the schedulers do: Polaris 32 cores x 2, Aurora 2 x 52 x 2, Perlmutter and
-# Frontier 64 x 2 (ALCF_POLARIS, ALCF_AURORA, NERSC_ARCH, OLCF_FRONTIER). ALCF's PBS refuses a job that does not
-# name the filesystems it reads (-l filesystems=...).
+# CPUs per node as the schedulers count them, hardware threads: Polaris 32 cores x 2, Aurora 2 x 52 x 2, Perlmutter
+# 64 x 2 (ALCF_POLARIS, ALCF_AURORA, NERSC_ARCH); Frontier's SLURM hands out 56 of its 64 cores (low-noise mode keeps
+# 8 for the system: OLCF's examples give each of 8 tasks -c 7, OLCF_FRONTIER). ALCF's PBS refuses a job that does
+# not name the filesystems it reads (-l filesystems=...).
 POLARIS_JOBS = SchedulerFacts("pbs", 560, 64, ("debug", "debug-scaling", "prod", "preemptable", "demand"), "prod",
                               f"{ALCF_POLARIS_JOBS}; 560 nodes: {ALCF_POLARIS}", filesystems=("home", "eagle"))
 AURORA_JOBS = SchedulerFacts("pbs", 10624, 208, ("debug", "debug-scaling", "prod"), "prod",
@@ -206,7 +207,7 @@ def _perlmutter_jobs(nodes: int, constraint: str) -> SchedulerFacts:
                           constraint=constraint)
 
 
-FRONTIER_JOBS = SchedulerFacts("slurm", 9408, 128, ("batch", "extended"), "batch",
+FRONTIER_JOBS = SchedulerFacts("slurm", 9408, 56, ("batch", "extended"), "batch",
                                f"{OLCF_FRONTIER_JOBS}; 9,408 nodes: {OLCF_FRONTIER}", queue_option="partition")
 
 

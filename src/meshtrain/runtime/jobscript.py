@@ -45,8 +45,6 @@ class SchedulerFacts:
     queue_option: str = "queue"  # SLURM: "qos" (Perlmutter) or "partition" (Frontier)
     constraint: str | None = None  # SLURM --constraint that picks this node type
     filesystems: tuple[str, ...] = ()  # PBS -l filesystems=, where the site requires it (ALCF)
-    # How the site warns a job before its end; "" when it sends nothing before the walltime's SIGTERM
-    preemption: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,8 +67,15 @@ class Job:
     queue_option: str = "queue"
     constraint: str | None = None
     filesystems: tuple[str, ...] = ()
-    preemption: str = ""
     notes: tuple[str, ...] = ()  # comment lines: what was checked, the plan's pick
+
+
+def check_name(name: str) -> str:
+    """A job name both schedulers take: a letter, then letters, digits, '.', '_' or '-' (PBS's rule; 15 characters
+    is the most some PBS servers keep)."""
+    if not re.fullmatch(r"[A-Za-z][\w.-]{0,14}", name):
+        raise SubmitError(f"--name {name!r}: a job name is a letter, then up to 14 letters, digits, '.', '_' or '-'")
+    return name
 
 
 def parse_walltime(text: str) -> str:
@@ -156,9 +161,9 @@ def _body(job: Job) -> list[str]:
                   "queued again, train.init_from=auto resumes it",
                   f'if [ "$status" -eq {PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi']
     else:
-        lines += [f"# {job.preemption or 'PBS sends no warning before the walltime here, only its SIGTERM'}: the run",
-                  f"# saves a checkpoint and exits {PREEMPTED}. PBS has no requeue a job can ask for itself: submit "
-                  "this script again (qsub), and train.init_from=auto resumes the run"]
+        lines += [f"# PBS sends no warning before the walltime, only its SIGTERM: the run then saves and exits {PREEMPTED}.",
+                  "# PBS has no requeue a job can ask for itself: submit this script again (qsub); train.init_from=auto "
+                  "resumes"]
     return [*lines, 'exit "$status"']
 
 
