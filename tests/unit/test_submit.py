@@ -117,6 +117,11 @@ def test_every_pbs_directive_is_one_qsub_documents(workdir, capsys, system):
         assert flag in PBS_SYNTAX and re.fullmatch(PBS_SYNTAX[flag], value), directive
 
 
+def test_a_cpu_pbs_job_writes_its_ranks_per_node_into_the_nodefile(workdir, capsys):
+    submit("--scheduler", "pbs", "--nodes", "2", "--ranks-per-node", "4", "--dry-run", "--", *TRAIN)
+    assert directives(capsys.readouterr().out, "#PBS")[1:3] == ["-l select=2:mpiprocs=4", "-l walltime=01:00:00"]
+
+
 def test_the_environment_that_ran_submit_is_activated_or_the_script_says_there_is_none(workdir, capsys, monkeypatch):
     venv = workdir / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -148,11 +153,13 @@ def test_a_train_command_resumes_unless_it_names_its_own_init_from(workdir, caps
     (["--system", "summit", "--nodes", "1"], "unknown system 'summit': the known systems are polaris, perlmutter"),
     (["--scheduler", "lsf", "--nodes", "1"], "unknown scheduler 'lsf': choose pbs or slurm"),
     (["--system", "polaris", "--nodes", "1", "--queue", "regular"],
-     "--queue regular: polaris's queues are debug, debug-scaling, prod, preemptable, demand"),
+     "--queue regular: polaris's queue names are debug, debug-scaling, prod, preemptable, demand"),
     (["--system", "perlmutter", "--nodes", "1", "--queue", "prod"],
-     "--queue prod: perlmutter's qoss are regular, debug"),
+     "--queue prod: perlmutter's qos names are regular, debug"),
     (["--system", "polaris", "--scheduler", "slurm", "--nodes", "1"], "--scheduler slurm: polaris runs PBS"),
     (["--system", "polaris", "--nodes", "1", "--gpus-per-node", "8"], "--gpus-per-node 8: a polaris node has 4"),
+    (["--scheduler", "slurm", "--nodes", "1", "--ranks-per-node", "0"],
+     "--gpus-per-node 0 --ranks-per-node 0: give 0 or more GPUs and 1 or more ranks"),
     (["--system", "polaris", "--nodes", "1", "--name", "my job"],
      "--name 'my job': a job name is a letter, then up to 14 letters"),
 ])
@@ -178,7 +185,7 @@ def test_no_scheduler_on_path_and_none_named_is_refused(workdir, monkeypatch):
 def test_the_scheduler_on_path_is_used_when_none_is_named(workdir, capsys):
     (workdir / "bin" / "sbatch").unlink()
     submit("--nodes", "1", "--dry-run", "--", *TRAIN)
-    assert directives(capsys.readouterr().out, "#PBS")[:2] == ["-N meshtrain-gpt", "-l select=1"]
+    assert directives(capsys.readouterr().out, "#PBS")[:2] == ["-N meshtrain-gpt", "-l select=1:mpiprocs=1"]
 
 
 def test_unprepared_data_and_a_bad_config_are_refused_before_queueing(workdir):

@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     site = site_settings(args.site)
-    system = systems.get(args.system or site["system"]) if (args.system or site.get("system")) else None
+    system_name = args.system or site.get("system")
+    system = systems.get(system_name) if system_name else None
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
     job = build_job(args, site, system, command)
     if args.interactive:
@@ -118,13 +119,16 @@ def build_job(args: argparse.Namespace, site: dict, system: systems.System | Non
     """The job as asked: the command line over the site file over the system's entry; bad input refused here."""
     facts = system.scheduler if system else None
     scheduler = _scheduler(args.scheduler or site.get("scheduler"), system)
-    if args.nodes < 1 or (facts and args.nodes > facts.nodes):
-        raise SubmitError(f"--nodes {args.nodes}: " + (f"{system.name} has {facts.nodes} nodes" if facts and
-                                                       args.nodes > 0 else "give 1 or more"))
+    if args.nodes < 1:
+        raise SubmitError(f"--nodes {args.nodes}: give 1 or more")
+    if facts and args.nodes > facts.nodes:
+        raise SubmitError(f"--nodes {args.nodes}: {system.name} has {facts.nodes} nodes")
     gpus = args.gpus_per_node if args.gpus_per_node is not None else (system.devices_per_node if system else 0)
-    ranks = args.ranks_per_node or gpus or 1
+    ranks = args.ranks_per_node if args.ranks_per_node is not None else (gpus or 1)
     if system and gpus > system.devices_per_node:
         raise SubmitError(f"--gpus-per-node {gpus}: a {system.name} node has {system.devices_per_node}")
+    if gpus < 0 or ranks < 1:
+        raise SubmitError(f"--gpus-per-node {gpus} --ranks-per-node {ranks}: give 0 or more GPUs and 1 or more ranks")
     if _runs_launch(command):
         raise SubmitError(f"`{shlex.join(command)}`: the job script runs `meshtrain launch` itself; give what follows "
                           "launch's `--`")
@@ -161,7 +165,7 @@ def _queue_name(queue: str | None, system: systems.System | None) -> str | None:
     if queue is None:
         return facts.default_queue
     if queue not in facts.queues:
-        raise SubmitError(f"--queue {queue}: {system.name}'s {facts.queue_option}s are {', '.join(facts.queues)}")
+        raise SubmitError(f"--queue {queue}: {system.name}'s {facts.queue_option} names are {', '.join(facts.queues)}")
     return queue
 
 

@@ -108,6 +108,8 @@ def pbs_resources(job: Job) -> list[str]:
     chunk = f"select={job.nodes}"
     chunk += f":ncpus={job.cpus_per_node}" if job.cpus_per_node else ""
     chunk += f":ngpus={job.gpus_per_node}" if job.gpus_per_node else ""
+    if job.ranks_per_node != job.gpus_per_node:  # launch counts a node's ranks by its GPUs, else by its nodefile's
+        chunk += f":mpiprocs={job.ranks_per_node}"  # lines, which mpiprocs sets
     resources = [chunk, f"walltime={job.walltime}"]
     return resources + ([f"filesystems={':'.join(job.filesystems)}"] if job.filesystems else [])
 
