@@ -210,7 +210,7 @@ def test_site_file_gives_defaults_and_refuses_unknown_keys(workdir, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def test_a_layout_that_cannot_fit_is_refused_with_the_prediction_and_one_that_fits(workdir):
+def test_a_layout_that_cannot_fit_is_refused_with_the_prediction_and_one_that_fits(workdir, capsys):
     with pytest.raises(ConfigError) as error:
         submit("--system", "polaris", "--nodes", "1", "--", *GPT2_XL_FP32)
     message = str(error.value)
@@ -223,7 +223,11 @@ def test_a_layout_that_cannot_fit_is_refused_with_the_prediction_and_one_that_fi
                       r"train.backend=fsdp ", message)
     assert first and 29 < float(first[1]) < 31, message  # 29.92 GiB: the weights' states sharded 4 ways
     assert message.endswith("; nothing submitted") and calls(workdir) == []
-    assert submit("--system", "perlmutter-80", "--nodes", "1", "--dry-run", "--", *GPT2_XL_FP32) == 0  # 72 GiB fits
+    assert submit("--system", "perlmutter-80", "--nodes", "1", "--dry-run", "--", *GPT2_XL_FP32) == 0
+    fits = re.search(r"# checked: it fits on 1 node\(s\) × 4 perlmutter-80: ddp dp4 ac=none needs about ([\d.]+) GiB per "
+                     r"rank at its peak \(`meshtrain plan`'s prediction, fp32\); 90% of a perlmutter-80 device's 80 GiB "
+                     r"gives 72.00 GiB\n", capsys.readouterr().out)
+    assert fits and fits[1] == said[1]  # the same prediction, against twice the memory
 
 
 def test_plan_auto_writes_the_planners_pick_into_the_script(workdir, capsys):

@@ -33,6 +33,7 @@ from meshtrain.data.text import check_split
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import machines, search, systems
 from meshtrain.plan.measured.preflight import shortfall
+from meshtrain.plan.search import label
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime import jobscript
 from meshtrain.runtime.jobscript import Job, SubmitError
@@ -225,14 +226,15 @@ def _check_memory(cfg, system: systems.System, nodes: int, per_node: int) -> lis
     dims = ParallelDims.from_config(cfg, nodes * per_node, per_node)
     have = search.HEADROOM * machine.device_memory_bytes
     device = f"{search.HEADROOM:.0%} of a {system.name} device's {machine.device_memory_bytes / GIB:.0f} GiB"
-    verdict = shortfall(facts, with_global_batch(cfg, dims.dp_size), dims, machine, have, device)
+    need, verdict = shortfall(facts, with_global_batch(cfg, dims.dp_size), dims, machine, have, device)
     if verdict:
         ranked, _ = search.search(cfg, nodes, per_node, machine, facts)
         first = next((c for c in ranked if c.fits), None)
         ranks = (f"; on {where}, `meshtrain plan` ranks first {first.label} ({first.cost.peak_bytes / GIB:.2f} GiB): "
                  f"{' '.join(first.overrides)}" if first else "")
         raise ConfigError(f"{verdict}{ranks}; nothing submitted")
-    return [f"checked: it fits in memory on {where} (`meshtrain plan --system {system.name}` has the figures)"]
+    return [f"checked: it fits on {where}: {label(cfg, dims)} needs about {need / GIB:.2f} GiB per rank at its peak "
+            f"(`meshtrain plan`'s prediction, {cfg.train.dtype}); {device} gives {have / GIB:.2f} GiB"]
 
 
 # ---------------------------------------------------------------------------------------------- queue
