@@ -22,7 +22,7 @@ def test_the_table_holds_the_machines_the_planner_promises():
 
 def test_figures_are_every_field_but_the_labels():
     """A new figure field must join FIGURES, or it could be added without a source."""
-    labels = {"name", "title", "sources", "note"}
+    labels = {"name", "title", "sources", "note", "scheduler"}  # SchedulerFacts carry their own source
     assert set(FIGURES) == {f.name for f in dataclasses.fields(System)} - labels
 
 

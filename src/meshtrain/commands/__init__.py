@@ -25,6 +25,14 @@ SUBCOMMANDS = {
         "`python` runs the interpreter meshtrain is installed in.",
         False,
     ),
+    "submit": (
+        "meshtrain.commands.submit",
+        "write a PBS or SLURM job script that runs `meshtrain launch -- COMMAND`, check it, and queue it",
+        "Write the job script for the scheduler on PATH (qsub: PBS, sbatch: SLURM) or named, with the resources of "
+        "--system's nodes, and queue it; a train command is checked first (config, data, memory on the system). "
+        "--dry-run prints the script; --interactive asks for an interactive job (qsub -I, salloc).",
+        False,
+    ),
     "test-dist": (
         "meshtrain.commands.test_dist",
         "check the distributed set-up: DistInfo, a short DDP run, bit-identical parameters on every rank",

@@ -61,13 +61,22 @@ def run(args: argparse.Namespace) -> int:
 def check_training_config(command: list[str]) -> None:
     """Load the configuration of a `meshtrain train` command here, once: a bad key or value fails before any rank
     starts, rather than once in every rank and then in the launcher's own traceback."""
-    from meshtrain.commands import parse
     from meshtrain.config import load_config
+
+    args = train_arguments(command)
+    if args is not None:
+        load_config(args.overrides, args.workload)
+
+
+def train_arguments(command: list[str]) -> argparse.Namespace | None:
+    """The parsed arguments of `command` when it runs `meshtrain train` (as `meshtrain ...` or `python -m meshtrain
+    ...`); None for any other command."""
+    from meshtrain.commands import parse
 
     for i, word in enumerate(command):
         if (i == 0 and os.path.basename(word) == "meshtrain") or (word == "meshtrain" and command[i - 1] == "-m"):
             inner = command[i + 1:]
             if next((w for w in inner if not w.startswith("-")), None) == "train":
-                args = parse(inner)
-                load_config(args.overrides, args.workload)
-            return
+                return parse(inner)
+            return None
+    return None

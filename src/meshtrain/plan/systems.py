@@ -44,6 +44,7 @@ from types import MappingProxyType
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.machine.datasheet import match_device
+from meshtrain.runtime.jobscript import SchedulerFacts
 
 GiB = 2**30
 
@@ -75,6 +76,7 @@ class System:
     sources: Mapping[str, str]
     note: str = ""
     memory_gbs: float = 0.0  # HBM bandwidth per torch device, GB/s (elementwise work runs at this): HBM_GBS
+    scheduler: SchedulerFacts | None = None  # how its batch system takes jobs (`meshtrain submit`); None: site's own
 
     def __post_init__(self):
         missing = [figure for figure in FIGURES if not self.sources.get(figure)]
@@ -167,7 +169,7 @@ HBM_GBS = {
 
 def _system(name: str, title: str, device: str, devices_per_node: int, memory_gib: int, intra_gbs: float,
             inter_gbs: float, host_gib: int | None, cpu: tuple[str, str], sources: dict[str, str],
-            note: str = "", library: str = "NCCL") -> System:
+            note: str = "", library: str = "NCCL", scheduler: SchedulerFacts | None = None) -> System:
     """A System whose peaks come from the datasheet table and whose latencies come from NCCL's model (a
     stand-in, and labelled one, where the machine's collective library is not NCCL)."""
     peaks, peak_source = _peak_flops(device)
@@ -179,7 +181,34 @@ def _system(name: str, title: str, device: str, devices_per_node: int, memory_gi
     sources = {"peak_flops": peak_source, "intra_node_latency_s": intra_source,
                "inter_node_latency_s": inter_source, "memory_gbs": hbm_source, **sources}
     return System(name, title, device, devices_per_node, memory_gib * GiB, peaks, intra_gbs, inter_gbs,
-                  intra_s, inter_s, None if host_gib is None else host_gib * GiB, sources, note, hbm)
+                  intra_s, inter_s, None if host_gib is None else host_gib * GiB, sources, note, hbm, scheduler)
+
+
+# ------------------------------------------------------------------------------------- batch systems
+ALCF_POLARIS_JOBS = "ALCF, Running Jobs on Polaris, https://docs.alcf.anl.gov/polaris/running-jobs/"
+ALCF_AURORA_JOBS = "ALCF, Running Jobs on Aurora, https://docs.alcf.anl.gov/aurora/running-jobs-aurora/"
+NERSC_QOS = "NERSC, Queue Policies, https://docs.nersc.gov/jobs/policy/"
+OLCF_FRONTIER_JOBS = ("OLCF, Frontier User Guide, Running Jobs (Slurm partitions), "
+                      "https://docs.olcf.ornl.gov/systems/frontier_user_guide.html")
+
+# CPUs per node as the schedulers count them, hardware threads: Polaris 32 cores x 2, Aurora 2 x 52 x 2, Perlmutter
+# 64 x 2 (ALCF_POLARIS, ALCF_AURORA, NERSC_ARCH); Frontier's SLURM hands out 56 of its 64 cores (low-noise mode keeps
+# 8 for the system: OLCF's examples give each of 8 tasks -c 7, OLCF_FRONTIER). ALCF's PBS refuses a job that does
+# not name the filesystems it reads (-l filesystems=...).
+POLARIS_JOBS = SchedulerFacts("pbs", 560, 64, ("debug", "debug-scaling", "prod", "preemptable", "demand"), "prod",
+                              f"{ALCF_POLARIS_JOBS}; 560 nodes: {ALCF_POLARIS}", filesystems=("home", "eagle"))
+AURORA_JOBS = SchedulerFacts("pbs", 10624, 208, ("debug", "debug-scaling", "prod"), "prod",
+                             f"{ALCF_AURORA_JOBS}; 10,624 nodes: {ALCF_AURORA}", filesystems=("home", "flare"))
+
+
+def _perlmutter_jobs(nodes: int, constraint: str) -> SchedulerFacts:
+    return SchedulerFacts("slurm", nodes, 128, ("regular", "debug", "shared", "preempt", "premium", "overrun"),
+                          "regular", f"{NERSC_QOS}; -C {constraint}: {NERSC_NODES}", queue_option="qos",
+                          constraint=constraint)
+
+
+FRONTIER_JOBS = SchedulerFacts("slurm", 9408, 56, ("batch", "extended"), "batch",
+                               f"{OLCF_FRONTIER_JOBS}; 9,408 nodes: {OLCF_FRONTIER}", queue_option="partition")
 
 
 # -------------------------------------------------------------------------------------------- the table
@@ -206,10 +235,11 @@ def _polaris() -> System:
          "inter_node_gbs": f"derived: 2 Slingshot-11 NICs x 25 GB/s / 4 GPUs = 12.5 GB/s ({ALCF_POLARIS}: "
                            f"'a pair of Slingshot 11 network adapters'; {SLINGSHOT_NIC})",
          "host_memory_bytes": f"{ALCF_POLARIS}: 512 GiB DDR4 per node"},
-        note="intra_node_gbs is derived, not measured: `meshtrain machine --ranks 4` on a node measures it.")
+        note="intra_node_gbs is derived, not measured: `meshtrain machine --ranks 4` on a node measures it.",
+        scheduler=POLARIS_JOBS)
 
 
-def _perlmutter(name: str, memory_gb: int, nodes: int) -> System:
+def _perlmutter(name: str, memory_gb: int, nodes: int, constraint: str) -> System:
     return _system(
         name, f"NERSC Perlmutter GPU nodes, A100 {memory_gb}GB (HPE Cray EX)",
         f"NVIDIA A100-SXM4-{memory_gb}GB", 4, memory_gb, A100_INTRA_GBS, 4 * NIC_GBS / 4, 256,
@@ -223,7 +253,8 @@ def _perlmutter(name: str, memory_gb: int, nodes: int) -> System:
          "host_memory_bytes": f"{NERSC_NODES}: GPU nodes, 'Memory per Node: 256 GB', taken as 256 GiB"},
         note="Perlmutter has 1536 GPU nodes with A100 40GB (`perlmutter`) and 256 with A100 80GB "
              "(`perlmutter-80`): plan for the kind the job is queued on. intra_node_gbs is derived, not "
-             "measured.")
+             "measured.",
+        scheduler=_perlmutter_jobs(nodes, constraint))
 
 
 def _aurora() -> System:
@@ -247,7 +278,7 @@ def _aurora() -> System:
         note="Figures per stack (FLAT mode, 12 devices); in COMPOSITE mode torch sees 6 cards with twice the "
              "memory and FLOP/s each. ALCF measured the Xe Link figure on pre-production hardware; latencies "
              "are NCCL's model standing in for oneCCL's.",
-        library="oneCCL")
+        library="oneCCL", scheduler=AURORA_JOBS)
 
 
 def _frontier() -> System:
@@ -268,7 +299,7 @@ def _frontier() -> System:
         note="Figures per GCD. intra_node_gbs assumes rings whose cross-package hops have two links; a "
              "ring through single-link pairs gets half (40 GB/s). Latencies are NCCL's model standing in "
              "for RCCL's.",
-        library="RCCL")
+        library="RCCL", scheduler=FRONTIER_JOBS)
 
 
 def _dgx_h100() -> System:
@@ -289,7 +320,7 @@ def _dgx_h100() -> System:
 
 
 SYSTEMS: Mapping[str, System] = MappingProxyType({s.name: s for s in [
-    _polaris(), _perlmutter("perlmutter", 40, 1536), _perlmutter("perlmutter-80", 80, 256), _aurora(),
+    _polaris(), _perlmutter("perlmutter", 40, 1536, "gpu"), _perlmutter("perlmutter-80", 80, 256, "gpu&hbm80g"), _aurora(),
     _frontier(), _dgx_h100()]})
 
 

@@ -73,19 +73,28 @@ def _verdict(cfg: RunConfig, dims: ParallelDims, info: DistInfo) -> str | None:
     # What the rank holds already (the runtime, on a CPU) plus the predicted peak of its tensors, against the
     # share of the memory that fits as plan=auto counts it (search.HEADROOM: allocator slack).
     have = HEADROOM * available_bytes(device, info.local_world_size)
-    need_tensors = predict_peak(facts, cfg, dims, machine)
-    need = need_tensors + (0 if device.type == "cuda" else _resident_bytes())
     where = f"{HEADROOM:.0%} of {device}'s free memory" if device.type == "cuda" else \
         f"{HEADROOM:.0%} of this host's available memory shared by {info.local_world_size} rank(s)"
+    need, verdict = shortfall(facts, cfg, dims, machine, have, where,
+                              held=0 if device.type == "cuda" else _resident_bytes())
     log.info("memory check: %s needs about %s per rank at its peak; %s gives %s", label(cfg, dims), _size(need),
              where, _size(have))
+    return verdict
+
+
+def shortfall(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine, have: float, where: str,
+              held: float = 0.0) -> tuple[float, str | None]:
+    """The layout's predicted peak per rank plus the `held` bytes a rank holds already, and None when that fits in
+    `have` bytes (`where` says whose), else both figures and the nearest settings that fit. `meshtrain submit` asks
+    it for a shipped system's devices before a job is queued."""
+    need = predict_peak(facts, cfg, dims, machine) + held
     if need <= have:
-        return None
-    fits = [change for change, peak in _alternatives(facts, cfg, dims, machine) if peak + need - need_tensors <= have]
-    return (f"out of memory ahead: {label(cfg, dims)} needs about {need / GIB:.2f} GiB per rank at its peak "
-            f"(`meshtrain plan`'s prediction, {cfg.train.dtype}), but {where} gives {have / GIB:.2f} GiB"
-            + (f"; these fit: {'; '.join(fits[:4])}" if fits else
-               "; no single change of batch, activation checkpointing or backend fits: use more or larger devices"))
+        return need, None
+    fits = [change for change, peak in _alternatives(facts, cfg, dims, machine) if peak + held <= have]
+    return need, (f"out of memory ahead: {label(cfg, dims)} needs about {need / GIB:.2f} GiB per rank at its peak "
+                  f"(`meshtrain plan`'s prediction, {cfg.train.dtype}), but {where} gives {have / GIB:.2f} GiB"
+                  + (f"; these fit: {'; '.join(fits[:4])}" if fits else "; no single change of batch, activation "
+                     "checkpointing or backend fits: use more or larger devices"))
 
 
 def _alternatives(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine):
