@@ -4,7 +4,7 @@ each checked for its exit code and one line of its output that says it did its j
 
 "At a tiny size" means: a `train` gets a tiny model of its kind and two iterations with one evaluation; a few
 arguments that only set how much work is done are made smaller (SMALLER); a launch naming hosts that are not here
-runs with --dry-run. A placeholder is a shell variable the page names (`$ERA5_DIR`: your ERA5
+runs with --dry-run, and so does a `submit` (no scheduler here). A placeholder is a shell variable the page names (`$ERA5_DIR`: your ERA5
 data), set here to the synthetic data. Lines that are not commands of meshtrain's (a job script's set-up, `make`,
 whose recipes are the commands below them, the test suite itself) are listed in NOT_RUN with the reason, and
 `make train`'s two commands run in its place. test_docs_links.py checks every line parses; this runs them.
@@ -57,8 +57,15 @@ SMALLER = [(r"--validate \d+", "--validate 1 --repeats 1"), (r"--max-bytes \S+",
            (r"(activation_checkpointing.py) --rounds \d+ --steps \d+", r"\1 --rounds 1 --steps 1"),
            (r"(activation_checkpointing.py .*model.batch_size=)\d+", r"\g<1>1")]  # the 6 × 384 GPT: one sample
 NOT_HERE = re.compile(r"--rdzv-endpoint node\d")  # hosts of a cluster: the launcher command is built, not run
+# No PBS or SLURM here: a submission is checked and its script (or interactive request) printed, not queued; queueing
+# through the real sbatch is tests/distributed/test_slurm.py's.
+NO_SCHEDULER = re.compile(r"^meshtrain submit (?!.*--dry-run)")
+# Lines whose job is to find what is wrong: on this CPU box, a doctor asked for GPUs reports their absence, exit 1.
+FINDS_AN_ERROR_HERE = re.compile(r"\bdoctor\b.*--gpus-per-node [1-9]")
 # A line of the output that says the command did its job, by what the command is.
-SAID = [(r"--dry-run", r"^(env (\S+=\S+ )+)?(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
+SAID = [(r"\bsubmit\b.*--interactive", r"^(qsub -I|salloc) "), (r"\bsubmit\b", r"^#(PBS|SBATCH) "),
+        (r"\bdoctor\b.*--json", r'"name": "python"'), (r"\bdoctor\b", r"meshtrain doctor: \d+ ok"),
+        (r"--dry-run", r"^(env (\S+=\S+ )+)?(\S*/)?(torchrun|mpiexec|srun|python\S*) "), (r"\btest-dist\b",
         r"test-dist passed: \d+ rank\(s\) on 1 node\(s\) hold bit-identical parameters"),
         (r"\btrain (gpt|vit|llama|moe)\b", r"done: \d+ iterations"), (r"prepare text --verify", r"every shard agrees"),
         (r"\bprepare\b", r"wrote data/|is up to date"),
@@ -108,6 +115,8 @@ def tiny(line: str) -> str:
         line = re.sub(pattern, replacement, line)
     if NOT_HERE.search(line):
         line = line.replace("meshtrain launch ", "meshtrain launch --dry-run ", 1)
+    if NO_SCHEDULER.search(line):
+        line = line.replace("meshtrain submit ", "meshtrain submit --dry-run ", 1)
     for model in TINY_MODEL:
         if re.search(rf"\btrain {model}\b", line) and "--dry-run" not in line:
             extra = {**SHORT_RUN, **(TEXT_RUN if model != "vit" else {})}
@@ -161,7 +170,8 @@ def test_the_documented_command_runs_as_written(page, line, workspace):
         done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=workspace,
                               env=shell_env(workspace), timeout=300)
         text = output(done)
-        assert done.returncode == 0, f"{page}: `{command}` exited {done.returncode}:\n{text[-4000:]}"
+        exit_code = 1 if FINDS_AN_ERROR_HERE.search(command) else 0
+        assert done.returncode == exit_code, f"{page}: `{command}` exited {done.returncode}:\n{text[-4000:]}"
         assert re.search(expected, text, re.MULTILINE), f"{page}: `{command}` did not say /{expected}/:\n{text[-3000:]}"
         # output that goes to a file carries no colour codes, under mpirun too (whose ranks get pseudo-terminals)
         assert "\x1b[" not in text, f"{page}: `{command}` wrote terminal escape codes to a file:\n{text[-2000:]}"
