@@ -125,7 +125,9 @@ def _parquet_documents(path: Path, field: str) -> Iterator[Iterator[str]]:
         raise DataError(f"{path} is parquet, which needs pyarrow: {INSTALL_CORPUS}") from None
     if path.name.lower().endswith(COMPRESSED):
         raise DataError(f"{path}: parquet compresses its own columns; give the .parquet file uncompressed")
-    table = pq.ParquetFile(path)
+    # Read as it is consumed: pyarrow's default pre-buffers a row group's column chunks whole, and its parent
+    # process's memory then followed the row groups' size (benchmarks/prepare_corpus.py's memory rows).
+    table = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     if field not in table.schema_arrow.names:
         raise DataError(f"{path} has no column {field!r} (it has {', '.join(table.schema_arrow.names)}): choose "
                         "it with --field")
