@@ -33,7 +33,9 @@ LAYOUTS = {
         "fsdp:tp=2,ac=selective,compile=blocks",
         "ddp:pp=2,pp_schedule=1f1b",
         "ddp:pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=full",
-        "ddp:pp=2,pp_schedule=1f1b,ac=full,compile=blocks",  # each stage's blocks compiled, around AC
+        # each stage's blocks compiled around AC, by dynamo and AOT autograd (inductor's code generation is the
+        # fsdp × tp case's above: what a pipeline adds is the stage's graphs, not their kernels)
+        "ddp:pp=2,pp_schedule=1f1b,ac=full,compile=blocks,inductor=false",
         "ddp:cp=2,cp_impl=ring",
         "ddp:cp=2,cp_impl=ulysses",
         # The Llama-style decoder (GQA, RoPE, SwiGLU, untied head) through the same layouts, from its own folder.
