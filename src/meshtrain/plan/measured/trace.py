@@ -196,8 +196,9 @@ def trace_rank(cfg, dims, rank: int) -> Traced:
     try:
         mesh = dims.build_mesh("cpu") if dims.world_size > 1 else None  # real: its rank map is read as data
         # non-fake inputs allowed: the mesh's real rank maps meet the fake tensors in DTensor's and FSDP2's set-up
-        with _fake_ddp(), _fake_pipeline(cfg, dims), _real_meshes(), FakeTensorMode(allow_non_fake_inputs=True), \
-                balanced_routing(), PhaseBytes() as tracker, _stage_phases(tracker):
+        with _fake_ddp(), _fake_pipeline(cfg, dims), _real_meshes(), _fused_attention(), \
+                FakeTensorMode(allow_non_fake_inputs=True), balanced_routing(), PhaseBytes() as tracker, \
+                _stage_phases(tracker):
             layout, optimizer = _build(cfg, dims, mesh, rank)
             _step(cfg, layout, optimizer, tracker, micro_steps=1)  # makes AdamW's state
             tracker.mark()
@@ -284,6 +285,21 @@ def _stage_phases(tracker: PhaseBytes):
                             ("backward_weight_one_chunk", "backward")):
             stack.enter_context(mock.patch.object(_PipelineStageBase, name,
                                                   counted(getattr(_PipelineStageBase, name), phase)))
+        yield
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    """Attention without its dropout: a CPU's fused (flash) attention takes no dropout, and with dropout torch's SDPA
+    falls back to its math path, which keeps every score matrix for the backward (a 6.7B decoder at 4,096 tokens:
+    2 GiB a layer). A GPU's fused kernels apply dropout inside and keep none, and the planner counts attention as
+    fused: the trace counts it so too (docs/plan.md)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def without_dropout(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", without_dropout):
         yield
 
 
