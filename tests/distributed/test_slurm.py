@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -70,17 +71,10 @@ def test_a_job_written_by_submit_runs_under_sbatch_on_the_nodes_slurm_gives_it(s
     job, `meshtrain launch` writes srun's command from SLURM's variables, and the 4 ranks train a short GPT on both
     nodes: the world, the hosts and the job id the ranks find are those SLURM reports for the job."""
     data_root = prepare_data(tmp_path / "data")
-    submitted = slurm.cluster.start(0, [sys.executable, "-m", "meshtrain", "submit", "--scheduler", "slurm",
-                                        "--nodes", "2", "--ranks-per-node", "2", "--time", "00:10:00", "--",
-                                        "python", "-m", "meshtrain", *RESUMABLE_GPT, f"data.root={data_root}",
-                                        f"train.out_dir={tmp_path}", "train.max_iters=10"],
-                                    slurm.env(MESHTRAIN_TIMEOUT="60"), tmp_path)
-    said = ANSI.sub("", submitted.communicate(timeout=120)[0])
-    queued = re.search(r"^queued job (\d+) \(slurm\): script (\S+)\nlog: (\S+)$", said, re.MULTILINE)
-    assert submitted.returncode == 0 and queued, said + slurm.logs()
-    job_id, log = queued[1], Path(queued[3])
+    job_id, log, script = submitted(slurm, tmp_path, "python", "-m", "meshtrain", *RESUMABLE_GPT,
+                                    f"data.root={data_root}", f"train.out_dir={tmp_path}", "train.max_iters=10")
     assert log == tmp_path / f"meshtrain-gpt-{job_id}.out"
-    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in Path(queued[2]).read_text()
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in script.read_text()
     state = wait_for_job(slurm, job_id, tmp_path, timeout=400)
     text = ANSI.sub("", log.read_text()) if log.exists() else "(no log)"
     assert state["JobState"] == "COMPLETED", f"{state}\n{text[-4000:]}{slurm.logs()}"
@@ -92,13 +86,91 @@ def test_a_job_written_by_submit_runs_under_sbatch_on_the_nodes_slurm_gives_it(s
     assert re.search(r"\] step=10 ", text) and "done: 10 iterations" in text, text[-3000:]
 
 
-def wait_for_job(slurm: Slurm, job_id: str, cwd, timeout: float) -> dict[str, str]:
-    """`scontrol show job`'s fields once the job has left PENDING, RUNNING and COMPLETING (or AssertionError)."""
+def test_a_submitted_job_preempted_by_slurm_requeues_itself_and_resumes_where_it_stopped(slurm, uninterrupted_gpt,
+                                                                                         tmp_path):
+    """The job of `meshtrain submit` (2 nodes × 2 ranks, RESUMABLE_GPT) gets SLURM's warning signal at iteration 12,
+    two past its first checkpoint: `scancel --signal=USR1 JOBID` sends it as `#SBATCH --signal=USR1@120` does, to
+    the job's steps (srun's ranks), not to the batch shell. The ranks stop after the same iteration with a
+    checkpoint and exit 75, srun and launch pass that on, and the script runs `scontrol requeue`. SLURM puts the job
+    back in the queue with a begin time (cred_expire, 120 s by default, + 1 s: Reason=BeginTime), its log opened
+    again in append mode. The requeued run resumes at its checkpoint and ends as the uninterrupted run did, each
+    iteration logged once."""
+    data_root, uninterrupted = uninterrupted_gpt
+    job_id, log, _ = submitted(slurm, tmp_path, "python", "-m", "meshtrain", *RESUMABLE_GPT,
+                               f"data.root={data_root}", f"train.out_dir={tmp_path}")
+    wait_for_text(log, "] step=12 ", timeout=300)
+    assert command(slurm, tmp_path, "scancel", "--signal=USR1", job_id) == ""
+    requeued = wait_for_job(slurm, job_id, tmp_path, timeout=120, until=lambda job: job.get("Restarts") == "1"
+                            or job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    assert (requeued["JobState"], requeued["Restarts"]) == ("PENDING", "1"), f"{requeued}\n{log.read_text()[-3000:]}"
+    held = datetime.fromisoformat(requeued["EligibleTime"]) - datetime.fromisoformat(requeued["SubmitTime"])
+    assert requeued["Reason"] == "BeginTime" and held.total_seconds() == 121, requeued
+    print(f"requeued: PENDING (BeginTime) until {requeued['EligibleTime']}, {held.total_seconds():.0f} s after")
+    # the 2 minutes are SLURM's; a test need not sit them out, as an administrator would not
+    assert command(slurm, tmp_path, "scontrol", "update", f"jobid={job_id}", "starttime=now") == ""
+    state = wait_for_job(slurm, job_id, tmp_path, timeout=300)
+    text = ANSI.sub("", log.read_text())
+    assert (state["JobState"], state["Restarts"], state["ExitCode"]) == ("COMPLETED", "1", "0:0"), \
+        f"{state}\n{text[-4000:]}{slurm.logs()}"
+    stopped = re.search(r"stopped by a signal \(SIGUSR1 on this rank\) after iteration (\d+), with a checkpoint: "
+                        r"exiting with 75", text)
+    assert stopped and int(stopped[1]) >= 12, text[-6000:]
+    assert f"resuming at iteration {stopped[1]}" in text, text[-4000:]
+    steps = [int(step) for step in re.findall(r"\] step=(\d+) loss=", text)]
+    assert steps == list(range(1, 31)), steps  # one log, appended: each iteration done once
+    assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
+
+
+def test_submit_refuses_a_job_whose_data_is_missing_and_queues_nothing(slurm, tmp_path):
+    """A train command whose data is not prepared is refused before sbatch: the error names the `meshtrain prepare`
+    line to run, submit exits 1, and squeue shows no job of it."""
+    out, code = submit(slurm, tmp_path, "python", "-m", "meshtrain", "train", "gpt", f"data.root={tmp_path}")
+    assert code == 1 and f"Run `meshtrain prepare shakespeare_char --data-root {tmp_path}`" in out, out
+    assert "queued job" not in out and not list(tmp_path.glob(".meshtrain/jobs/*.sh")), out
+    assert command(slurm, tmp_path, "squeue", "--noheader") == ""  # no job at all
+
+
+def submit(slurm: Slurm, cwd, *train: str) -> tuple[str, int]:
+    """`meshtrain submit --scheduler slurm --nodes 2 --ranks-per-node 2 -- TRAIN` from node 0: (its output, code)."""
+    job = slurm.cluster.start(0, [sys.executable, "-m", "meshtrain", "submit", "--scheduler", "slurm", "--nodes", "2",
+                                  "--ranks-per-node", "2", "--time", "00:10:00", "--", *train],
+                              slurm.env(MESHTRAIN_TIMEOUT="60"), cwd)
+    return ANSI.sub("", job.communicate(timeout=120)[0]), job.returncode
+
+
+def submitted(slurm: Slurm, cwd, *train: str) -> tuple[str, Path, Path]:
+    """submit's job, queued: (its id, its log, its script)."""
+    said, code = submit(slurm, cwd, *train)
+    queued = re.search(r"^queued job (\d+) \(slurm\): script (\S+)\nlog: (\S+)$", said, re.MULTILINE)
+    assert code == 0 and queued, said + slurm.logs()
+    return queued[1], Path(queued[3]), Path(queued[2])
+
+
+def command(slurm: Slurm, cwd, *argv: str) -> str:
+    """What a SLURM command run on node 0 printed; it must exit 0."""
+    job = slurm.cluster.start(0, list(argv), slurm.env(), cwd)
+    out = job.communicate(timeout=30)[0]
+    assert job.returncode == 0, f"{' '.join(argv)} exited {job.returncode}: {out}"
+    return out
+
+
+def wait_for_text(log: Path, text: str, timeout: float) -> None:
+    """Until the job's log (written as the job runs) holds `text`, or AssertionError with its end."""
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and text in ANSI.sub("", log.read_text())):
+        assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else f"no {log}"
+        time.sleep(0.2)
+
+
+def wait_for_job(slurm: Slurm, job_id: str, cwd, timeout: float, until=None) -> dict[str, str]:
+    """`scontrol show job`'s fields once `until(fields)` holds (default: the job has left PENDING, RUNNING and
+    COMPLETING), or AssertionError."""
+    until = until or (lambda job: job.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING",
+                                                               "REQUEUED", None))
     deadline = time.monotonic() + timeout
     while True:
-        shown = slurm.cluster.start(0, ["scontrol", "show", "job", job_id], slurm.env(), cwd).communicate(timeout=30)[0]
-        fields = dict(re.findall(r"(\w+)=(\S+)", shown))
-        if fields.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", None):
+        fields = dict(re.findall(r"(\w+)=(\S+)", command(slurm, cwd, "scontrol", "show", "job", job_id)))
+        if until(fields):
             return fields
         assert time.monotonic() < deadline, f"job {job_id} still {fields.get('JobState')} after {timeout:.0f} s"
-        time.sleep(2)
+        time.sleep(1)
