@@ -100,12 +100,8 @@ def test_a_submitted_job_preempted_by_slurm_requeues_itself_and_resumes_where_it
                                f"data.root={data_root}", f"train.out_dir={tmp_path}")
     wait_for_text(log, "] step=12 ", timeout=300)
     assert command(slurm, tmp_path, "scancel", "--signal=USR1", job_id) == ""
-    requeued = wait_for_job(slurm, job_id, tmp_path, timeout=120, until=lambda job: job.get("Restarts") == "1"
-                            or job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
-    assert (requeued["JobState"], requeued["Restarts"]) == ("PENDING", "1"), f"{requeued}\n{log.read_text()[-3000:]}"
-    held = datetime.fromisoformat(requeued["EligibleTime"]) - datetime.fromisoformat(requeued["SubmitTime"])
-    assert requeued["Reason"] == "BeginTime" and held.total_seconds() == 121, requeued
-    print(f"requeued: PENDING (BeginTime) until {requeued['EligibleTime']}, {held.total_seconds():.0f} s after")
+    requeued = wait_for_requeue(slurm, job_id, log, timeout=120)
+    print(f"requeued: PENDING (BeginTime) until {requeued['EligibleTime']}, 121 s after its requeue")
     # the 2 minutes are SLURM's; a test need not sit them out, as an administrator would not
     assert command(slurm, tmp_path, "scontrol", "update", f"jobid={job_id}", "starttime=now") == ""
     state = wait_for_job(slurm, job_id, tmp_path, timeout=300)
@@ -119,6 +115,21 @@ def test_a_submitted_job_preempted_by_slurm_requeues_itself_and_resumes_where_it
     steps = [int(step) for step in re.findall(r"\] step=(\d+) loss=", text)]
     assert steps == list(range(1, 31)), steps  # one log, appended: each iteration done once
     assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
+
+
+def test_the_script_of_submit_outlives_a_usr1_sent_to_the_whole_job_and_requeues_it(slurm, tmp_path):
+    """`scancel --signal=USR1 --full` (like `#SBATCH --signal=B:USR1@120`) signals the batch shell as well as srun's
+    ranks: an untrapped bash dies of it (the job FAILED, ExitCode 0:10) before it can requeue. The script of submit
+    traps USR1, so when the ranks (here a python that exits 75 on USR1) end, srun's 75 still requeues the job."""
+    ranks = "import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75)); print('rank', 'up', " \
+            "flush=True); time.sleep(60)"
+    job_id, log, _ = submitted(slurm, tmp_path, "python", "-c", ranks)
+    wait_for_text(log, "rank up", timeout=60, count=4)
+    assert command(slurm, tmp_path, "scancel", "--signal=USR1", "--full", job_id) == ""
+    wait_for_requeue(slurm, job_id, log, timeout=60)
+    text = log.read_text()
+    assert text.count("Exited with exit code 75") == 2, text[-3000:]  # srun: tasks 0-1 on node0, 2-3 on node1
+    command(slurm, tmp_path, "scancel", job_id)  # it would start again in 2 minutes, and requeue itself again
 
 
 def test_submit_refuses_a_job_whose_data_is_missing_and_queues_nothing(slurm, tmp_path):
@@ -154,10 +165,21 @@ def command(slurm: Slurm, cwd, *argv: str) -> str:
     return out
 
 
-def wait_for_text(log: Path, text: str, timeout: float) -> None:
-    """Until the job's log (written as the job runs) holds `text`, or AssertionError with its end."""
+def wait_for_requeue(slurm: Slurm, job_id: str, log: Path, timeout: float) -> dict[str, str]:
+    """`scontrol show job`'s fields once the job is back in the queue, requeued once, waiting for its begin time:
+    SLURM holds a requeued job for cred_expire (slurm.conf's AuthInfo, 120 s by default) + 1 s from its requeue."""
+    state = wait_for_job(slurm, job_id, log.parent, timeout, until=lambda job: job.get("Reason") == "BeginTime"
+                         or job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    assert (state["JobState"], state["Restarts"]) == ("PENDING", "1"), f"{state}\n{log.read_text()[-3000:]}"
+    held = datetime.fromisoformat(state["EligibleTime"]) - datetime.fromisoformat(state["SubmitTime"])
+    assert held.total_seconds() == 121, state  # SubmitTime: the requeue's
+    return state
+
+
+def wait_for_text(log: Path, text: str, timeout: float, count: int = 1) -> None:
+    """Until the job's log (written as the job runs) holds `text` `count` times, or AssertionError with its end."""
     deadline = time.monotonic() + timeout
-    while not (log.exists() and text in ANSI.sub("", log.read_text())):
+    while not (log.exists() and ANSI.sub("", log.read_text()).count(text) >= count):
         assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else f"no {log}"
         time.sleep(0.2)
 
