@@ -35,6 +35,12 @@ MESSAGE_TIMEOUT_S = 5
 # Each node offers 2 CPUs, one for each of the 2 tasks per node the tests ask for: slurmd drains a node that claims
 # more CPUs than the machine has, and accepts fewer (all nodes share this machine's cores).
 CPUS_PER_NODE = 2
+# How long a job credential lives (AuthInfo's cred_expire, 120 s by default), which is also how long SLURM holds a
+# requeued job PENDING (Reason=BeginTime, eligible cred_expire + 1 s after its requeue): the slurmds revoked the
+# job's credentials when it was requeued and refuse any of them issued before the revocation expires. A job forced
+# to start sooner (`scontrol update starttime=now`) is killed at once, "Job credential revoked" (FAILED, ExitCode
+# 1:0). A step's credential is used within a second here.
+CRED_EXPIRE_S = 10
 
 
 @functools.cache
@@ -115,7 +121,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.socket}
+AuthInfo=socket={self.socket},cred_expire={CRED_EXPIRE_S}
 StateSaveLocation={d}/slurmctld
 SlurmctldPidFile={d}/slurmctld.pid
 SlurmctldLogFile={d}/slurmctld.log

@@ -20,7 +20,7 @@ from tests.conftest import (
     prepare_data,
 )
 from tests.netns import Cluster
-from tests.slurm import Slurm, why_not
+from tests.slurm import CRED_EXPIRE_S, Slurm, why_not
 
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=f"no SLURM on namespace nodes here: {why_not()}")
 LAUNCH = [sys.executable, "-m", "meshtrain", "launch"]
@@ -36,33 +36,6 @@ def salloc(slurm: Slurm, cwd, *argv: str, options: tuple[str, ...] = ()):
     """`salloc --nodes=2 --ntasks-per-node=2 OPTIONS ARGV` from node 0: ARGV runs there, inside the allocation."""
     return slurm.cluster.start(0, ["salloc", "--nodes=2", "--ntasks-per-node=2", *options, *argv],
                                slurm.env(MESHTRAIN_TIMEOUT="60"), cwd)
-
-
-def test_an_srun_job_that_loses_a_node_is_run_again_on_the_one_left(slurm, uninterrupted_gpt, tmp_path):
-    """An allocation of 2 nodes × 2 tasks kept when a node fails (--no-kill), under `meshtrain launch
-    --max-restarts 1`: launch writes srun's command from SLURM's variables and srun starts 2 ranks on each node,
-    which meet at the allocation's first node. Node 1 is lost for good at iteration 12 (its slurmd with it). Launch
-    asks each host to run `true` through srun, narrows the job's node list to node 0 and runs srun there: 2 ranks
-    resume the checkpoint of iteration 10 with the accumulation doubled, following the uninterrupted 4-rank run."""
-    data_root, uninterrupted = uninterrupted_gpt
-    job = salloc(slurm, tmp_path, *LAUNCH, "--max-restarts", "1", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
-                 f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={tmp_path}", options=("--no-kill",))
-    lines = lines_until_iteration(job, 12)
-    slurm.cluster.lose(1)
-    lost = time.monotonic()
-    lines += job.stdout.readlines()
-    job.wait(timeout=300)
-    text = ANSI.sub("", "".join(lines))
-    assert job.returncode == 0, text[-4000:] + slurm.logs()
-    # launch wrote srun's command from SLURM's variables; the ranks met at the allocation's first node
-    assert re.search(r"^srun --nodes=2 --ntasks=4 --ntasks-per-node=2 ", text, re.MULTILINE), text[:1000]
-    assert re.search(r"│ hosts\s+│ node0, node1 ", text), text[:3000]
-    assert re.search(r"│ rendezvous\s+│ first host of the slurm job, port derived from job \d+\.0 ", text), text[:3000]
-    assert "meshtrain launch: node1 did not answer srun within 30 s; going on with node0" in text, text[-3000:]
-    assert re.search(r"^srun --nodes=1 --ntasks=2 --ntasks-per-node=2 ", text, re.MULTILINE), text[-3000:]
-    assert "resuming at iteration 10" in text and "× accumulation 2: global batch 16" in text, text[-3000:]
-    assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
-    print(f"node lost at iteration 12: done on the node left {time.monotonic() - lost:.1f} s later")
 
 
 def test_a_job_written_by_submit_runs_under_sbatch_on_the_nodes_slurm_gives_it(slurm, tmp_path):
@@ -92,19 +65,19 @@ def test_a_submitted_job_preempted_by_slurm_requeues_itself_and_resumes_where_it
     two past its first checkpoint: `scancel --signal=USR1 JOBID` sends it as `#SBATCH --signal=USR1@120` does, to
     the job's steps (srun's ranks), not to the batch shell. The ranks stop after the same iteration with a
     checkpoint and exit 75, srun and launch pass that on, and the script runs `scontrol requeue`. SLURM puts the job
-    back in the queue with a begin time (cred_expire, 120 s by default, + 1 s: Reason=BeginTime), its log opened
-    again in append mode. The requeued run resumes at its checkpoint and ends as the uninterrupted run did, each
-    iteration logged once."""
+    back in the queue with a begin time (cred_expire + 1 s: Reason=BeginTime; tests/slurm.py's CRED_EXPIRE_S), then
+    runs the script again under the same job id, its log opened again in append mode. The requeued run resumes at
+    its checkpoint and ends as the uninterrupted run did, each iteration logged once."""
     data_root, uninterrupted = uninterrupted_gpt
     job_id, log, _ = submitted(slurm, tmp_path, "python", "-m", "meshtrain", *RESUMABLE_GPT,
                                f"data.root={data_root}", f"train.out_dir={tmp_path}")
     wait_for_text(log, "] step=12 ", timeout=300)
     assert command(slurm, tmp_path, "scancel", "--signal=USR1", job_id) == ""
     requeued = wait_for_requeue(slurm, job_id, log, timeout=120)
-    print(f"requeued: PENDING (BeginTime) until {requeued['EligibleTime']}, 121 s after its requeue")
-    # the 2 minutes are SLURM's; a test need not sit them out, as an administrator would not
-    assert command(slurm, tmp_path, "scontrol", "update", f"jobid={job_id}", "starttime=now") == ""
     state = wait_for_job(slurm, job_id, tmp_path, timeout=300)
+    started = datetime.fromisoformat(state["StartTime"]) - datetime.fromisoformat(requeued["SubmitTime"])
+    print(f"requeued: PENDING (BeginTime) until {requeued['EligibleTime']}, started again {started} after")
+    assert started.total_seconds() >= CRED_EXPIRE_S + 1, (requeued, state)
     text = ANSI.sub("", log.read_text())
     assert (state["JobState"], state["Restarts"], state["ExitCode"]) == ("COMPLETED", "1", "0:0"), \
         f"{state}\n{text[-4000:]}{slurm.logs()}"
@@ -129,7 +102,7 @@ def test_the_script_of_submit_outlives_a_usr1_sent_to_the_whole_job_and_requeues
     wait_for_requeue(slurm, job_id, log, timeout=60)
     text = log.read_text()
     assert text.count("Exited with exit code 75") == 2, text[-3000:]  # srun: tasks 0-1 on node0, 2-3 on node1
-    command(slurm, tmp_path, "scancel", job_id)  # it would start again in 2 minutes, and requeue itself again
+    command(slurm, tmp_path, "scancel", job_id)  # else it starts again once eligible, and sleeps
 
 
 def test_submit_refuses_a_job_whose_data_is_missing_and_queues_nothing(slurm, tmp_path):
@@ -172,7 +145,7 @@ def wait_for_requeue(slurm: Slurm, job_id: str, log: Path, timeout: float) -> di
                          or job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
     assert (state["JobState"], state["Restarts"]) == ("PENDING", "1"), f"{state}\n{log.read_text()[-3000:]}"
     held = datetime.fromisoformat(state["EligibleTime"]) - datetime.fromisoformat(state["SubmitTime"])
-    assert held.total_seconds() == 121, state  # SubmitTime: the requeue's
+    assert held.total_seconds() == CRED_EXPIRE_S + 1, state  # SubmitTime: the requeue's
     return state
 
 
@@ -196,3 +169,31 @@ def wait_for_job(slurm: Slurm, job_id: str, cwd, timeout: float, until=None) -> 
             return fields
         assert time.monotonic() < deadline, f"job {job_id} still {fields.get('JobState')} after {timeout:.0f} s"
         time.sleep(1)
+
+
+# Last: it loses node 1 for good (its namespace deleted), and every job above needs both nodes of the module's SLURM.
+def test_an_srun_job_that_loses_a_node_is_run_again_on_the_one_left(slurm, uninterrupted_gpt, tmp_path):
+    """An allocation of 2 nodes × 2 tasks kept when a node fails (--no-kill), under `meshtrain launch
+    --max-restarts 1`: launch writes srun's command from SLURM's variables and srun starts 2 ranks on each node,
+    which meet at the allocation's first node. Node 1 is lost for good at iteration 12 (its slurmd with it). Launch
+    asks each host to run `true` through srun, narrows the job's node list to node 0 and runs srun there: 2 ranks
+    resume the checkpoint of iteration 10 with the accumulation doubled, following the uninterrupted 4-rank run."""
+    data_root, uninterrupted = uninterrupted_gpt
+    job = salloc(slurm, tmp_path, *LAUNCH, "--max-restarts", "1", "--", "python", "-m", "meshtrain", *RESUMABLE_GPT,
+                 f"data.root={data_root}", "train.init_from=auto", f"train.out_dir={tmp_path}", options=("--no-kill",))
+    lines = lines_until_iteration(job, 12)
+    slurm.cluster.lose(1)
+    lost = time.monotonic()
+    lines += job.stdout.readlines()
+    job.wait(timeout=300)
+    text = ANSI.sub("", "".join(lines))
+    assert job.returncode == 0, text[-4000:] + slurm.logs()
+    # launch wrote srun's command from SLURM's variables; the ranks met at the allocation's first node
+    assert re.search(r"^srun --nodes=2 --ntasks=4 --ntasks-per-node=2 ", text, re.MULTILINE), text[:1000]
+    assert re.search(r"│ hosts\s+│ node0, node1 ", text), text[:3000]
+    assert re.search(r"│ rendezvous\s+│ first host of the slurm job, port derived from job \d+\.0 ", text), text[:3000]
+    assert "meshtrain launch: node1 did not answer srun within 30 s; going on with node0" in text, text[-3000:]
+    assert re.search(r"^srun --nodes=1 --ntasks=2 --ntasks-per-node=2 ", text, re.MULTILINE), text[-3000:]
+    assert "resuming at iteration 10" in text and "× accumulation 2: global batch 16" in text, text[-3000:]
+    assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
+    print(f"node lost at iteration 12: done on the node left {time.monotonic() - lost:.1f} s later")

@@ -68,7 +68,7 @@ class Stopping:
         for sig, handler in self._previous.items():
             # Stopped by a signal, the run has its checkpoint and only leaves: a launcher's SIGTERM now (srun's
             # --kill-on-bad-exit, as the first rank to exit 75 ends the step) would turn a rank's 75 into a death by
-            # signal and srun's code into 143, and the job script would not requeue. SIGKILL after KillWait stays.
+            # signal, srun's code into another than 75, and the job FAILED, not requeued. SIGKILL after KillWait stays.
             signal.signal(sig, signal.SIG_IGN if stopped else handler)
 
     def _note(self, signum: int, _frame) -> None:
