@@ -41,6 +41,9 @@ CPUS_PER_NODE = 2
 # to start sooner (`scontrol update starttime=now`) is killed at once, "Job credential revoked" (FAILED, ExitCode
 # 1:0). A step's credential is used within a second here.
 CRED_EXPIRE_S = 10
+# A requeued job whose begin time has passed starts at the scheduler's next pass over the queue, not at once: every
+# 60 s (the main loop's sched_interval) or 30 s (backfill's bf_interval) by default; here every 2 s.
+SCHED_INTERVAL_S = 2
 
 
 @functools.cache
@@ -139,6 +142,7 @@ AccountingStorageType=accounting_storage/none
 SlurmdTimeout={SLURMD_TIMEOUT_S}
 MessageTimeout={MESSAGE_TIMEOUT_S}
 ReturnToService=2
+SchedulerParameters=sched_interval={SCHED_INTERVAL_S},bf_interval={SCHED_INTERVAL_S}
 {nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
