@@ -35,6 +35,15 @@ MESSAGE_TIMEOUT_S = 5
 # Each node offers 2 CPUs, one for each of the 2 tasks per node the tests ask for: slurmd drains a node that claims
 # more CPUs than the machine has, and accepts fewer (all nodes share this machine's cores).
 CPUS_PER_NODE = 2
+# How long a job credential lives (AuthInfo's cred_expire, 120 s by default), which is also how long SLURM holds a
+# requeued job PENDING (Reason=BeginTime, eligible cred_expire + 1 s after its requeue): the slurmds revoked the
+# job's credentials when it was requeued and refuse any of them issued before the revocation expires. A job forced
+# to start sooner (`scontrol update starttime=now`) is killed at once, "Job credential revoked" (FAILED, ExitCode
+# 1:0). A step's credential is used within a second here.
+CRED_EXPIRE_S = 10
+# A requeued job whose begin time has passed starts at the scheduler's next pass over the queue, not at once: every
+# 60 s (the main loop's sched_interval) or 30 s (backfill's bf_interval) by default; here every 2 s.
+SCHED_INTERVAL_S = 2
 
 
 @functools.cache
@@ -115,7 +124,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.socket}
+AuthInfo=socket={self.socket},cred_expire={CRED_EXPIRE_S}
 StateSaveLocation={d}/slurmctld
 SlurmctldPidFile={d}/slurmctld.pid
 SlurmctldLogFile={d}/slurmctld.log
@@ -133,6 +142,7 @@ AccountingStorageType=accounting_storage/none
 SlurmdTimeout={SLURMD_TIMEOUT_S}
 MessageTimeout={MESSAGE_TIMEOUT_S}
 ReturnToService=2
+SchedulerParameters=sched_interval={SCHED_INTERVAL_S},bf_interval={SCHED_INTERVAL_S}
 {nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 

@@ -86,6 +86,7 @@ def test_slurm_script_for_perlmutter_asks_for_gpus_and_requeues_a_preempted_run(
         "--time=01:00:00", "--qos=regular", "--account=m1234", "--constraint=gpu",
         f"--output={workdir}/meshtrain-gpt-%j.out", "--open-mode=append", "--signal=USR1@120", "--requeue"]
     assert 'if [ "$status" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi' in script.splitlines()
+    assert "trap : USR1  # the ranks get SLURM's USR1 from their own step" in script.splitlines()
     assert script.endswith('exit "$status"\n')
 
 

@@ -157,6 +157,10 @@ def _body(job: Job) -> list[str]:
         lines.append(f"source {shlex.quote(str(job.activate))}  # the environment that ran `meshtrain submit`")
     else:
         lines.append("# no virtual environment ran `meshtrain submit`: the job runs the python it finds on PATH")
+    if job.scheduler == "slurm":
+        # `scancel --signal=USR1 --full` and `--signal=B:USR1@...` signal this shell too, which USR1 kills (the job
+        # FAILED, ExitCode 0:10) before the requeue below; trapped, bash runs the no-op once srun has exited
+        lines.append("trap : USR1  # the ranks get SLURM's USR1 from their own step")
     lines += [shlex.join([*job.launcher, "--", *job.command]), "status=$?"]
     if job.scheduler == "slurm":
         lines += [f"# exit {PREEMPTED}: the run saved a checkpoint after SLURM's USR1 ({WARNING_S} s before the end); "

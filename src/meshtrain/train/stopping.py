@@ -64,8 +64,12 @@ class Stopping:
     def __exit__(self, *exc) -> None:
         self._leaving.set()
         self._arrived.set()
+        stopped = (self.reason == "signal" or self.received) and exc[0] is None
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # Stopped by a signal, the run has its checkpoint and only leaves: a launcher's SIGTERM now (srun's
+            # --kill-on-bad-exit, as the first rank to exit 75 ends the step) would turn a rank's 75 into a death by
+            # signal, srun's code into another than 75, and the job FAILED, not requeued. SIGKILL after KillWait stays.
+            signal.signal(sig, signal.SIG_IGN if stopped else handler)
 
     def _note(self, signum: int, _frame) -> None:
         self.received = signal.Signals(signum).name
