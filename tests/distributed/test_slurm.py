@@ -118,6 +118,22 @@ def test_submit_refuses_a_job_whose_data_is_missing_and_queues_nothing(slurm, tm
     assert command(slurm, tmp_path, "squeue", "--noheader") == ""  # no job at all
 
 
+def test_submit_refuses_a_job_that_would_not_fit_and_queues_nothing(slurm, uninterrupted_gpt, tmp_path):
+    """A 1.47B GPT (1,024 tokens) in fp32 under DDP on one Perlmutter node (4 × A100 40GB) needs about 47 GiB a
+    rank: refused before sbatch with the planner's figure and a layout that fits, exit 1, and squeue shows no job of
+    it. (The namespace nodes have no GPUs: the check is against the system named, as on its login node.)"""
+    data_root, _ = uninterrupted_gpt
+    job = slurm.cluster.start(0, [sys.executable, "-m", "meshtrain", "submit", "--system", "perlmutter", "--nodes",
+                                  "1", "--", "python", "-m", "meshtrain", "train", "gpt", "preset=gpt2",
+                                  "data=shakespeare_char", f"data.root={data_root}", "model.n_layer=12", "model.n_embd=3200", "model.n_head=25", "model.batch_size=8",
+                                  "train.dtype=fp32"], slurm.env(), tmp_path)
+    out = ANSI.sub("", job.communicate(timeout=120)[0])
+    assert job.returncode == 1 and re.search(r"out of memory ahead: ddp dp4 ac=none needs about 4\d\.\d\d GiB per "
+                                             r"rank .* gives 36\.00 GiB", out), out
+    assert "train.backend=fsdp" in out and "nothing submitted" in out and "queued job" not in out, out
+    assert command(slurm, tmp_path, "squeue", "--noheader") == ""
+
+
 def submit(slurm: Slurm, cwd, *train: str) -> tuple[str, int]:
     """`meshtrain submit --scheduler slurm --nodes 2 --ranks-per-node 2 -- TRAIN` from node 0: (its output, code)."""
     job = slurm.cluster.start(0, [sys.executable, "-m", "meshtrain", "submit", "--scheduler", "slurm", "--nodes", "2",
