@@ -74,6 +74,7 @@ class Tokenizer:
     vocab_size: int
     eot_id: int | None
     fingerprint: str
+    _files: dict[str, str] = {}  # Tokenizer.files: none unless read from files (never mutated, only replaced)
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -90,7 +91,7 @@ class Tokenizer:
     def files(self) -> dict[str, str]:
         """The text of the files this tokenizer was read from, the one its spec names first (none for a built-in or
         a named encoding): what a run and an exported model carry, so that they load without the files."""
-        return dict(getattr(self, "_files", {}))
+        return dict(self._files)
 
     def meta(self) -> dict:
         """What meta.json keeps of the tokenizer: tokenizer_from_meta(meta) loads it again."""
@@ -142,7 +143,7 @@ class TiktokenTokenizer(Tokenizer):
     kind = "tiktoken"
 
     def __init__(self, spec: str, ranks: dict[bytes, int], pattern: str, special_tokens: dict[str, int],
-                 eot: str | None):
+                 eot: str | None, files: dict[str, str] | None = None):
         import tiktoken
 
         if eot is not None and eot not in special_tokens:
@@ -152,7 +153,7 @@ class TiktokenTokenizer(Tokenizer):
                                               special_tokens=special_tokens)
         except ValueError as e:  # a pattern the regex engine rejects, ids that collide
             raise DataError(f"{spec}: tiktoken cannot build this encoding ({e})") from None
-        self.spec = spec
+        self.spec, self._files = spec, files or {}
         self.eot_id = special_tokens[eot] if eot is not None else None
         self.fingerprint = _sha256_json({"ranks_sha256": ranks_sha256(ranks), "pattern": pattern,
                                          "special_tokens": special_tokens})
@@ -244,7 +245,7 @@ def load_ranks_file(path: Path) -> TiktokenTokenizer:
     sidecar = _sidecar(path)
     if not sidecar.is_file():
         pattern, specials, eot = _default_specials(path, ranks)
-        return _reading(TiktokenTokenizer(str(path), ranks, pattern, specials, eot), {path.name: raw.decode("ascii")})
+        return TiktokenTokenizer(str(path), ranks, pattern, specials, eot, {path.name: raw.decode("ascii")})
     try:
         described_text = sidecar.read_text(encoding="utf-8")
         described = json.loads(described_text)
@@ -253,14 +254,8 @@ def load_ranks_file(path: Path) -> TiktokenTokenizer:
         raise DataError(f"{sidecar} should be JSON with a \"pattern\" string and \"special_tokens\" "
                         f"{{name: id}} ({type(e).__name__}: {e})") from None
     eot = described.get("eot", next((name for name in EOT_NAMES if name in specials), None))
-    return _reading(TiktokenTokenizer(str(path), ranks, pattern, specials, eot),
-                    {path.name: raw.decode("ascii"), sidecar.name: described_text})
-
-
-def _reading(tokenizer: Tokenizer, files: dict[str, str]) -> Tokenizer:
-    """`tokenizer`, which keeps the text of the files it was read from (Tokenizer.files)."""
-    tokenizer._files = files
-    return tokenizer
+    return TiktokenTokenizer(str(path), ranks, pattern, specials, eot,
+                             {path.name: raw.decode("ascii"), sidecar.name: described_text})
 
 
 def _tiktoken_cache_path(url: str) -> tuple[str | None, Path | None]:
