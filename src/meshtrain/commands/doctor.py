@@ -20,7 +20,7 @@ from meshtrain.data.text import default_data_root, shipped_data_check
 from meshtrain.machine.profile import profile_age_check
 from meshtrain.runtime import doctor, network
 from meshtrain.runtime.device import device_count
-from meshtrain.runtime.env import LaunchEnvError, detect, scheduler_info
+from meshtrain.runtime.env import LaunchEnvError, detect
 from meshtrain.runtime.launch import mpi_flavor
 from meshtrain.runtime.log import print_rich
 
@@ -45,10 +45,10 @@ def collect(args: argparse.Namespace, environ=None) -> list[doctor.Check]:
     env = os.environ if environ is None else environ
     try:
         launch = detect(env)
-        job_nodes = max(launch.num_nodes, len(scheduler_info(env)[2]))
+        nodes_held = doctor.job_nodes(launch, env)
     except LaunchEnvError:
-        launch, job_nodes = None, 1  # the launcher row says why
-    multi_node = max(args.nodes or 1, job_nodes) > 1
+        launch, nodes_held = None, 1  # the launcher row says why
+    multi_node = max(args.nodes or 1, nodes_held) > 1
     mpiexec = shutil.which("mpiexec")
     flavor = mpi_flavor(mpiexec) if mpiexec else "pals"
     mpi_library = doctor.mpi_library()

@@ -114,28 +114,33 @@ def devices_check(gpus_per_node: int | None, launch: LaunchEnv | None, environ: 
     return Check("devices", OK, found + (f"; the job asks for {asked} per node" if asked else ""))
 
 
+def job_nodes(launch: LaunchEnv, environ: Mapping[str, str]) -> int:
+    """The nodes of the whole job: its scheduler's host list (detect() keeps one host for a lone process), SLURM's
+    count where the list is missing, or the launcher's."""
+    return max(len(scheduler_info(environ)[2]), int(environ.get("SLURM_NNODES") or 0), launch.num_nodes, 1)
+
+
 def launcher_check(environ: Mapping[str, str], nodes: int | None = None, machine: Machine | None = None,
                    flavor: str = "auto") -> Check:
     """The launcher and scheduler env.py finds, this rank's place, and the command `meshtrain launch` would run."""
     try:
         launch = detect(environ)
-        job_hosts = scheduler_info(environ)[2]  # the whole job's: detect() keeps one host for a lone process
+        nodes_held = job_nodes(launch, environ)
         argv = build_command(["python", "-m", "meshtrain"], environ=environ, machine=machine, flavor=flavor)
     except LaunchEnvError as e:
         return Check("launcher", ERROR, str(e), "fix the launcher's variables, or start the job with "
                                                 "`meshtrain launch`")
-    job_nodes = len(job_hosts) or int(environ.get("SLURM_NNODES") or 0) or 1
     if launch.scheduler == "none":
         found = "no scheduler (a login node or a workstation)"
     else:
-        found = f"{launch.scheduler} job {launch.job_id} on {job_nodes} node{'s' * (job_nodes != 1)}"
+        found = f"{launch.scheduler} job {launch.job_id} on {nodes_held} node{'s' * (nodes_held != 1)}"
     if launch.launcher == "none":  # a job script or a login shell: what the launch would start
         found += f"; one process; `meshtrain launch` would run: {_shown(argv)} ..."
     else:
         found += (f"; launched by {launch.launcher}: rank {launch.rank} of {launch.world_size}, local rank "
                   f"{launch.local_rank} of {launch.local_world_size}, {launch.num_nodes} node(s)")
-    if nodes and launch.scheduler != "none" and job_nodes < nodes:
-        return Check("launcher", ERROR, f"{found}; --nodes {nodes} asked for, the job has {job_nodes}",
+    if nodes and launch.scheduler != "none" and nodes_held < nodes:
+        return Check("launcher", ERROR, f"{found}; --nodes {nodes} asked for, the job has {nodes_held}",
                      f"ask the scheduler for {nodes} nodes (SLURM --nodes, PBS select=) or lower --nodes")
     return Check("launcher", OK, found + (f"; --nodes {nodes}: the scheduler's to give" if nodes and
                                           launch.scheduler == "none" else ""))
