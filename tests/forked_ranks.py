@@ -17,12 +17,13 @@ fresh interpreter importing PRELOAD again: 2.5 CPU seconds a job here). Run by t
 forked from a server that had imported PRELOAD, so a job's ranks import nothing.
 
 Tests whose subject is the launcher itself (signals and restarts, hangs, the examples' launch lines, the documented
-commands) run real torchrun (tests/conftest.py: torchrun_cmd).
+`torchrun ... test-dist` and `meshtrain launch` lines) run real torchrun (tests/conftest.py: torchrun_cmd).
 """
 
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 import runpy
 import socket
@@ -51,6 +52,9 @@ def rank_main(argv: list[str]) -> None:
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` sets it
         run = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
+    # A forkserver's child inherits its parent's start method as the default: a fresh interpreter has none (fork on
+    # Linux), and a DataLoader's workers started by a forkserver of their own cost a new interpreter each epoch.
+    multiprocessing.set_start_method(None, force=True)
     try:
         run()
     except SystemExit as stop:

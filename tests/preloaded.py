@@ -65,6 +65,7 @@ def _child(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -
     """The interpreter's own run of `python ARGS`, in the state a fresh one would be in: its own process group (so a
     timeout kills whatever it starts), the environment and directory asked for, stdout and stderr to files."""
     os.setsid()
+    multiprocessing.set_start_method(None, force=True)  # the server's "forkserver" default is not a fresh interpreter's
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from tests import preloaded
-from tests.conftest import REPO, clean_env, output
+from tests.conftest import REPO, clean_env, forked_cmd, output
 from tests.unit.test_docs_links import PAGES, command_lines, rel
 
 pytestmark = pytest.mark.slow
@@ -158,24 +158,45 @@ def said(line: str) -> str | None:
     return next((expected for pattern, expected in SAID if re.search(pattern, line)), None)
 
 
+# A documented torchrun of a training run or a script, whose ranks the suite forks (tests/forked_ranks.py: torch's own
+# elastic agent, rendezvous and environment, ranks forked from a process that imported torch). The launcher's own
+# lines (`torchrun ... test-dist`) and `meshtrain launch`'s run the real torchrun, as test_runtime and test_examples do.
+FORKED_TORCHRUN = re.compile(r"^torchrun (?:--standalone )?--nproc-per-node (\d+) (?:--standalone )?(?!.*\btest-dist\b)")
+
+
 def run_as_the_shell_would(command: str, workspace: Path) -> subprocess.CompletedProcess:
-    """`command` as bash runs it. A `meshtrain ...` command (alone, or one of an `a && b` chain), its `$NAME`s
-    expanded as bash would, runs the same entry point in a process forked from tests/preloaded.py's server (the
-    console script is `python -m meshtrain`'s main; a fresh interpreter would spend ~1 s importing torch first);
-    anything else (a launcher, a script, a pipe, a glob, quotes) runs under bash itself."""
+    """`command` as bash runs it. A `meshtrain ...` or `python SCRIPT ...` command, or a torchrun of FORKED_TORCHRUN's
+    (alone, or one of an `a && b` chain), its `$NAME`s expanded as bash would, runs the same entry point in a
+    process forked from tests/preloaded.py's server (the console script is `python -m meshtrain`'s main; a fresh
+    interpreter would spend ~1 s importing torch first, each of a torchrun's ranks too); anything else (a launcher,
+    a pipe, a glob, quotes) runs under bash itself."""
     env = shell_env(workspace)
     parts = [re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), m.group(0)), part) for part in command.split(" && ")]
-    if not all(part.startswith("meshtrain ") and not re.search(r"[$&|;<>`'\"\\*?\[~]", part) for part in parts):
+    argvs = [forked_argv(part) for part in parts]
+    if None in argvs:
         return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=workspace, env=env,
                               timeout=300)
     stdout = stderr = ""
-    for part in parts:  # && : each only if the one before succeeded
-        done = preloaded.run([sys.executable, "-m", "meshtrain", *part.split()[1:]], env=env, cwd=workspace,
-                             timeout=300)
+    for argv in argvs:  # && : each only if the one before succeeded
+        done = preloaded.run(argv, env=env, cwd=workspace, timeout=300)
         stdout, stderr = stdout + done.stdout, stderr + done.stderr
         if done.returncode != 0:
             break
     return subprocess.CompletedProcess(command, done.returncode, stdout, stderr)
+
+
+def forked_argv(part: str) -> list[str] | None:
+    """The forked process's `python ...` argv for one command of a line, or None where bash must run it."""
+    # a list value (`data.crop=[32,64]`) is a glob to bash that matches no file here: bash passes it as it is
+    if re.search(r"[$&|;<>`'\"\\*?\[~]", re.sub(r"=\[[\w,.]*\]", "=", part)):
+        return None
+    if part.startswith("meshtrain "):
+        return [sys.executable, "-m", "meshtrain", *part.split()[1:]]
+    if part.startswith("python ") and part.split()[1].endswith(".py"):
+        return [sys.executable, *part.split()[1:]]
+    if ranks := FORKED_TORCHRUN.match(part):
+        return forked_cmd(int(ranks.group(1)), *part[ranks.end():].split())
+    return None
 
 
 @pytest.mark.parametrize("page,line", LINES, ids=[f"{page}: {line[:60]}" for page, line in LINES])
