@@ -139,6 +139,26 @@ def test_a_held_rank_waits_in_its_phase_until_it_is_signalled(monkeypatch):
     assert not held.is_alive()
 
 
+def test_a_signal_is_said_where_it_came_however_late_the_thread_that_says_it_wakes(monkeypatch):
+    """Rank 0's thread that says what a signal means may wake after the loop has ended (seen under a throttled CPU's
+    load): it says where the rank was when the signal came (computing step 5), not where it is by then (finishing,
+    which would read as a signal in the run's last iteration)."""
+    import signal
+
+    from meshtrain.train import stopping
+
+    said = []
+    monkeypatch.setattr(stopping.log, "warning", lambda fmt, *args: said.append(fmt % args))
+    monkeypatch.setattr(stopping, "SIGNALLED", __import__("threading").Event())
+    monkeypatch.setattr(heartbeat, "_here", {"step": 5, "micro": None, "phase": "forward", "collective": None})
+    stop = stopping.Stopping(None, info=None, last_iteration=100)
+    stop._note(signal.SIGTERM, None)
+    heartbeat._here.update(phase="finish")  # the loop has ended before the thread runs
+    stop._say_what_follows()
+    assert len(said) == 1 and said[0].startswith("SIGTERM received while computing step 5 (for "), said
+    assert "the run stops after this iteration, with a checkpoint, and exits 75" in said[0], said
+
+
 def test_a_straggler_in_steps_sleeps_that_many_of_its_median_iterations(monkeypatch):
     """steps=K: the delay is K of the rank's own median iterations before the fault (one slow iteration, an
     evaluation, does not move it), so a drilled straggler is as late relative to the job on any machine."""

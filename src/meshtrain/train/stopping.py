@@ -50,6 +50,9 @@ class Stopping:
         self._previous: dict[int, object] = {}
         self._arrived, self._leaving = threading.Event(), threading.Event()
         self.last_iteration_s: float | None = None
+        self.started = self._checked = time.perf_counter()  # again as the loop starts (__enter__)
+        self._speaker: threading.Thread | None = None  # rank 0's thread that says what a signal means
+        self._noted: tuple[dict, float] = ({}, 0.0)  # where this rank was when the first signal came, and for how long
 
     def __enter__(self) -> Stopping:
         self.started = self._checked = time.perf_counter()
@@ -58,10 +61,13 @@ class Stopping:
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._note)
             if self.info.is_main:
-                threading.Thread(target=self._say_what_follows, name="meshtrain-signal", daemon=True).start()
+                self._speaker = threading.Thread(target=self._say_what_follows, name="meshtrain-signal", daemon=True)
+                self._speaker.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.received and self._speaker:  # said before the run's last words, however late its thread was woken
+            self._speaker.join(timeout=5)
         self._leaving.set()
         self._arrived.set()
         stopped = (self.reason == "signal" or self.received) and exc[0] is None
@@ -72,6 +78,8 @@ class Stopping:
             signal.signal(sig, signal.SIG_IGN if stopped else handler)
 
     def _note(self, signum: int, _frame) -> None:
+        if self.received is None:  # where the rank was when the first came: the thread that says so may wake late
+            self._noted = heartbeat.where()[0], time.perf_counter() - self._checked
         self.received = signal.Signals(signum).name
         self._arrived.set()
         SIGNALLED.set()
@@ -81,8 +89,7 @@ class Stopping:
         self._arrived.wait()
         if self._leaving.is_set():
             return
-        where, _ = heartbeat.where()
-        under_way = time.perf_counter() - self._checked
+        where, under_way = self._noted
         last = f"; an iteration took {self.last_iteration_s:.1f} s" if self.last_iteration_s else ""
         if self._in_last_iteration(where):
             log.warning("%s received while %s (for %.1f s%s): this is the run's last iteration (%d), so the run "
