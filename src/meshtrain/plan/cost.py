@@ -63,7 +63,7 @@ from meshtrain.plan import backward, experts
 from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed, op_block_bytes
 from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
-from meshtrain.plan.pipeline_time import pipeline_time
+from meshtrain.plan.pipeline_time import micro_batches_held, pipeline_time
 from meshtrain.plan.shares import Share, stage_shares, tp_local_shape
 from meshtrain.plan.workload import ModelFacts
 
@@ -156,27 +156,6 @@ class _Micro:
         samples = facts.batch_size // microbatches
         return cls(samples=samples, count=t.grad_accum * microbatches, microbatches=microbatches,
                    tokens=samples * facts.tokens // dims.cp)
-
-
-def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> tuple[float, float | None]:
-    """Micro-batches' activations pipeline rank `stage` holds when its first backward starts, and when a later one
-    starts (by then gradients exist; None without a pipeline: one backward per micro-step), in units of the rank's
-    whole share of blocks, as torch's schedules order the work: GPipe runs every forward first; 1F1B runs
-    pp - stage forwards, then a backward before each further forward; interleaved 1F1B runs
-    (v - 1)·pp + 2·(pp - 1 - stage) chunk forwards, then a forward before each backward."""
-    if pp == 1:
-        return 1.0, None
-    if schedule in ("gpipe", "looped_bfs"):
-        return float(microbatches), microbatches - 1 / virtual
-    if schedule == "1f1b":
-        warm = min(microbatches, pp - stage)
-        return float(warm), float(warm if microbatches > warm else warm - 1)
-    chunks = microbatches * virtual  # interleaved and zero-bubble schedules: counted in one chunk's blocks
-    per_round = microbatches // max(1, microbatches // pp)
-    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - stage), chunks)
-    first = min(warm + 1, chunks)
-    later = first if chunks - warm > 1 else first - 1
-    return first / virtual, later / virtual
 
 
 def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share) -> float:
@@ -298,7 +277,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         inputs += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
     kept += inputs
     head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
-    first, later = held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
+    first, later = micro_batches_held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
