@@ -115,6 +115,9 @@ class ModelSpec:
     # (model, cfg, dims, mesh, device, rank) -> its parallel.layout.Layout: what the workload's build_layout does, without
     # the workload's data (`plan --trace` lays the model out on a fake process group from the spec alone)
     build_layout: Callable | None = None
+    # (cfg, dims, data_facts) -> (inputs, targets): one micro-batch of zeros shaped as the workload hands it to the
+    # layout (`plan --trace` makes it of fake tensors); none: token windows [ModelShape.batch_size, tokens] (int64)
+    micro_batch: Callable | None = None
     legend: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # its metrics' meanings
     text: bool = False  # a language model: `meshtrain sample` can generate from it
     # Where its blocks and ends are, by module path (parallel.pipeline_schedules.StageSplit): a pipeline cuts the model

@@ -30,6 +30,13 @@ LAYOUTS = {  # one of each way of holding a model: replicated, sharded, tensor-p
 }
 BF16 = ("ddp", "fsdp", "fsdp tp2", "ddp op")  # also measured under bf16 autocast
 BASE = ["preset=cpu", "model.dropout=0.0", "model.batch_size=8"]
+# The ViT's layouts, in the same launches (a case of its own model, measure.py --cases): its fields as the batch,
+# the head's whole field; fsdp tp2 gathers the field from sequence-parallel patches. 4 channels of 32 × 64, patches of
+# 4 (128 tokens), width 32.
+VIT_LAYOUTS = {"vit ddp": (2, ["train.backend=ddp"]),
+               "vit fsdp tp2": (4, ["train.backend=fsdp", "parallel.tp=2"])}
+VIT = ["preset=tiny", "model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=4",
+       "data.crop=[32,64]", "data.batch_size=4"]
 RANK_ROWS: dict[tuple[str, str], list[dict]] = {}  # (layout, dtype): what each rank measured (the checks' job)
 
 
@@ -39,7 +46,24 @@ def data_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def checks(data_root) -> dict[tuple[str, str], validate.Check]:
+def era5_root(tmp_path_factory):
+    from meshtrain.data.era5_synthetic import generate
+
+    root = tmp_path_factory.mktemp("plan-era5")
+    generate(root, years=[2010, 2011, 2012], samples_per_year=16, grid=(34, 66), channels=4, seed=0)
+    return root
+
+
+def case_of(name: str, data_root, era5_root) -> tuple[str, list[str]]:
+    """(model, overrides) of a layout here, its dtype last in the name: a GPT's, or the ViT's (VIT_LAYOUTS)."""
+    layout, dtype = name.rsplit(" ", 1)
+    if layout in VIT_LAYOUTS:
+        return "vit", [*VIT, f"data.root={era5_root}", *VIT_LAYOUTS[layout][1], f"train.dtype={dtype}"]
+    return "gpt", [*BASE, f"data.root={data_root}", *LAYOUTS[layout][1], f"train.dtype={dtype}"]
+
+
+@pytest.fixture(scope="module")
+def checks(data_root, era5_root) -> dict[tuple[str, str], validate.Check]:
     """{(layout, dtype): its check}: each layout predicted for CPU ranks and measured here for one step; the cases of
     one size in one job (`measure --cases`: a start-up of the ranks per size, not per case). `plan --validate` gives
     each its own job for the CUDA allocator's cache; on a CPU each case's storages are counted from its own start."""
@@ -47,17 +71,18 @@ def checks(data_root) -> dict[tuple[str, str], validate.Check]:
 
     gpus = machines.from_system(systems.get("polaris"))
     machine = {"fp32": gpus, "bf16": replace(gpus, cpu=True)}  # bf16: as the CPU ranks run it (attention in fp32)
-    base = [*BASE, f"data.root={data_root}"]
-    cases = {(name, dtype): (ranks, [*overrides, f"train.dtype={dtype}"]) for name, (ranks, overrides) in LAYOUTS.items()
+    cases = {(name, dtype): ranks for name, (ranks, _) in {**LAYOUTS, **VIT_LAYOUTS}.items()
              for dtype in ("fp32", "bf16") if dtype == "fp32" or name in BF16}
     found = {}
-    for ranks in sorted({ranks for ranks, _ in cases.values()}):
-        mine = {f"{name} {dtype}": overrides for (name, dtype), (r, overrides) in cases.items() if r == ranks}
-        job = forked_job(measure.__file__, ranks, "gpt", *base, "--cases", json.dumps(mine), "--steps", "1",
-                         timeout=300)
+    for ranks in sorted(set(cases.values())):
+        mine = {f"{name} {dtype}": case_of(f"{name} {dtype}", data_root, era5_root)
+                for (name, dtype), r in cases.items() if r == ranks}
+        job = forked_job(measure.__file__, ranks, "gpt", "--cases", json.dumps(
+            {case: {"model": model, "overrides": overrides} for case, (model, overrides) in mine.items()}),
+            "--steps", "1", timeout=300)
         assert job.returncode == 0, job.output[-3000:]
-        for case, overrides in mine.items():
-            cfg = config_mod.load_config([*base, *overrides], "gpt")
+        for case, (model, overrides) in mine.items():
+            cfg = config_mod.load_config(overrides, model)
             dims = ParallelDims.from_config(cfg, ranks, ranks)
             candidate = Candidate(cfg, dims, predict(ModelFacts.of(cfg), cfg, dims, machine[case.split()[-1]]),
                                   fits=True)
@@ -67,7 +92,7 @@ def checks(data_root) -> dict[tuple[str, str], validate.Check]:
     return found
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [*LAYOUTS, *VIT_LAYOUTS])
 def test_predicted_bytes_are_what_ranks_hold(checks, name):
     check = checks[name, "fp32"]
     for key in validate.STATES:
@@ -86,7 +111,7 @@ def test_predicted_peak_under_bf16_autocast_is_the_ranks_peak(checks, name):
     assert abs(check.relative("peak")) <= 0.10, (name, check.predicted["peak"], check.measured["peak"])
 
 
-def test_a_trace_in_one_process_holds_what_the_ranks_hold(checks, data_root):
+def test_a_trace_in_one_process_holds_what_the_ranks_hold(checks, data_root, era5_root):
     """`plan --trace` against the same measured ranks (no launch of its own): each layout it can build, traced in one
     process on a fake process group, holds the ranks' parameters, gradients and optimizer state to the byte, and its
     peak (fake tensors' storages, counted as the ranks count theirs) is within 5% of theirs: 4,240 bytes under (the
@@ -97,13 +122,13 @@ def test_a_trace_in_one_process_holds_what_the_ranks_hold(checks, data_root):
     from tests.conftest import REPO, clean_env
 
     traceable = checks  # every layout measured here
-    lines = []
+    lines, sizes = [], {**LAYOUTS, **VIT_LAYOUTS}
     for ranks in (2, 4):
-        cases = {f"{name} {dtype}": [*LAYOUTS[name][1], f"train.dtype={dtype}"]
-                 for name, dtype in traceable if LAYOUTS[name][0] == ranks}
-        out = preloaded.run([sys.executable, "-m", "meshtrain.plan.measured.trace", "gpt", *BASE,
-                             f"data.root={data_root}", "--world", str(ranks), "--cases", json.dumps(cases)],
-                            env=clean_env(), cwd=REPO, timeout=240)
+        cases = {f"{name} {dtype}": dict(zip(("model", "overrides"), case_of(f"{name} {dtype}", data_root, era5_root),
+                                             strict=True))
+                 for name, dtype in traceable if sizes[name][0] == ranks}
+        out = preloaded.run([sys.executable, "-m", "meshtrain.plan.measured.trace", "gpt", "--world", str(ranks),
+                             "--cases", json.dumps(cases)], env=clean_env(), cwd=REPO, timeout=240)
         assert out.returncode == 0, output(out)[-3000:]
         lines += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == len(traceable) + sum("pp2" in name for name, _ in traceable)  # a pipeline's two stages

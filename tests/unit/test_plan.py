@@ -276,17 +276,32 @@ def test_without_arguments_only_the_model_is_named_as_required(command, required
     assert capsys.readouterr().err.strip().endswith(f"error: the following arguments are required: {required}")
 
 
-@pytest.mark.parametrize("backend,sequence_parallel,held", [("ddp", True, 1 / 4), ("ddp", False, 1), ("fsdp", True, 1)])
-def test_the_vits_position_gradient_is_counted_as_the_token_shard_it_arrives_as(backend, sequence_parallel, held):
+@pytest.mark.parametrize("backend,sequence_parallel,world,held", [
+    ("ddp", True, 4, 1 / 4), ("ddp", False, 4, 1), ("fsdp", True, 8, 1), ("fsdp", True, 4, 1 / 4)])
+def test_the_vits_position_gradient_is_counted_as_the_token_shard_it_arrives_as(backend, sequence_parallel, world,
+                                                                                  held):
     """Under sequence parallel the ViT's replicated pos_embed meets a token-sharded stream, and its gradient arrives
     as a Shard(1) DTensor of 1/tp of it (seen in a 4-rank run: [1, 50, 128] of [1, 200, 128]); a backend that shards
-    gradients itself keeps its own shards. Every other gradient is its parameter's size."""
+    gradients itself keeps its own shards, where it wraps the model (dp 2 × tp 4), not on tp ranks alone (`plan
+    --trace`). Every other gradient is its parameter's size."""
     from meshtrain.plan.cost import _shares
 
     cfg = config_mod.load_config(["preset=tiny", f"train.backend={backend}", "parallel.tp=4",
                        f"parallel.sequence_parallel={str(sequence_parallel).lower()}"], "vit")
     facts = ModelFacts.of(cfg, {"img_size": [80, 160], "channels": 4})
-    share, = _shares(facts, cfg, ParallelDims.from_config(cfg, 4))
+    share, = _shares(facts, cfg, ParallelDims.from_config(cfg, world, 4))
     pos_embed = facts.model.pos_embed.numel()
     assert pos_embed == 200 * 128
     assert share.params - share.grads == round(pos_embed * (1 - held))
+
+
+def test_the_vits_global_batch_is_split_over_the_accumulation_as_its_workload_splits_it():
+    """data.global_batch_size over dp ranks × train.grad_accum micro-steps (models/vit/config.local_batch): 16 on
+    2 ranks in 2 micro-steps is 4 a micro-step, and an iteration holds the 16, not twice them."""
+    from meshtrain.models.vit.config import local_batch
+
+    cfg = config_mod.load_config(["preset=base", "train.grad_accum=2", "train.backend=ddp"], "vit")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    facts = ModelFacts.of(cfg, {"img_size": [360, 720], "channels": 20})
+    assert facts.for_dp(2, 2).batch_size == local_batch(cfg, 2) == 4
+    assert predict(facts, cfg, dims, machines.from_system(systems.get("polaris"))).samples_per_iteration == 16

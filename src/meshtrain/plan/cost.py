@@ -63,7 +63,7 @@ from meshtrain.plan import backward, experts
 from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed, op_block_bytes
 from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
-from meshtrain.plan.pipeline_time import pipeline_time
+from meshtrain.plan.pipeline_time import micro_batches_held, pipeline_time
 from meshtrain.plan.shares import Share, stage_shares, tp_local_shape
 from meshtrain.plan.workload import ModelFacts
 
@@ -98,7 +98,7 @@ class Cost:
 def predict_peak(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> float:
     """The peak bytes per rank of the fullest pipeline stage: predict's memory alone (of `machine` it reads only
     whether attention runs in fp32), for the memory check before a run (plan/measured/preflight.py)."""
-    facts = facts.for_dp(dims.dp_size)
+    facts = facts.for_dp(dims.dp_size, cfg.train.grad_accum)
     micro = _Micro.of(facts, cfg, dims)
     return max(_memory(facts, cfg, dims, share, micro, machine)["peak"] for share in _shares(facts, cfg, dims))
 
@@ -107,7 +107,7 @@ def stage_memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims,
                  machine: Machine) -> dict[int, dict[str, float]]:
     """predict's memory terms of every pipeline stage's rank 0, by pp rank (what `plan --trace` sets beside each
     traced stage; predict keeps the fullest's)."""
-    facts = facts.for_dp(dims.dp_size)
+    facts = facts.for_dp(dims.dp_size, cfg.train.grad_accum)
     micro = _Micro.of(facts, cfg, dims)
     return {share.stage: _memory(facts, cfg, dims, share, micro, machine) for share in _shares(facts, cfg, dims)}
 
@@ -123,7 +123,7 @@ def _shares(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> list[Share
 def predict(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> Cost:
     """Memory and step time of `cfg`'s layout `dims` (already checked by ParallelDims.from_config) on `machine`."""
     t = cfg.train
-    facts = facts.for_dp(dims.dp_size)
+    facts = facts.for_dp(dims.dp_size, cfg.train.grad_accum)
     shares = _shares(facts, cfg, dims)
     micro = _Micro.of(facts, cfg, dims)
     cost = Cost()
@@ -158,27 +158,6 @@ class _Micro:
                    tokens=samples * facts.tokens // dims.cp)
 
 
-def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> tuple[float, float | None]:
-    """Micro-batches' activations pipeline rank `stage` holds when its first backward starts, and when a later one
-    starts (by then gradients exist; None without a pipeline: one backward per micro-step), in units of the rank's
-    whole share of blocks, as torch's schedules order the work: GPipe runs every forward first; 1F1B runs
-    pp - stage forwards, then a backward before each further forward; interleaved 1F1B runs
-    (v - 1)·pp + 2·(pp - 1 - stage) chunk forwards, then a forward before each backward."""
-    if pp == 1:
-        return 1.0, None
-    if schedule in ("gpipe", "looped_bfs"):
-        return float(microbatches), microbatches - 1 / virtual
-    if schedule == "1f1b":
-        warm = min(microbatches, pp - stage)
-        return float(warm), float(warm if microbatches > warm else warm - 1)
-    chunks = microbatches * virtual  # interleaved and zero-bubble schedules: counted in one chunk's blocks
-    per_round = microbatches // max(1, microbatches // pp)
-    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - stage), chunks)
-    first = min(warm + 1, chunks)
-    later = first if chunks - warm > 1 else first - 1
-    return first / virtual, later / virtual
-
-
 def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share) -> float:
     """Autocast's 16-bit copy of every linear weight this rank runs, cached for the forward and saved for backward
     (none under FSDP2, whose gathered parameters are already 16-bit). Under op-level checkpointing a block's matmuls
@@ -201,10 +180,11 @@ def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share:
 
 def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro, cpu: bool) -> float:
     """The output layer's output, what the loss saves of it and its gradient, for one micro-batch: a decoder's logits
-    on this rank's tokens (vocabulary-sharded under loss parallel), or the ViT's whole field on every rank, which
-    is also copied once when its patches are put back together into the field."""
+    on this rank's tokens (vocabulary-sharded under loss parallel), or where the ViT's backward starts, the gradient
+    of its whole field on every rank and its copy back into patches (the field and its patches of the forward are
+    gone by then; `plan --trace` counts two fields there, beside the micro-batch's own, _batch_bytes)."""
     if facts.shape.whole_output:
-        return 4 * micro.samples * facts.tokens * facts.head_features * FP32
+        return 2 * micro.samples * facts.tokens * facts.head_features * FP32
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
     chunks = getattr(cfg.train, "loss_chunks", "off")  # a decoder's; the ViT has none
     chunk = resolve_loss_chunks(chunks, facts.head_features)
@@ -220,6 +200,15 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     # the log-softmax of its fp32 copy, not them.
     per_feature = 2 * FP32 + (2 if autocast(cfg) and not cpu else FP32)
     return micro.tokens * facts.head_features / sharded * per_feature
+
+
+def _batch_bytes(facts: ModelFacts, micro: _Micro) -> float:
+    """A micro-batch of whole fields (a model whose loss reads its whole output, the ViT): its inputs and targets in
+    fp32, held from its arrival to past the optimizer step; a decoder's token ids are too small to count."""
+    if not facts.shape.whole_output or not facts.split:
+        return 0.0
+    inputs = sum(shape[1] for name, shape in facts.linears if name in facts.split.first)  # the patch embedding's
+    return micro.samples * facts.tokens * (inputs + facts.head_features) * FP32
 
 
 def _blocks_kept(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
@@ -288,7 +277,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         inputs += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
     kept += inputs
     head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
-    first, later = held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
+    first, later = micro_batches_held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
@@ -312,20 +301,24 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     in_flight, held_grads = (later, between) if later is not None and later * (kept + head) + between > \
         first * (kept + head) + earlier else (first, earlier)
     copies = _weight_copies(facts, cfg, dims, share)
+    batch = _batch_bytes(facts, micro) if share.first else 0.0
     # ... or deeper in the first backward, where the gradients made so far meet a block recomputed (plan/backward.py):
     # the other micro-batches held and this one's chunk inputs stay, its head's tensors are gone
     blocks = backward.block_list(facts, cfg, dims, share, micro.tokens, *block_bytes(facts, cfg, dims, micro.tokens,
                                                                                      machine), machine)
-    inside = params + optimizer + buffers + copies + flowing + (first - 1) * (kept + head) + inputs + \
+    inside = params + optimizer + buffers + copies + batch + flowing + (first - 1) * (kept + head) + inputs + \
         backward.deepest(blocks, share, earlier, reduced)
     activations, head = in_flight * kept, in_flight * head
-    start = params + optimizer + buffers + activations + head + held_grads + working + copies
-    optimizer_step = params + grads + optimizer + buffers + reduced + expert_copy
+    # the ViT's field gradients are freed before backward recomputes its last block (`plan --trace`: counting both
+    # put fsdp with full checkpointing 30% over); a decoder's head is priced beside the recomputed block
+    overlap = flowing + max(head, working - flowing) if facts.shape.whole_output else head + working
+    start = params + optimizer + buffers + activations + held_grads + overlap + copies + batch
+    optimizer_step = params + grads + optimizer + buffers + reduced + expert_copy + batch
     out = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
            "buffers": buffers + reduced, "backward working set": working, "16-bit weight copies": copies,
            "peak": max(start, inside, optimizer_step)}
     return out | ({"expert gradient copy": expert_copy} if expert_copy else {}) | \
-        ({"accumulated gradients": earlier} if earlier else {}) | \
+        ({"accumulated gradients": earlier} if earlier else {}) | ({"batch": batch} if batch else {}) | \
         ({"inside backward": inside} if inside > start else {})
 
 

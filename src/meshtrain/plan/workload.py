@@ -62,9 +62,10 @@ class ModelFacts:
                    head_features=linears[-1][1][0], num_params=sum(p.numel() for p in model.parameters()),
                    flops_per_token=float(model.flops_per_token()), linears=linears, batch_size=shape.batch_size)
 
-    def for_dp(self, dp: int) -> ModelFacts:
-        """These facts with the per-rank batch of a layout with `dp` data-parallel ranks."""
-        batch = self.global_batch // dp if self.global_batch else self.configured_batch
+    def for_dp(self, dp: int, accum: int = 1) -> ModelFacts:
+        """These facts with the per-rank batch of a layout with `dp` data-parallel ranks and `accum` micro-steps an
+        iteration (a global batch is split over both, as the ViT's workload splits data.global_batch_size)."""
+        batch = self.global_batch // (dp * accum) if self.global_batch else self.configured_batch
         return _replace(self, batch_size=batch)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019  (facts live as long as one plan)

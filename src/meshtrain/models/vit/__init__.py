@@ -66,6 +66,23 @@ def _shape(cfg: ViTRunConfig) -> ModelShape:
                       autocast_activations=block_autocast_activations(m.embed_dim, m.num_heads, hidden))
 
 
+def _build_layout(model, cfg: RunConfig, dims, mesh, device, rank: int):
+    from meshtrain.models.vit.parallelize import build_vit_layout
+
+    return build_vit_layout(model, cfg, dims, mesh, device, rank)
+
+
+def _micro_batch(cfg: ViTRunConfig, dims, data_facts: dict):
+    """One micro-batch as the workload's batches give it to the layout: the fields at t and at t + dt, each
+    [samples per dp rank, channels, rows, columns] in fp32 (data/era5.py normalises to fp32), of zeros."""
+    import torch
+
+    from meshtrain.models.vit.config import local_batch
+
+    shape = (local_batch(cfg, dims.dp_size), data_facts["channels"], *data_facts["img_size"])
+    return torch.zeros(shape), torch.zeros(shape)
+
+
 def build_model(cfg: ViTRunConfig, data_facts: dict):
     """The ViT of a run config; the grid and channels come from the data (data_facts["img_size"], ["channels"])."""
     from meshtrain.models.vit.model import ViT, ViTConfig
@@ -79,7 +96,7 @@ def build_model(cfg: ViTRunConfig, data_facts: dict):
 SPEC = model_spec(
     __file__, name="vit", summary="NERSC's ViT weather forecaster on ERA5-format fields", run_config=ViTRunConfig,
     data_key="data.root", workload=_workload, shape=_shape, validate=validate, build_model=build_model,
-    stage_split=SPLIT, data_facts=_data_facts,
+    stage_split=SPLIT, data_facts=_data_facts, build_layout=_build_layout, micro_batch=_micro_batch,
     # tiny for the planner's calibration: width 32, 50 patches, global batch 8. It differs from a language model's
     # beyond its blocks (a field-sized head and loss, all tokens gathered before the head under cp).
     tiny=("model.embed_dim=32", "model.num_heads=2", "model.patch_size=16", "data.crop=[80,160]",

@@ -81,3 +81,17 @@ def validate(cfg: ViTRunConfig) -> None:
     if p.cp > 1 and m.loss != "mse":
         raise ConfigError(f"model.loss={m.loss} with parallel.cp={p.cp}: context parallel ranks each hold a part "
                           "of every image, and the relative L2 needs whole-image norms; use model.loss=mse")
+
+
+def local_batch(cfg: ViTRunConfig, dp_size: int) -> int:
+    """Samples per data-parallel rank and micro-step: data.batch_size, or data.global_batch_size split over the
+    data-parallel ranks and micro-steps (the workload's batches, the planner's and a trace's alike)."""
+    d, accum = cfg.data, cfg.train.grad_accum
+    if d.global_batch_size is None:
+        return d.batch_size
+    share = dp_size * accum
+    if d.global_batch_size % share:
+        raise ConfigError(f"data.global_batch_size={d.global_batch_size} does not split over {dp_size} "
+                          f"data-parallel rank(s) × train.grad_accum={accum}: make it a multiple of {share}, "
+                          "or set data.batch_size (per rank) and global_batch_size=null")
+    return d.global_batch_size // share

@@ -94,7 +94,9 @@ if TYPE_CHECKING:  # for annotations only
 @dataclass
 class ViTLayout(Layout):
     vit: ViT | None = None  # the plain model under every wrapper: patchify / unpatchify / loss
-    token_band: torch.Tensor | None = None  # this cp rank's patch tokens (shard_tokens), when cp > 1
+    # this cp rank's patch tokens (token_band), when cp > 1: a slice, so that no step reads an index tensor on the
+    # host (a device sync; and a trace's fake tensors hold no values to read)
+    token_band: slice | None = None
     cp_group: object | None = None
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -132,7 +134,7 @@ def build_vit_layout(model: ViT, cfg: RunConfig, dims: ParallelDims, mesh, devic
                             tensor_parallel=lambda vit, tp_mesh: apply_vit_tensor_parallel(
                                 vit, tp_mesh, sequence_parallel=p.sequence_parallel))
     if dims.cp > 1:
-        layout.token_band = shard_tokens(model.config.num_patches, dims.coords(rank)["cp"], dims.cp, device)
+        layout.token_band = token_band(model.config.num_patches, dims.coords(rank)["cp"], dims.cp)
         layout.cp_group = submesh(mesh, "cp").get_group()
     layout.parts = wrap_data_parallel([model], "blocks", recipe, dims, mesh, device)
     layout.runnable = layout.parts[0]
@@ -188,6 +190,12 @@ def _whole_output(_module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torc
 # ---- the token layout -----------------------------------------------------------------------------------------------
 def shard_tokens(num_patches: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The patch indices (long, ascending, contiguous) that cp rank `cp_rank` of `cp_size` holds of `num_patches`."""
+    band = token_band(num_patches, cp_rank, cp_size)
+    return torch.arange(band.start, band.stop, device=device)
+
+
+def token_band(num_patches: int, cp_rank: int, cp_size: int) -> slice:
+    """shard_tokens' patches as the slice they are."""
     if not isinstance(cp_size, int) or cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ContextParallelError(f"cp_rank={cp_rank} must be in 0..cp_size-1 with cp_size={cp_size} >= 1")
     if num_patches % cp_size:
@@ -196,7 +204,7 @@ def shard_tokens(num_patches: int, cp_rank: int, cp_size: int, device: torch.dev
             f"as many tokens for its mean loss to average to the whole image's): choose a cp that divides "
             f"{num_patches}, or an img_size / patch_size whose token count cp divides")
     size = num_patches // cp_size
-    return torch.arange(cp_rank * size, (cp_rank + 1) * size, device=device)
+    return slice(cp_rank * size, (cp_rank + 1) * size)
 
 
 def gather_tokens(local: torch.Tensor, cp_mesh) -> torch.Tensor:
@@ -214,8 +222,9 @@ def gather_tokens(local: torch.Tensor, cp_mesh) -> torch.Tensor:
 
 
 # ---- the model ------------------------------------------------------------------------------------------------------
-def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """This cp rank's MSE: its tokens (`positions`, from shard_tokens) of the prediction for fields `x` [B, C, H, W]
+def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
+                    positions: torch.Tensor | slice) -> torch.Tensor:
+    """This cp rank's MSE: its tokens (`positions`, from shard_tokens or token_band) of the prediction for fields `x` [B, C, H, W]
     against the same tokens of `target`. The mean over cp ranks is the MSE of the whole images.
 
     `model` is the ViT, or it under DDP, FSDP2 or compile: it is called, so wrappers run their forward machinery.
@@ -234,19 +243,22 @@ def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, pos
     return mse_loss(pred, want)
 
 
-def cp_forward_patches(model: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def cp_forward_patches(model: nn.Module, x: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
     """This cp rank's predicted patches [B, N/cp, C_out·p²] of fields `x`, for its tokens `positions`; the whole
     prediction is model.unpatchify(gather_tokens(patches, cp_mesh)). `model` as for cp_forward_loss."""
     return model(x, _token_index(unwrap(model), positions))
 
 
-def _token_index(vit: ViT, positions: torch.Tensor) -> slice | torch.Tensor:
-    """shard_tokens' contiguous positions as the slice they are, anything else as it is.
+def _token_index(vit: ViT, positions: torch.Tensor | slice) -> slice | torch.Tensor:
+    """A slice (token_band's) as it is; shard_tokens' contiguous positions as the slice they are, anything else as it
+    is.
 
     embed() picks the rows of the position embedding with token_positions. Under tensor parallel pos_embed is a
     Replicate DTensor, which DTensor slices (forward and backward) but cannot index with a plain index tensor; a
     slice is also a view instead of a copy.
     """
+    if isinstance(positions, slice) and positions.step is None and 0 <= positions.start < positions.stop:
+        return positions
     if not torch.is_tensor(positions) or positions.dim() != 1 or positions.numel() == 0:
         raise ContextParallelError(f"token positions must be a non-empty 1-D tensor of patch indices (shard_tokens), "
                                    f"got {positions!r}")

@@ -21,7 +21,7 @@ from meshtrain.data.era5_batches import ERA5Batches, eval_batches
 from meshtrain.data.era5_dali import ERA5DaliBatches
 from meshtrain.data.era5_synthetic import channel_units
 from meshtrain.models.vit import build_model
-from meshtrain.models.vit.config import ViTRunConfig
+from meshtrain.models.vit.config import ViTRunConfig, local_batch
 from meshtrain.models.vit.metrics import latitude_weighted_rmse, rmse
 from meshtrain.models.vit.model import ViT
 from meshtrain.models.vit.parallelize import build_vit_layout
@@ -51,7 +51,7 @@ class ViTWorkload:
             raise ConfigError(f"the {self.train_data.split} grid of {d.root} is {rows}x{columns} after data.crop="
                               f"{d.crop}, not a multiple of model.patch_size={p}: set data.crop=[{rows - rows % p}, "
                               f"{columns - columns % p}]")
-        cfg = replace(cfg, data=replace(d, batch_size=self._local_batch(cfg, dims)))
+        cfg = replace(cfg, data=replace(d, batch_size=local_batch(cfg, dims.dp_size)))
         self.cfg = cfg
         self.batch_size = cfg.data.batch_size
         self.channel_names = self.train_data.channel_names
@@ -67,24 +67,11 @@ class ViTWorkload:
         self.iters_per_epoch = self.batches.steps_per_epoch
         self.first = None  # the first validation sample's u10 (forecast, truth, std, mean, name), for the plot
 
-    @staticmethod
-    def _local_batch(cfg: ViTRunConfig, dims: ParallelDims) -> int:
-        """data.batch_size, or data.global_batch_size split over the data-parallel ranks and micro-steps."""
-        d, accum = cfg.data, cfg.train.grad_accum
-        if d.global_batch_size is None:
-            return d.batch_size
-        share = dims.dp_size * accum
-        if d.global_batch_size % share:
-            raise ConfigError(f"data.global_batch_size={d.global_batch_size} does not split over {dims.dp_size} "
-                              f"data-parallel rank(s) × train.grad_accum={accum}: make it a multiple of {share}, "
-                              "or set data.batch_size (per rank) and global_batch_size=null")
-        return d.global_batch_size // share
-
     def build_model(self) -> ViT:
         return build_model(self.cfg, self.data_facts())
 
     def build_layout(self, model: ViT, mesh):
-        return build_vit_layout(model, self.cfg, self.dims, mesh, self.device, self.info.rank)
+        return build_vit_layout(model, self.cfg, self.dims, mesh, self.device, self.info.rank)  # the spec's too
 
     def data_facts(self) -> dict:
         """What the model's build takes from the data (the grid after cropping, the channels)."""

@@ -123,16 +123,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--case", default="layout")
     parser.add_argument("--cases", type=json.loads, default=None, metavar="JSON",
                         help='{"case": [overrides], ...}: each run in turn in this one job, after the overrides above '
-                             "(calibration's tiny runs: one start-up of the ranks, not one per run)")
+                             "(calibration's tiny runs: one start-up of the ranks, not one per run); a case "
+                             '{"model": NAME, "overrides": [...]} runs another model, without the overrides above')
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
     cases = args.cases or {args.case: []}
     with tempfile.TemporaryDirectory(prefix="meshtrain-measure-") as scratch, distributed() as info:
         for i, (case, own) in enumerate(cases.items()):
-            cfg = run_config(args.model, [*args.overrides, *own], f"{scratch}/{i}")  # run dirs are named by the second
+            model, overrides = case_run(args.model, args.overrides, own)
+            cfg = run_config(model, overrides, f"{scratch}/{i}")  # run dirs are named by the second
             record(case, **measure(cfg, info, args.warmup, args.steps), rank=info.rank)
             gc.collect()  # the last case's Trainer, now garbage: not collected in the middle of the next one's steps
+
+
+def case_run(model: str, overrides: list[str], own: list[str] | dict) -> tuple[str, list[str]]:
+    """(model, overrides) of one of --cases: its own overrides after the job's, or its own model and overrides
+    instead (one job's start-up of the ranks shared by several models' cases)."""
+    if isinstance(own, dict):
+        return own["model"], list(own.get("overrides", []))
+    return model, [*overrides, *own]
 
 
 # Steps alone: nothing saved, logged or evaluated, and iterations counted (a preset's max_epochs, the ViT's, would

@@ -1,7 +1,9 @@
 """One layout traced at full size in this one process (`meshtrain plan ... --trace ROW`): a rank of a world of any size,
 built and stepped by meshtrain's own code (the model's build_model and build_layout, the trainer's optimizer, the
 layout's micro-step and optimizer step, as train/trainer.py calls them), on torch's fake process group (every
-collective returns at once, moving no data) with fake tensors (sizes and dtypes, no storage). What is counted:
+collective returns at once, moving no data) with fake tensors (sizes and dtypes, no storage), on micro-batches of zeros
+shaped as the workload's (the spec's micro_batch: the ViT's fields; else token windows), with stand_ins.py's answers
+where a fake tensor or group holds no data. What is counted:
 
     params, grads, optimizer   the rank's shares after its step (parallel.data_parallel.bytes_held, as measured)
     peak                       the most bytes of tensor storages alive at once during the second step (the first
@@ -26,27 +28,22 @@ import resource
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import asdict, dataclass, field
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel import distributed as ddp_module
-from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtrain import config as config_mod
 from meshtrain import registry
-from meshtrain.parallel import pipeline as pipeline_module
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.plan.activations import fsdp_mixed
 from meshtrain.plan.measured.balanced_routing import balanced_routing
-from meshtrain.plan.measured.measure import TensorBytes
+from meshtrain.plan.measured.measure import TensorBytes, case_run
+from meshtrain.plan.measured.stand_ins import fake_ddp_parts, stand_ins
 from meshtrain.plan.systems import PlanError
-from meshtrain.plan.workload import ModelFacts
 from meshtrain.train.optim import build_optimizer
 from meshtrain.train.trainer import AUTOCAST
 
@@ -101,6 +98,24 @@ class PhaseBytes(TensorBytes):
         if nbytes > 0 and self.alive == self.peak_bytes:
             self.peak_phase = self.phase
         self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.alive)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not torch.ops._c10d_functional.wait_tensor.default:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        # A functional collective's wait returns its buffer itself on a real group, but a fake tensor of its own
+        # here: the buffer's bytes pass to it, not counted twice (under sequence parallel the ViT's gathered field
+        # was, at its forward's peak: +1 field, 9% of that peak)
+        out = func(*args, **(kwargs or {}))
+        source, storage = args[0].untyped_storage(), out.untyped_storage()
+        size = self.sizes.pop(id(source), None) if source is not storage else None
+        if size is None:
+            self._count(out)
+            return out
+        key = id(storage)
+        self.refs.pop(id(source), None)
+        self.sizes[key] = size
+        self.refs[key] = weakref.ref(storage, lambda _: self._gone(key))
+        return out
 
 
 def check_traceable(cfg, dims) -> None:
@@ -195,14 +210,15 @@ def trace_rank(cfg, dims, rank: int) -> Traced:
     dist.init_process_group("fake", rank=rank, world_size=dims.world_size)
     try:
         mesh = dims.build_mesh("cpu") if dims.world_size > 1 else None  # real: its rank map is read as data
+        data_facts = registry.spec_of(cfg).data_facts(cfg)  # outside the fake mode: it may read the data's files
+        batch = micro_batch(cfg, dims, data_facts)
         # non-fake inputs allowed: the mesh's real rank maps meet the fake tensors in DTensor's and FSDP2's set-up
-        with _fake_ddp(), _fake_pipeline(cfg, dims), _real_meshes(), _fused_attention(), \
-                FakeTensorMode(allow_non_fake_inputs=True), balanced_routing(), PhaseBytes() as tracker, \
-                _stage_phases(tracker):
-            layout, optimizer = _build(cfg, dims, mesh, rank)
-            _step(cfg, layout, optimizer, tracker, micro_steps=1)  # makes AdamW's state
+        with stand_ins(cfg, dims), FakeTensorMode(allow_non_fake_inputs=True), balanced_routing(), \
+                PhaseBytes() as tracker, _stage_phases(tracker):
+            layout, optimizer = _build(cfg, dims, mesh, rank, data_facts)
+            _step(cfg, layout, optimizer, tracker, batch, micro_steps=1)  # makes AdamW's state
             tracker.mark()
-            _step(cfg, layout, optimizer, tracker, micro_steps=min(cfg.train.grad_accum, 2), keep_grads=True)
+            _step(cfg, layout, optimizer, tracker, batch, micro_steps=min(cfg.train.grad_accum, 2), keep_grads=True)
             held = bytes_held(layout.model, optimizer)
     finally:
         dist.destroy_process_group()
@@ -210,62 +226,6 @@ def trace_rank(cfg, dims, rank: int) -> Traced:
                   peak_phase=tracker.peak_phase,
                   phase_peaks=dict(tracker.phase_peaks), seconds=time.perf_counter() - started,
                   max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-@contextlib.contextmanager
-def _fake_ddp():
-    """DDP's constructor checks every rank's parameter shapes and broadcasts rank 0's weights through data it reads
-    on the host; a fake tensor has none, and the fake group returns no data, so both are skipped (every rank builds
-    the same model from the same seed: there is nothing to check or copy)."""
-    with mock.patch.object(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None), \
-            mock.patch.object(ddp_module, "_sync_module_states", lambda *a, **k: None):
-        yield
-
-
-@contextlib.contextmanager
-def _fake_pipeline(cfg, dims):
-    """What a pipeline's ranks tell each other as data, told here without a message (a fake group returns none):
-    the embedding group ({first-stage rank, last-stage rank}: agreed by an all_gather_object) made from this rank's
-    own pair; torch's start-up vote on static or dynamic shapes (always dynamic: meshtrain gives no static shapes);
-    and the metadata of the tensors a stage receives, which a neighbouring rank sends pickled: forward, the
-    previous stage's output, a micro-batch's hidden states [samples, tokens / cp, width] in the dtype the blocks
-    compute their stream in (16-bit under FSDP2's mixed precision, fp32 otherwise, as autocast leaves the stream);
-    backward, the gradient of this stage's own output, whose metadata torch already holds."""
-    from torch.distributed.pipelining import schedules, stage
-    from torch.distributed.pipelining._utils import (
-        InferenceMode,
-        _derive_grad_metas,
-        _StageBackwardMeta,
-        _StageForwardMeta,
-        extract_tensor_meta,
-    )
-
-    facts = ModelFacts.of(cfg)
-    microbatches = cfg.parallel.microbatches or dims.pp * cfg.parallel.virtual_stages
-    shape = (facts.batch_size // microbatches, facts.tokens // dims.cp, facts.shape.width)
-    dtype = AUTOCAST[cfg.train.dtype] if fsdp_mixed(cfg, dims) else torch.float32
-
-    def own_group(pair):
-        if pair is None:
-            return None
-        with _disable_current_modes():
-            return dist.new_group(list(pair))
-
-    def vote(self, stages, has_backward, p2p_done):
-        for one in stages:
-            one._inference_mode = InferenceMode.DYNAMIC
-
-    def recv_meta(self, src_stage):
-        if src_stage < self.stage_index:
-            hidden = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
-            return _StageForwardMeta(forward_metas=(extract_tensor_meta(hidden),))
-        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
-
-    with mock.patch.object(pipeline_module, "_embedding_group", own_group), \
-            mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", vote), \
-            mock.patch.object(stage.PipelineStage, "_recv_meta", recv_meta), \
-            mock.patch.object(stage.PipelineStage, "_send_meta", lambda *a, **k: None):
-        yield
 
 
 @contextlib.contextmanager
@@ -288,70 +248,28 @@ def _stage_phases(tracker: PhaseBytes):
         yield
 
 
-@contextlib.contextmanager
-def _fused_attention():
-    """Attention without its dropout: a CPU's fused (flash) attention takes no dropout, and with dropout torch's SDPA
-    falls back to its math path, which keeps every score matrix for the backward (a 6.7B decoder at 4,096 tokens:
-    2 GiB a layer). A GPU's fused kernels apply dropout inside and keep none, and the planner counts attention as
-    fused: the trace counts it so too (docs/plan.md)."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+def micro_batch(cfg, dims, data_facts: dict):
+    """What makes one micro-batch (inputs, targets) of zeros, shaped as the model's workload hands it to the layout:
+    its spec's micro_batch (the ViT's fields), else token windows [batch, tokens], inputs and targets alike."""
+    spec = registry.spec_of(cfg)
+    if spec.micro_batch is not None:
+        return lambda: spec.micro_batch(cfg, dims, data_facts)
+    shape = spec.shape(cfg)
 
-    def without_dropout(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
-        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
+    def tokens():
+        x = torch.zeros(shape.batch_size, shape.tokens, dtype=torch.long)
+        return x, x
 
-    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", without_dropout):
-        yield
-
-
-@contextlib.contextmanager
-def _real_meshes():
-    """DeviceMeshes made during the trace (FSDP2 joins its dp mesh to tp's) from real tensors: a mesh reads its rank
-    map as data, which a fake tensor has not (and the tensors' bytes are not the model's)."""
-    init = DeviceMesh.__init__
-
-    def real_init(*args, **kwargs):
-        with _disable_current_modes():
-            init(*args, **kwargs)
-
-    with mock.patch.object(DeviceMesh, "__init__", real_init):
-        yield
+    return tokens
 
 
-def _all_reduce_in_place(group, bucket):
-    """DDP's default hook, less what the fake group cannot give: a future holding the reduced bucket (the fake
-    all-reduce returns none). The bucket is reduced in place, as the default does, so its bytes are the same."""
-    buffer = bucket.buffer()
-    dist.all_reduce(buffer, group=group)
-    future = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
-class _KeepBuckets:
-    """DDP's reducer, less the one re-bucketing at the second forward (buckets reordered as the first backward made
-    gradients ready): the ranks agree on the order by broadcasting it and reading it back, which a fake group cannot.
-    The buckets keep their first order, and their bytes (the gradients' once over) are the same."""
-
-    def __init__(self, reducer):
-        self._reducer = reducer
-
-    def __getattr__(self, name):
-        return getattr(self._reducer, name)
-
-    def _rebuild_buckets(self) -> bool:
-        return False
-
-
-def _build(cfg, dims, mesh, rank: int):
+def _build(cfg, dims, mesh, rank: int, data_facts: dict):
     """The model, its layout and the optimizer, as Trainer._build makes them."""
     spec, t, o = registry.spec_of(cfg), cfg.train, cfg.optimizer
     device = torch.device("cpu")
-    model = spec.build_model(cfg, spec.data_facts(cfg))  # on the CPU, as fake tensors: no .to() (it swaps them)
+    model = spec.build_model(cfg, data_facts)  # on the CPU, as fake tensors: no .to() (it swaps them)
     layout = spec.build_layout(model, cfg, dims, mesh, device, rank)
-    for part in layout.parts:
-        if isinstance(part, DistributedDataParallel):
-            part.register_comm_hook(part.process_group, _all_reduce_in_place)
-            part.reducer = _KeepBuckets(part.reducer)
+    fake_ddp_parts(layout)
     fused = {} if o.fused is None else {"fused": o.fused}
     optimizer = layout.attach_optimizer(build_optimizer(
         layout.model.configure_optimizer_groups(o.weight_decay), device, t.backend, dims.world_size, lr=o.lr,
@@ -359,18 +277,18 @@ def _build(cfg, dims, mesh, rank: int):
     return layout, optimizer
 
 
-def _step(cfg, layout, optimizer, tracker: PhaseBytes, micro_steps: int, keep_grads: bool = False) -> None:
+def _step(cfg, layout, optimizer, tracker: PhaseBytes, batch, micro_steps: int, keep_grads: bool = False) -> None:
     """One iteration as Trainer.step runs it: `micro_steps` micro-steps (the second and later of an accumulation
     hold the same bytes: gradients already there, or kept unreduced, and one micro-batch's activations; so two stand
     for any number, and a fake op still costs ~0.3 ms of Python), the after-backward hooks, the optimizer step, then
     zero_grad (left out of the counted step, whose gradients bytes_held then counts)."""
-    t, m = cfg.train, cfg.model
+    t = cfg.train
     dtype = AUTOCAST[t.dtype]
     autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for micro in range(micro_steps):
-        x = torch.zeros(m.batch_size, m.block_size, dtype=torch.long)
-        layout.train_micro_step(x, x, accum=micro_steps, sync=micro == micro_steps - 1, autocast=autocast,
+        x, y = batch()
+        layout.train_micro_step(x, y, accum=micro_steps, sync=micro == micro_steps - 1, autocast=autocast,
                                 scaler=scaler, timer=lambda name: tracker.during(PHASES[name]))
     with tracker.during("optimizer"):
         layout.finish_backward()
@@ -397,11 +315,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--per-node", type=int, default=None)
-    parser.add_argument("--cases", type=json.loads, default=None, metavar="JSON", help='{"case": [overrides], ...}')
+    parser.add_argument("--cases", type=json.loads, default=None, metavar="JSON",
+                        help='{"case": [overrides], ...}; a case {"model": NAME, "overrides": [...]}: another model\'s')
     args = parser.parse_args(argv)
     per_node = args.per_node or args.world
     for case, own in (args.cases or {"layout": []}).items():
-        cfg = config_mod.load_config([*args.overrides, *own], registry.get(args.model).name)
+        model, overrides = case_run(args.model, args.overrides, own)
+        cfg = config_mod.load_config(overrides, registry.get(model).name)
         dims = ParallelDims.from_config(cfg, args.world, per_node)
         for traced in trace(config_mod.with_global_batch(cfg, dims.dp_size), dims):
             print(json.dumps({"case": case, **asdict(traced)}), flush=True)
