@@ -18,17 +18,19 @@ plan/measured/measure.py, docs/plan.md):
                  bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
                  for the ViT's whole field on every rank (its patches are copied once more into the field)
     buffers      DDP's gradient buckets (a second copy of the gradients); FSDP2's gathered parameters (the blocks in
-                 use and the root's; zero2 keeps every gathered block from forward to backward) and, as a block's
-                 backward ends, its fp32 gradients to reduce-scatter; a pipeline's receive buffers (one per
-                 micro-batch for each stage's input and its output's gradient)
+                 use and the root's; zero2 keeps every gathered block from forward to backward; under a pipeline
+                 each block from its backward to its next forward: plan/backward.py) and, as a block's backward
+                 ends, its fp32 gradients to reduce-scatter; a pipeline's receive buffers (one per micro-batch for
+                 each stage's input and its output's gradient)
     working set  what backward holds beside the saved tensors: the gradients flowing through one block (its MLP's
                  hidden one and the stream's), the block being recomputed under checkpointing, ring attention's
                  score blocks
-    peak         max(a backward's start: states without gradients, buffers, activations and head, working set,
-                 and the gradients that exist by then: from earlier accumulation micro-steps at the first backward,
-                 all of them at a later one, which may hold fewer micro-batches; inside the first backward, block by
-                 block: the blocks not yet run, the one running, the gradients made so far (plan/backward.py); the
-                 optimizer step: states, buffers)
+    peak         max(each backward's start the schedule makes (plan/backward.starts): states without gradients,
+                 buffers, activations and head, the gradient entering the blocks, and the gradients that exist by
+                 then: from earlier accumulation micro-steps at the first backward, all of them at a later one, which
+                 may hold fewer micro-batches; inside each backward, block by block: the blocks not yet run, the one
+                 running with its working set, the gradients made so far, the blocks gathered so far
+                 (plan/backward.py); the optimizer step: states, buffers)
 
 Step time, seconds per iteration:
 
@@ -158,27 +160,6 @@ class _Micro:
                    tokens=samples * facts.tokens // dims.cp)
 
 
-def held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> tuple[float, float | None]:
-    """Micro-batches' activations pipeline rank `stage` holds when its first backward starts, and when a later one
-    starts (by then gradients exist; None without a pipeline: one backward per micro-step), in units of the rank's
-    whole share of blocks, as torch's schedules order the work: GPipe runs every forward first; 1F1B runs
-    pp - stage forwards, then a backward before each further forward; interleaved 1F1B runs
-    (v - 1)·pp + 2·(pp - 1 - stage) chunk forwards, then a forward before each backward."""
-    if pp == 1:
-        return 1.0, None
-    if schedule in ("gpipe", "looped_bfs"):
-        return float(microbatches), microbatches - 1 / virtual
-    if schedule == "1f1b":
-        warm = min(microbatches, pp - stage)
-        return float(warm), float(warm if microbatches > warm else warm - 1)
-    chunks = microbatches * virtual  # interleaved and zero-bubble schedules: counted in one chunk's blocks
-    per_round = microbatches // max(1, microbatches // pp)
-    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - stage), chunks)
-    first = min(warm + 1, chunks)
-    later = first if chunks - warm > 1 else first - 1
-    return first / virtual, later / virtual
-
-
 def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share) -> float:
     """Autocast's 16-bit copy of every linear weight this rank runs, cached for the forward and saved for backward
     (none under FSDP2, whose gathered parameters are already 16-bit). Under op-level checkpointing a block's matmuls
@@ -269,10 +250,11 @@ def _accumulated_grads(cfg: RunConfig, dims: ParallelDims, share: Share) -> floa
     """The gradient bytes an accumulation's earlier micro-steps leave to the next: the rank's own share, but under
     FSDP2 the stage's whole gradients (after tp), which it keeps unsharded in fp32 (its reduce dtype) between
     micro-steps (set_requires_gradient_sync(False): the reduce-scatter waits for the last one). Found by
-    `plan --trace`: GPT-2 124M on fsdp dp8 with grad_accum 2 holds 475 MiB more than its 1/8 share."""
+    `plan --trace`: GPT-2 124M on fsdp dp8 with grad_accum 2 holds 475 MiB more than its 1/8 share; a vocab-parallel
+    embedding's among them whole (DTensor hands it back Replicate: the 70B decoder's first stage, 1.5 GiB)."""
     chosen = backends.get(cfg.train.backend)
     if chosen.sharded and dims.size("dp_shard_cp") > 1:
-        return share.stage_params * FP32
+        return share.unsharded_grads * FP32
     return share.grads * FP32
 
 
@@ -288,15 +270,14 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         inputs += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
     kept += inputs
     head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
-    first, later = held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
     act_bytes = 2 if autocast(cfg) else FP32
-    flowing = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
-    if dims.cp > 1 and p.cp_impl == "ring":
+    stream = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes if share.blocks else 0.0
+    flowing = stream
+    if dims.cp > 1 and p.cp_impl == "ring" and share.blocks:
         flowing += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
-    flowing = flowing if share.blocks else 0.0
     working = flowing + recomputing if share.blocks else 0.0
     params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
     buffers, reduced, expert_copy = _data_parallel_buffers(cfg, dims, share)
@@ -304,25 +285,20 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         stages = [share.stage + k * dims.pp for k in range(virtual)]
         ends = sum((s > 0) + (s < dims.pp * virtual - 1) for s in stages)
         buffers += ends * micro.microbatches * block_input
-    # Backward peaks where its first micro-batch starts (gradients only from earlier accumulation micro-steps) or
-    # where a later one does (gradients of this step too, perhaps fewer micro-batches held): whichever is more
-    # (FSDP2 keeps them whole between a pipeline's micro-batches too: torch's schedules reduce on the last one)
     between = _accumulated_grads(cfg, dims, share)
     earlier = between if t.grad_accum > 1 else 0.0
-    in_flight, held_grads = (later, between) if later is not None and later * (kept + head) + between > \
-        first * (kept + head) + earlier else (first, earlier)
     copies = _weight_copies(facts, cfg, dims, share)
-    # ... or deeper in the first backward, where the gradients made so far meet a block recomputed (plan/backward.py):
-    # the other micro-batches held and this one's chunk inputs stay, its head's tensors are gone
     blocks = backward.block_list(facts, cfg, dims, share, micro.tokens, *block_bytes(facts, cfg, dims, micro.tokens,
                                                                                      machine), machine)
-    inside = params + optimizer + buffers + copies + flowing + (first - 1) * (kept + head) + inputs + \
-        backward.deepest(blocks, share, earlier, reduced)
+    peaks = backward.peaks(cfg, dims, share, micro.microbatches, blocks,
+                           held_throughout=params + optimizer + buffers + copies, per_batch=(kept, head, inputs),
+                           working=(stream, flowing, working), grads=(earlier, between), reduced=reduced)
+    start, inside, in_flight, gathered = peaks
     activations, head = in_flight * kept, in_flight * head
-    start = params + optimizer + buffers + activations + head + held_grads + working + copies
     optimizer_step = params + grads + optimizer + buffers + reduced + expert_copy
     out = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
            "buffers": buffers + reduced, "backward working set": working, "16-bit weight copies": copies,
+           **({"pipeline-gathered blocks": gathered} if gathered else {}),
            "peak": max(start, inside, optimizer_step)}
     return out | ({"expert gradient copy": expert_copy} if expert_copy else {}) | \
         ({"accumulated gradients": earlier} if earlier else {}) | \

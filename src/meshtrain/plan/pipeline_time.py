@@ -31,8 +31,9 @@ def rank_order(schedule: str, pp: int, virtual: int, microbatches: int, rank: in
     """The order pipeline rank `rank` runs its actions in. GPipe and looped BFS: every forward, then every backward;
     1F1B: pp - rank forwards, then a backward before each further forward; interleaved and the zero-bubble
     schedules: micro-batches in rounds, each round through the rank's chunks ((v - 1)·round + 2·(pp - 1 - rank)
-    forwards first, as cost.held counts them), then one forward and one backward in turn. The zero-bubble
-    schedules' split backward is played as one backward (their bubble is smaller than this counts)."""
+    forwards first), then one forward and one backward in turn (plan/backward.starts reads the micro-batches held and
+    the blocks gathered at each backward from this order). The zero-bubble schedules' split backward is played as one
+    backward (their bubble is smaller than this counts)."""
     chunks = stage_ids(rank, pp, virtual, schedule)
     per_round = microbatches // max(1, microbatches // pp) if virtual > 1 else microbatches
     forwards, backwards = [], []
