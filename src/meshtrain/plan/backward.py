@@ -85,28 +85,36 @@ class Start:
     """Where one of a pipeline rank's backwards starts, as its schedule orders the work."""
 
     held: float  # micro-batches' saved tensors held, in units of the rank's whole share of blocks
-    later: bool  # a backward of this step ran before it: the step's gradients exist
+    later: float  # of the rank's blocks, the share whose chunk ran a backward before: this step's gradients exist
     gathered: float  # of the rank's blocks, the share FSDP2 holds gathered as it starts (module docstring)
+    heads: float = 1.0  # micro-batches held whose last stage's forward (the head, the loss) ran on this rank
 
 
 def starts(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> list[Start]:
     """Each distinct start of a backward on pipeline rank `stage`, in the order torch's schedule runs them
     (pipeline_time.rank_order). A chunk's blocks are gathered from its backward on (torch's schedules keep FSDP2 from
-    resharding after backward until the last micro-batch) until its next forward reshards them: a backward that
-    follows the chunk's backward (GPipe's, 1F1B's cool-down) starts with all of them gathered, one that follows a
-    forward with none."""
+    resharding after backward until the chunk's last micro-batch) until its next forward reshards them: a backward
+    that follows the chunk's backward (GPipe's, 1F1B's cool-down) starts with all of them gathered, one that follows
+    a forward with none. A chunk's gradients are unsharded from its first backward to its last, which reduces them
+    and reshards its blocks (interleaved 1F1B's last rank: its last chunk's, before its first chunk's backwards; the
+    70B decoder's interleaved last rank, counted unsharded and gathered to the step's end: 39% over its trace, 30%
+    now, docs/plan.md)."""
     if pp == 1:
-        return [Start(1.0, False, 0.0)]
+        return [Start(1.0, 0.0, 0.0)]
     chunks = stage_ids(stage, pp, virtual, schedule)
     last_was_backward = dict.fromkeys(chunks, False)
-    forwards = backwards = 0
+    done, ran = dict.fromkeys(chunks, 0), dict.fromkeys(chunks, 0)  # backwards and forwards per chunk
+    head = pp * virtual - 1  # the model's last stage: its micro-batches hold the head
     out: list[Start] = []
     for forward, chunk, _ in rank_order(schedule, pp, virtual, microbatches, stage):
         if not forward:
-            start = Start((forwards - backwards) / virtual, backwards > 0,
-                          sum(last_was_backward.values()) / virtual)
+            active = [c for c in chunks if done[c] < microbatches]
+            start = Start((sum(ran.values()) - sum(done.values())) / virtual,
+                          sum(0 < done[c] for c in active) / virtual,
+                          sum(last_was_backward[c] for c in active) / virtual,
+                          float(ran.get(head, 0) - done.get(head, 0)))
             out += [start] if start not in out else []
-        forwards, backwards = forwards + forward, backwards + (not forward)
+        (ran if forward else done)[chunk] += 1
         last_was_backward[chunk] = not forward
     return out
 
@@ -140,9 +148,10 @@ def deepest(blocks: list[tuple[float, float]], share: Share, earlier: float, red
 def peaks(cfg: RunConfig, dims: ParallelDims, share: Share, microbatches: int, blocks: list, *,
           held_throughout: float, per_batch: tuple[float, float, float],
           working: tuple[float, float, float], grads: tuple[float, float],
-          reduced: float) -> tuple[float, float, float, float]:
-    """(the most bytes where a backward starts, the most inside one, the micro-batches held at the first of them,
-    the pipeline-gathered blocks' bytes beyond the two counted throughout there), over every start the schedule makes
+          reduced: float) -> tuple[float, float, tuple[float, float, float]]:
+    """(the most bytes where a backward starts, the most inside one, and at the fullest start the micro-batches held,
+    the heads held and the pipeline-gathered blocks' bytes beyond the two counted throughout), over every start the
+    schedule makes
     (`starts`): its first (gradients only from earlier accumulation micro-steps), later ones (the step's
     gradients too, perhaps fewer micro-batches held, perhaps every block still gathered). Inside a backward, block
     by block (`deepest`): the other micro-batches held and this one's chunk inputs stay, its head's tensors
@@ -157,17 +166,18 @@ def peaks(cfg: RunConfig, dims: ParallelDims, share: Share, microbatches: int, b
     p = cfg.parallel
     virtual = p.virtual_stages if dims.pp > 1 else 1
     element_bytes = pipeline_gathered(cfg, dims)  # FSDP2 under a pipeline: no reduce-scatter until the last
-    best, inside = (0.0, 0.0, 0.0), 0.0  # (bytes, micro-batches held, gathered bytes) at the fullest start
+    best, inside = (0.0, 0.0, 0.0, 0.0), 0.0  # (bytes, micro-batches held, heads held, gathered bytes): fullest start
     for start in starts(p.pp_schedule, dims.pp, virtual, microbatches, share.stage):
-        gradients = between if start.later else earlier
+        gradients = max(earlier, start.later * between)
         gathered_at_start = start.gathered * share.blocks
         gathered = gathered_beyond_two(share, gathered_at_start, element_bytes)
-        at_start = held_throughout + start.held * (kept + head) + gradients + whole + gathered
-        best = max(best, (at_start, start.held, gathered))
+        at_start = held_throughout + start.held * kept + start.heads * head + gradients + whole + gathered
+        best = max(best, (at_start, start.held, start.heads, gathered))
         walk = deepest(blocks, share, gradients, 0.0 if element_bytes else reduced, (gathered_at_start, element_bytes),
                        local=bool(element_bytes))
-        inside = max(inside, held_throughout + flowing + (start.held - 1) * (kept + head) + inputs + walk)
-    return best[0], inside, best[1], best[2]
+        others = (start.held - 1) * kept + max(0.0, start.heads - 1) * head
+        inside = max(inside, held_throughout + flowing + others + inputs + walk)
+    return best[0], inside, best[1:]
 
 
 def pipeline_gathered(cfg: RunConfig, dims: ParallelDims) -> float:

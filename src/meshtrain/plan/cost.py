@@ -190,12 +190,15 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     chunks = getattr(cfg.train, "loss_chunks", "off")  # a decoder's; the ViT has none
     chunk = resolve_loss_chunks(chunks, facts.head_features)
     if chunk:  # nn/chunked_loss.py: a chunk's fp32 logits, made into their probabilities and gradient in place
-        # (under autocast: the 16-bit logits, their fp32 copy, the 16-bit gradient), beside the fp32 gradients the
-        # forward makes for backward (the hidden states' and the output layer's); under tp, of this rank's vocabulary
-        # slice, loss parallel or not, pipeline or not
+        # (under autocast: the 16-bit logits, their fp32 copy, the 16-bit gradient), beside the gradients the forward
+        # makes for backward: the hidden states' (fp32: the final norm's output) and the output layer's, kept in its
+        # weight's dtype (16-bit under FSDP2's mixed precision: GPipe's last stage holds one per micro-batch, 196 MiB
+        # for the 70B decoder's, not 393); under tp, of this rank's vocabulary slice, loss parallel or not
         per_feature = 2 + FP32 + 2 if autocast(cfg) else FP32
         words = facts.head_features / dims.tp
-        return (min(chunk, micro.tokens) * words * per_feature + (words + micro.tokens) * facts.shape.width * FP32)
+        weight_bytes = 2 if fsdp_mixed(cfg, dims) else FP32
+        return (min(chunk, micro.tokens) * words * per_feature
+                + (words * weight_bytes + micro.tokens * FP32) * facts.shape.width)
     # where backward starts: the loss's fp32 log-softmax (saved) and its gradient, and the logits' gradient: fp32 on
     # a CPU, 16-bit under autocast on a GPU (measured: docs/plan.md). The logits themselves are gone: the loss kept
     # the log-softmax of its fp32 copy, not them.
@@ -272,7 +275,8 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
-    # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
+    # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block);
+    # `stream` without those score blocks: what a backward's start holds beside the head (backward.peaks)
     act_bytes = 2 if autocast(cfg) else FP32
     stream = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes if share.blocks else 0.0
     flowing = stream
@@ -293,8 +297,8 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     peaks = backward.peaks(cfg, dims, share, micro.microbatches, blocks,
                            held_throughout=params + optimizer + buffers + copies, per_batch=(kept, head, inputs),
                            working=(stream, flowing, working), grads=(earlier, between), reduced=reduced)
-    start, inside, in_flight, gathered = peaks
-    activations, head = in_flight * kept, in_flight * head
+    start, inside, (in_flight, heads, gathered) = peaks
+    activations, head = in_flight * kept, heads * head
     optimizer_step = params + grads + optimizer + buffers + reduced + expert_copy
     out = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
            "buffers": buffers + reduced, "backward working set": working, "16-bit weight copies": copies,
