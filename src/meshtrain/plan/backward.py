@@ -25,7 +25,7 @@ blocks put the 70B decoder's last stage (9 blocks, fsdp × tp × pp 8 × cp) 6% 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshtrain.parallel import backends
@@ -88,6 +88,8 @@ class Start:
     later: float  # of the rank's blocks, the share whose chunk ran a backward before: this step's gradients exist
     gathered: float  # of the rank's blocks, the share FSDP2 holds gathered as it starts (module docstring)
     heads: float = 1.0  # micro-batches held whose last stage's forward (the head, the loss) ran on this rank
+    chunk: int = 0  # which of the rank's chunks (Share.parts) it runs
+    own: tuple[bool, bool] = (False, False)  # whether that chunk's gradients exist, its blocks are gathered
 
 
 def starts(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> list[Start]:
@@ -97,8 +99,8 @@ def starts(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) 
     that follows the chunk's backward (GPipe's, 1F1B's cool-down) starts with all of them gathered, one that follows
     a forward with none. A chunk's gradients are unsharded from its first backward to its last, which reduces them
     and reshards its blocks (interleaved 1F1B's last rank: its last chunk's, before its first chunk's backwards; the
-    70B decoder's interleaved last rank, counted unsharded and gathered to the step's end: 39% over its trace, 30%
-    now, docs/plan.md)."""
+    70B decoder's interleaved last rank, counted unsharded and gathered to the step's end: 39% over its trace; 2%
+    with this and a walk through one chunk's blocks, `_inside`)."""
     if pp == 1:
         return [Start(1.0, 0.0, 0.0)]
     chunks = stage_ids(stage, pp, virtual, schedule)
@@ -112,7 +114,8 @@ def starts(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) 
             start = Start((sum(ran.values()) - sum(done.values())) / virtual,
                           sum(0 < done[c] for c in active) / virtual,
                           sum(last_was_backward[c] for c in active) / virtual,
-                          float(ran.get(head, 0) - done.get(head, 0)))
+                          float(ran.get(head, 0) - done.get(head, 0)), chunks.index(chunk),
+                          (done[chunk] > 0, last_was_backward[chunk]))
             out += [start] if start not in out else []
         (ran if forward else done)[chunk] += 1
         last_was_backward[chunk] = not forward
@@ -173,11 +176,40 @@ def peaks(cfg: RunConfig, dims: ParallelDims, share: Share, microbatches: int, b
         gathered = gathered_beyond_two(share, gathered_at_start, element_bytes)
         at_start = held_throughout + start.held * kept + start.heads * head + gradients + whole + gathered
         best = max(best, (at_start, start.held, start.heads, gathered))
-        walk = deepest(blocks, share, gradients, 0.0 if element_bytes else reduced, (gathered_at_start, element_bytes),
-                       local=bool(element_bytes))
-        others = (start.held - 1) * kept + max(0.0, start.heads - 1) * head
-        inside = max(inside, held_throughout + flowing + others + inputs + walk)
+        inside = max(inside, held_throughout + flowing + _inside(start, share, blocks, virtual, per_batch,
+                                                                 (earlier, between), reduced, element_bytes))
     return best[0], inside, best[1:]
+
+
+def _inside(start: Start, share: Share, blocks: list, virtual: int, per_batch: tuple[float, float, float],
+            grads: tuple[float, float], reduced: float, element_bytes: float) -> float:
+    """What one backward holds inside its chunk's blocks, with the rest held beside it (peaks): the other micro-batches'
+    saved tensors and heads, this one's chunk input, and the rank's other chunks' gradients and gathered blocks where
+    they exist (an interleaved rank walks one chunk's blocks, not all of them)."""
+    kept, head, inputs = per_batch
+    earlier, between = grads
+    part = share.parts[start.chunk] if share.parts and len(share.parts) > start.chunk else ()
+    offset = sum(len(p) for p in share.parts[:start.chunk])
+    whole = virtual == 1 or len(blocks) != len(share.block_grads) or not part
+    mine = slice(offset, offset + len(part)) if not whole else slice(None)
+    last = whole or start.chunk == len(share.parts) - 1 and share.last
+    chunk_share = replace(share, block_grads=share.block_grads[mine], block_local=share.block_local[mine],
+                          block_gathered=share.block_gathered[mine], head_grads=share.head_grads * last,
+                          head_local=share.head_local * last)
+    own_later, own_gathered = start.own if not whole else (start.later > 0, start.gathered > 0)
+    fraction = len(chunk_share.block_grads) / max(1, len(share.block_grads))
+    own_grads = fraction * between if own_later else 0.0
+    other_grads = max(0.0, start.later * between - own_grads)
+    if earlier >= between:  # every gradient exists from the start (earlier accumulation micro-steps)
+        own_grads, other_grads = earlier, 0.0
+    gathered_own = len(chunk_share.block_gathered) if own_gathered else 0
+    other_gathered = max(0.0, start.gathered * share.blocks - gathered_own) * element_bytes * \
+        sum(share.block_gathered) / max(1, len(share.block_gathered)) if not whole else 0.0
+    walk = deepest(blocks[mine], chunk_share, own_grads, 0.0 if element_bytes else reduced,
+                   (gathered_own if not whole else start.gathered * share.blocks, element_bytes),
+                   local=bool(element_bytes))
+    others = (start.held - 1 / virtual) * kept + max(0.0, start.heads - last) * head
+    return others + inputs / virtual + walk + other_grads + other_gathered
 
 
 def pipeline_gathered(cfg: RunConfig, dims: ParallelDims) -> float:
