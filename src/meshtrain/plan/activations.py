@@ -44,8 +44,11 @@ def sequence_parallel(cfg: RunConfig, dims: ParallelDims) -> bool:
 
 
 def block_input_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int) -> float:
-    """A block's input for `tokens` of this rank's tokens (fp32; 1/tp of it under sequence parallel)."""
-    return facts.shape.width / (dims.tp if sequence_parallel(cfg, dims) else 1) * tokens * FP32
+    """A block's input for `tokens` of this rank's tokens (1/tp of it under sequence parallel): fp32 (autocast leaves
+    the residual stream fp32), 16-bit under FSDP2's mixed precision (the embedding's gathered 16-bit weight makes the
+    stream 16-bit: a pipeline's traced first stage kept 64 MiB a block and micro-batch where fp32 counted 128)."""
+    stream = 2 if fsdp_mixed(cfg, dims) else FP32
+    return facts.shape.width / (dims.tp if sequence_parallel(cfg, dims) else 1) * tokens * stream
 
 
 def per_token_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine, saved: int,

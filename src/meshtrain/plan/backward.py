@@ -14,14 +14,25 @@ Where backward starts, no block's gradient exists yet; by the first block all bu
 higher depends on the two rates: a block whose gradients outweigh what it keeps (an MoE block's experts under full
 checkpointing: each block keeps only its input) raises the holding as backward proceeds,
 and the peak is near the first block. A dense model with its activations kept peaks where backward starts.
+
+Under a pipeline, FSDP2 neither reshards a block after its backward nor reduce-scatters its gradients until the
+last micro-batch (torch's schedules switch both off before): the gradients are made unsharded in fp32
+(Share.block_local), and each block stays gathered from its backward until its chunk's next forward. So a backward
+that follows a forward gathers block after block as it goes (at block j, those after j, j and the next), and one
+that follows a backward finds them all gathered (`starts`, from the schedule's own order). Counting two gathered
+blocks put the 70B decoder's last stage (9 blocks, fsdp × tp × pp 8 × cp) 6% under its trace.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from meshtrain.parallel import backends
+from meshtrain.parallel.pipeline_schedules import stage_ids
 from meshtrain.plan import experts
-from meshtrain.plan.activations import op_block_bytes
+from meshtrain.plan.activations import fsdp_mixed, op_block_bytes
+from meshtrain.plan.pipeline_time import rank_order
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
@@ -43,34 +54,180 @@ def block_list(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Sha
     moe_layers = set(moe.layers) if moe else set()
     moe_block = experts.moe_block_bytes(facts, cfg, dims, tokens, machine) if moe else 0.0
     rows = experts.routed_rows(facts, dims, tokens) if moe else 0.0
+    transients = experts.weight_grad_transients(facts, cfg, dims) if moe else 0.0
     parts = share.parts or experts.whole_model(facts)
     checkpointed = experts.checkpointed_layers(cfg, parts)
     op = cfg.train.activation_checkpointing == "op"
     out = []
     for i in (i for part in parts for i in part):
         own = moe_block if i in moe_layers else dense_block
+        extra = transients if i in moe_layers else 0.0
         if op:
             kept = op_block_bytes(facts, cfg, dims, tokens, machine, i, rows if i in moe_layers else 0.0)
-            out.append((kept, kept + max(0.0, own - (kept - block_input))))
+            out.append((kept, kept + max(0.0, own - (kept - block_input)) + extra))
         else:
-            out.append((block_input if i in checkpointed else own, own))
+            out.append((block_input if i in checkpointed else own, own + extra))
     return out
 
 
-def deepest(blocks: list[tuple[float, float]], share: Share, earlier: float, reduced: float = 0.0) -> float:
+def gathered_beyond_two(share: Share, gathered: float, element_bytes: float) -> float:
+    """Bytes of the blocks FSDP2 holds gathered where `gathered` of the stage's blocks were already when a block's
+    backward runs (the last ones backward visits), with the one running and the next (prefetched), beyond the two
+    largest blocks counted throughout (an MoE stage's dense blocks gather more than its MoE ones)."""
+    if not element_bytes or not share.block_gathered:
+        return 0.0
+    held = list(reversed(share.block_gathered))[:min(len(share.block_gathered), round(gathered) + 2)]
+    return max(0.0, sum(held) - 2 * share.block_params) * element_bytes
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where one of a pipeline rank's backwards starts, as its schedule orders the work."""
+
+    held: float  # micro-batches' saved tensors held, in units of the rank's whole share of blocks
+    later: float  # of the rank's blocks, the share whose chunk ran a backward before: this step's gradients exist
+    gathered: float  # of the rank's blocks, the share FSDP2 holds gathered as it starts (module docstring)
+    heads: float = 1.0  # micro-batches held whose last stage's forward (the head, the loss) ran on this rank
+    chunk: int = 0  # which of the rank's chunks (Share.parts) it runs
+    own: tuple[bool, bool] = (False, False)  # whether that chunk's gradients exist, its blocks are gathered
+    grads_of: tuple[int, ...] = ()  # the chunks whose gradients exist (unsharded: not yet reduced)
+
+
+def starts(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> list[Start]:
+    """Each distinct start of a backward on pipeline rank `stage`, in the order torch's schedule runs them
+    (pipeline_time.rank_order). A chunk's blocks are gathered from its backward on (torch's schedules keep FSDP2 from
+    resharding after backward until the chunk's last micro-batch) until its next forward reshards them: a backward
+    that follows the chunk's backward (GPipe's, 1F1B's cool-down) starts with all of them gathered, one that follows
+    a forward with none. A chunk's gradients are unsharded from its first backward to its last, which reduces them
+    and reshards its blocks (interleaved 1F1B's last rank: its last chunk's, before its first chunk's backwards; the
+    70B decoder's interleaved last rank, counted unsharded and gathered to the step's end: 39% over its trace; 0.3%
+    with this and a walk through one chunk's blocks, `_inside`)."""
+    if pp == 1:
+        return [Start(1.0, 0.0, 0.0)]
+    chunks = stage_ids(stage, pp, virtual, schedule)
+    last_was_backward = dict.fromkeys(chunks, False)
+    done, ran = dict.fromkeys(chunks, 0), dict.fromkeys(chunks, 0)  # backwards and forwards per chunk
+    head = pp * virtual - 1  # the model's last stage: its micro-batches hold the head
+    out: list[Start] = []
+    for forward, chunk, _ in rank_order(schedule, pp, virtual, microbatches, stage):
+        if not forward:
+            active = [c for c in chunks if done[c] < microbatches]
+            start = Start((sum(ran.values()) - sum(done.values())) / virtual,
+                          sum(0 < done[c] for c in active) / virtual,
+                          sum(last_was_backward[c] for c in active) / virtual,
+                          float(ran.get(head, 0) - done.get(head, 0)), chunks.index(chunk),
+                          (done[chunk] > 0, last_was_backward[chunk]),
+                          tuple(i for i, c in enumerate(chunks) if c in active and done[c] > 0))
+            out += [start] if start not in out else []
+        (ran if forward else done)[chunk] += 1
+        last_was_backward[chunk] = not forward
+    return out
+
+
+def deepest(blocks: list[tuple[float, float]], share: Share, earlier: float, reduced: float = 0.0,
+            gathering: tuple[float, float] = (0.0, 0.0), local: bool = False) -> float:
     """The most bytes one micro-batch's backward holds inside the stage's blocks beyond what is held throughout (the
     states, buffers, other micro-batches): the saved tensors still kept, the block being run, and the gradients made
     so far (module docstring); `earlier`: gradient bytes that exist from the start (earlier micro-steps');
-    `reduced`: bytes held only as a block's backward ends, its saved tensors freed (FSDP2's reduce-scatter input)."""
-    if not blocks or len(blocks) != len(share.block_grads):
+    `reduced`: bytes held only as a block's backward ends, its saved tensors freed (FSDP2's reduce-scatter input);
+    `gathering`: (blocks FSDP2 holds gathered where backward starts, bytes of a gathered element) under a pipeline,
+    where each block stays gathered once its backward has run, beyond the two (the one running and the next,
+    prefetched) counted throughout; `local`: the gradients are made unsharded (FSDP2 not reducing)."""
+    grads = share.block_local if local else share.block_grads
+    if not blocks or len(blocks) != len(grads):
         return 0.0
     kept = sum(k for k, _ in blocks)
-    made = share.head_grads * FP32
+    made = (share.head_local if local else share.head_grads) * FP32
     most = pending = 0.0
-    for (keeps, holds), grads in zip(reversed(blocks), reversed(share.block_grads), strict=True):
+    gathered_at_start, element_bytes = gathering
+    for visited, ((keeps, holds), block) in enumerate(zip(reversed(blocks), reversed(grads), strict=True)):
+        gathered = gathered_beyond_two(share, gathered_at_start + visited, element_bytes)
         kept -= keeps
-        most = max(most, kept + holds + max(earlier, made) + pending)
-        made += grads * FP32
-        most = max(most, kept + max(earlier, made) + reduced)
+        most = max(most, kept + holds + max(earlier, made) + pending + gathered)
+        made += block * FP32
+        most = max(most, kept + max(earlier, made) + reduced + gathered)
         pending = reduced  # FSDP2 frees a reduce-scatter's input only as it issues the next block's
     return most
+
+
+def peaks(cfg: RunConfig, dims: ParallelDims, share: Share, microbatches: int, blocks: list, *,
+          held_throughout: float, per_batch: tuple[float, float, float],
+          working: tuple[float, float, float], grads: tuple[float, float],
+          reduced: float) -> tuple[float, float, tuple[float, float, float]]:
+    """(the most bytes where a backward starts, the most inside one, and at the fullest start the micro-batches held,
+    the heads held and the pipeline-gathered blocks' bytes beyond the two counted throughout), over every start the
+    schedule makes
+    (`starts`): its first (gradients only from earlier accumulation micro-steps), later ones (the step's
+    gradients too, perhaps fewer micro-batches held, perhaps every block still gathered). Inside a backward, block
+    by block (`deepest`): the other micro-batches held and this one's chunk inputs stay, its head's tensors
+    are gone. Where the walk is made, a start holds the head's tensors beside the gradient entering the blocks, not
+    the working set of a block (recomputed, ring attention's score blocks): the walk counts that without the head
+    (both together put the 70B decoder's 16-layer last stage, one block and the head, 10% over its trace)."""
+    kept, head, inputs = per_batch
+    stream, flowing, whole = working
+    if blocks and len(blocks) == len(share.block_grads):
+        whole = stream
+    earlier, between = grads
+    p = cfg.parallel
+    virtual = p.virtual_stages if dims.pp > 1 else 1
+    element_bytes = pipeline_gathered(cfg, dims)  # FSDP2 under a pipeline: no reduce-scatter until the last
+    best, inside = (0.0, 0.0, 0.0, 0.0), 0.0  # (bytes, micro-batches held, heads held, gathered bytes): fullest start
+    for start in starts(p.pp_schedule, dims.pp, virtual, microbatches, share.stage):
+        gradients = max(earlier, start.later * between)
+        gathered_at_start = start.gathered * share.blocks
+        gathered = gathered_beyond_two(share, gathered_at_start, element_bytes)
+        at_start = held_throughout + start.held * kept + start.heads * head + gradients + whole + gathered
+        best = max(best, (at_start, start.held, start.heads, gathered))
+        inside = max(inside, held_throughout + flowing + _inside(start, share, blocks, virtual, per_batch,
+                                                                 (earlier, between), reduced, element_bytes))
+    return best[0], inside, best[1:]
+
+
+def _inside(start: Start, share: Share, blocks: list, virtual: int, per_batch: tuple[float, float, float],
+            grads: tuple[float, float], reduced: float, element_bytes: float) -> float:
+    """What one backward holds inside its chunk's blocks, with the rest held beside it (peaks): the other micro-batches'
+    saved tensors and heads, this one's chunk input, and the rank's other chunks' gradients and gathered blocks where
+    they exist (an interleaved rank walks one chunk's blocks, not all of them)."""
+    kept, head, inputs = per_batch
+    earlier, between = grads
+    part = share.parts[start.chunk] if share.parts and len(share.parts) > start.chunk else ()
+    offset = sum(len(p) for p in share.parts[:start.chunk])
+    whole = virtual == 1 or len(blocks) != len(share.block_grads) or not part
+    mine = slice(offset, offset + len(part)) if not whole else slice(None)
+    last = whole or start.chunk == len(share.parts) - 1 and share.last
+    chunk_share = replace(share, block_grads=share.block_grads[mine], block_local=share.block_local[mine],
+                          block_gathered=share.block_gathered[mine], head_grads=share.head_grads * last,
+                          head_local=share.head_local * last)
+    own_later, own_gathered = start.own if not whole else (start.later > 0, start.gathered > 0)
+    own_grads = (between if whole else _chunk_grads(share, start.chunk, between)) if own_later else 0.0
+    other_grads = 0.0 if whole else sum(_chunk_grads(share, i, between) for i in start.grads_of if i != start.chunk)
+    if earlier >= between:  # every gradient exists from the start (earlier accumulation micro-steps)
+        own_grads, other_grads = earlier, 0.0
+    gathered_own = len(chunk_share.block_gathered) if own_gathered else 0
+    other_gathered = max(0.0, start.gathered * share.blocks - gathered_own) * element_bytes * \
+        sum(share.block_gathered) / max(1, len(share.block_gathered)) if not whole else 0.0
+    walk = deepest(blocks[mine], chunk_share, own_grads, 0.0 if element_bytes else reduced,
+                   (gathered_own if not whole else start.gathered * share.blocks, element_bytes),
+                   local=bool(element_bytes))
+    others = (start.held - 1 / virtual) * kept + max(0.0, start.heads - last) * head
+    return others + inputs / virtual + walk + other_grads + other_gathered
+
+
+def _chunk_grads(share: Share, index: int, between: float) -> float:
+    """The unsharded gradient bytes of the rank's chunk `index` (of `between`, the whole stage's): its blocks', the
+    head's on the model's last stage, and the rest (the embeddings', a vocab-parallel one whole) on its first."""
+    offset = sum(len(p) for p in share.parts[:index])
+    blocks = sum(share.block_local[offset:offset + len(share.parts[index])]) * FP32
+    last = share.last and index == len(share.parts) - 1
+    rest = max(0.0, between - sum(share.block_local) * FP32 - share.head_local * FP32)
+    return blocks + last * share.head_local * FP32 + (share.first and index == 0) * rest
+
+
+def pipeline_gathered(cfg: RunConfig, dims: ParallelDims) -> float:
+    """The bytes of a gathered element of the blocks FSDP2 keeps gathered after their backward under a pipeline
+    (torch's schedules switch its resharding after backward off until the last micro-batch), or 0: no pipeline, no
+    FSDP2, or one that keeps every block gathered anyway (zero2, counted in the buffers)."""
+    chosen = backends.get(cfg.train.backend)
+    if dims.pp == 1 or not chosen.sharded or not chosen.reshard_after_forward or dims.size("dp_shard_cp") == 1:
+        return 0.0
+    return 2.0 if fsdp_mixed(cfg, dims) else FP32

@@ -18,17 +18,19 @@ plan/measured/measure.py, docs/plan.md):
                  bytes (a decoder's logits on this rank's tokens, vocabulary-sharded under loss parallel), or 4 ×
                  for the ViT's whole field on every rank (its patches are copied once more into the field)
     buffers      DDP's gradient buckets (a second copy of the gradients); FSDP2's gathered parameters (the blocks in
-                 use and the root's; zero2 keeps every gathered block from forward to backward) and, as a block's
-                 backward ends, its fp32 gradients to reduce-scatter; a pipeline's receive buffers (one per
-                 micro-batch for each stage's input and its output's gradient)
+                 use and the root's; zero2 keeps every gathered block from forward to backward; under a pipeline
+                 each block from its backward to its next forward: plan/backward.py) and, as a block's backward
+                 ends, its fp32 gradients to reduce-scatter; a pipeline's receive buffers (one per micro-batch for
+                 each stage's input and its output's gradient)
     working set  what backward holds beside the saved tensors: the gradients flowing through one block (its MLP's
                  hidden one and the stream's), the block being recomputed under checkpointing, ring attention's
                  score blocks
-    peak         max(a backward's start: states without gradients, buffers, activations and head, working set,
-                 and the gradients that exist by then: from earlier accumulation micro-steps at the first backward,
-                 all of them at a later one, which may hold fewer micro-batches; inside the first backward, block by
-                 block: the blocks not yet run, the one running, the gradients made so far (plan/backward.py); the
-                 optimizer step: states, buffers)
+    peak         max(each backward's start the schedule makes (plan/backward.starts): states without gradients,
+                 buffers, activations and head, the gradient entering the blocks, and the gradients that exist by
+                 then: from earlier accumulation micro-steps at the first backward, all of them at a later one, which
+                 may hold fewer micro-batches; inside each backward, block by block: the blocks not yet run, the one
+                 running with its working set, the gradients made so far, the blocks gathered so far
+                 (plan/backward.py); the optimizer step: states, buffers)
 
 Step time, seconds per iteration:
 
@@ -63,7 +65,7 @@ from meshtrain.plan import backward, experts
 from meshtrain.plan.activations import autocast, block_bytes, fsdp_mixed, op_block_bytes
 from meshtrain.plan.communication import communication
 from meshtrain.plan.machines import Machine
-from meshtrain.plan.pipeline_time import micro_batches_held, pipeline_time
+from meshtrain.plan.pipeline_time import pipeline_time
 from meshtrain.plan.shares import Share, stage_shares, tp_local_shape
 from meshtrain.plan.workload import ModelFacts
 
@@ -189,12 +191,15 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
     chunks = getattr(cfg.train, "loss_chunks", "off")  # a decoder's; the ViT has none
     chunk = resolve_loss_chunks(chunks, facts.head_features)
     if chunk:  # nn/chunked_loss.py: a chunk's fp32 logits, made into their probabilities and gradient in place
-        # (under autocast: the 16-bit logits, their fp32 copy, the 16-bit gradient), beside the fp32 gradients the
-        # forward makes for backward (the hidden states' and the output layer's); under tp, of this rank's vocabulary
-        # slice, loss parallel or not, pipeline or not
+        # (under autocast: the 16-bit logits, their fp32 copy, the 16-bit gradient), beside the gradients the forward
+        # makes for backward: the hidden states' (fp32: the final norm's output) and the output layer's, kept in its
+        # weight's dtype (16-bit under FSDP2's mixed precision: GPipe's last stage holds one per micro-batch, 196 MiB
+        # for the 70B decoder's, not 393); under tp, of this rank's vocabulary slice, loss parallel or not
         per_feature = 2 + FP32 + 2 if autocast(cfg) else FP32
         words = facts.head_features / dims.tp
-        return (min(chunk, micro.tokens) * words * per_feature + (words + micro.tokens) * facts.shape.width * FP32)
+        weight_bytes = 2 if fsdp_mixed(cfg, dims) else FP32
+        return (min(chunk, micro.tokens) * words * per_feature
+                + (words * weight_bytes + micro.tokens * FP32) * facts.shape.width)
     # where backward starts: the loss's fp32 log-softmax (saved) and its gradient, and the logits' gradient: fp32 on
     # a CPU, 16-bit under autocast on a GPU (measured: docs/plan.md). The logits themselves are gone: the loss kept
     # the log-softmax of its fp32 copy, not them.
@@ -258,10 +263,11 @@ def _accumulated_grads(cfg: RunConfig, dims: ParallelDims, share: Share) -> floa
     """The gradient bytes an accumulation's earlier micro-steps leave to the next: the rank's own share, but under
     FSDP2 the stage's whole gradients (after tp), which it keeps unsharded in fp32 (its reduce dtype) between
     micro-steps (set_requires_gradient_sync(False): the reduce-scatter waits for the last one). Found by
-    `plan --trace`: GPT-2 124M on fsdp dp8 with grad_accum 2 holds 475 MiB more than its 1/8 share."""
+    `plan --trace`: GPT-2 124M on fsdp dp8 with grad_accum 2 holds 475 MiB more than its 1/8 share; a vocab-parallel
+    embedding's among them whole (DTensor hands it back Replicate: the 70B decoder's first stage, 1.5 GiB)."""
     chosen = backends.get(cfg.train.backend)
     if chosen.sharded and dims.size("dp_shard_cp") > 1:
-        return share.stage_params * FP32
+        return share.unsharded_grads * FP32
     return share.grads * FP32
 
 
@@ -277,15 +283,15 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         inputs += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
     kept += inputs
     head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
-    first, later = micro_batches_held(p.pp_schedule, dims.pp, virtual, micro.microbatches, share.stage)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
-    # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block)
+    # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block);
+    # `stream` without those score blocks: what a backward's start holds beside the head (backward.peaks)
     act_bytes = 2 if autocast(cfg) else FP32
-    flowing = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes
-    if dims.cp > 1 and p.cp_impl == "ring":
+    stream = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes if share.blocks else 0.0
+    flowing = stream
+    if dims.cp > 1 and p.cp_impl == "ring" and share.blocks:
         flowing += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
-    flowing = flowing if share.blocks else 0.0
     working = flowing + recomputing if share.blocks else 0.0
     params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
     buffers, reduced, expert_copy = _data_parallel_buffers(cfg, dims, share)
@@ -293,29 +299,21 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
         stages = [share.stage + k * dims.pp for k in range(virtual)]
         ends = sum((s > 0) + (s < dims.pp * virtual - 1) for s in stages)
         buffers += ends * micro.microbatches * block_input
-    # Backward peaks where its first micro-batch starts (gradients only from earlier accumulation micro-steps) or
-    # where a later one does (gradients of this step too, perhaps fewer micro-batches held): whichever is more
-    # (FSDP2 keeps them whole between a pipeline's micro-batches too: torch's schedules reduce on the last one)
     between = _accumulated_grads(cfg, dims, share)
     earlier = between if t.grad_accum > 1 else 0.0
-    in_flight, held_grads = (later, between) if later is not None and later * (kept + head) + between > \
-        first * (kept + head) + earlier else (first, earlier)
     copies = _weight_copies(facts, cfg, dims, share)
-    batch = _batch_bytes(facts, micro) if share.first else 0.0
-    # ... or deeper in the first backward, where the gradients made so far meet a block recomputed (plan/backward.py):
-    # the other micro-batches held and this one's chunk inputs stay, its head's tensors are gone
     blocks = backward.block_list(facts, cfg, dims, share, micro.tokens, *block_bytes(facts, cfg, dims, micro.tokens,
                                                                                      machine), machine)
-    inside = params + optimizer + buffers + copies + batch + flowing + (first - 1) * (kept + head) + inputs + \
-        backward.deepest(blocks, share, earlier, reduced)
-    activations, head = in_flight * kept, in_flight * head
-    # the ViT's field gradients are freed before backward recomputes its last block (`plan --trace`: counting both
-    # put fsdp with full checkpointing 30% over); a decoder's head is priced beside the recomputed block
-    overlap = flowing + max(head, working - flowing) if facts.shape.whole_output else head + working
-    start = params + optimizer + buffers + activations + held_grads + overlap + copies + batch
+    batch = _batch_bytes(facts, micro) if share.first else 0.0
+    peaks = backward.peaks(cfg, dims, share, micro.microbatches, blocks,
+                           held_throughout=params + optimizer + buffers + copies + batch, per_batch=(kept, head, inputs),
+                           working=(stream, flowing, working), grads=(earlier, between), reduced=reduced)
+    start, inside, (in_flight, heads, gathered) = peaks
+    activations, head = in_flight * kept, heads * head
     optimizer_step = params + grads + optimizer + buffers + reduced + expert_copy + batch
     out = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
            "buffers": buffers + reduced, "backward working set": working, "16-bit weight copies": copies,
+           **({"pipeline-gathered blocks": gathered} if gathered else {}),
            "peak": max(start, inside, optimizer_step)}
     return out | ({"expert gradient copy": expert_copy} if expert_copy else {}) | \
         ({"accumulated gradients": earlier} if earlier else {}) | ({"batch": batch} if batch else {}) | \

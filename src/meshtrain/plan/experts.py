@@ -154,11 +154,32 @@ def cut_hidden(hidden: int, tp: int) -> int:
 def _weight_casts(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> float:
     """The 16-bit copy of this rank's experts that each forward of an MoE layer saves under autocast with fp32
     weights: its matmuls read slices of the stacked weights (or cast them whole for the grouped GEMM), which
-    autocast's cache of weight casts does not keep, so every micro-batch held keeps its own (none under FSDP2's mixed
-    precision, whose gathered weights are already 16-bit)."""
-    if activations.fsdp_mixed(cfg, dims):
+    autocast's cache of weight casts does not keep, so every micro-batch held keeps its own (none where FSDP2's mixed
+    precision gathers them 16-bit)."""
+    if not _experts_cast(cfg, dims):
         return 0.0
-    return 2.0 * 3 * (facts.shape.experts // dims.ep) * facts.shape.width * chunk(facts.shape.moe.hidden, dims.tp)
+    return 2.0 * _expert_elements(facts, dims)
+
+
+def weight_grad_transients(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims) -> float:
+    """What an MoE block's backward makes of its experts' weight gradients before they reach the fp32 gradients they
+    accumulate into, where autocast casts the weights: the 16-bit gradient of each cast and its fp32 copy (the
+    DeepSeek-V3-like preset's last stage under fsdp × ep 32, its experts left out of FSDP2 (edp 1): 2.6 GiB a block
+    of the 2.9 its trace held beyond the planner's count)."""
+    return (2.0 + FP32) * _expert_elements(facts, dims) if _experts_cast(cfg, dims) else 0.0
+
+
+def _expert_elements(facts: ModelFacts, dims: ParallelDims) -> int:
+    return 3 * (facts.shape.experts // dims.ep) * facts.shape.width * chunk(facts.shape.moe.hidden, dims.tp)
+
+
+def _experts_cast(cfg: RunConfig, dims: ParallelDims) -> bool:
+    """Whether autocast casts the experts' weights from fp32: FSDP2's mixed precision gathers them 16-bit where it
+    shards them (in their blocks without ep, over edp with it), and leaves them fp32 where each rank holds its
+    experts alone (ep > 1, edp 1: parallel/backends/fsdp.py's ignored parameters)."""
+    if not activations.autocast(cfg):
+        return False
+    return not (activations.fsdp_mixed(cfg, dims) and (dims.ep == 1 or dims.size("edp") > 1))
 
 
 def kept_activations(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, dense_block: float,

@@ -8,7 +8,6 @@ cores (a CPU node running more ranks than it has cores), a rank waiting for its 
 others, so the busy ones run faster: with k of the pp stages busy a rank runs max(1, slowdown × k / pp) times
 slower than alone, the calibrated slowdown (all ranks busy) scaled by the share of ranks that want the cores.
 Every other mesh dimension runs in step with its stage. Sends are priced apart (cost.py's pp communication).
-The same order gives the micro-batches a stage holds when its backwards start (micro_batches_held, cost.py's memory).
 """
 
 from __future__ import annotations
@@ -32,8 +31,9 @@ def rank_order(schedule: str, pp: int, virtual: int, microbatches: int, rank: in
     """The order pipeline rank `rank` runs its actions in. GPipe and looped BFS: every forward, then every backward;
     1F1B: pp - rank forwards, then a backward before each further forward; interleaved and the zero-bubble
     schedules: micro-batches in rounds, each round through the rank's chunks ((v - 1)·round + 2·(pp - 1 - rank)
-    forwards first, as micro_batches_held counts them), then one forward and one backward in turn. The zero-bubble
-    schedules' split backward is played as one backward (their bubble is smaller than this counts)."""
+    forwards first), then one forward and one backward in turn (plan/backward.starts reads the micro-batches held and
+    the blocks gathered at each backward from this order). The zero-bubble schedules' split backward is played as one
+    backward (their bubble is smaller than this counts)."""
     chunks = stage_ids(rank, pp, virtual, schedule)
     per_round = microbatches // max(1, microbatches // pp) if virtual > 1 else microbatches
     forwards, backwards = [], []
@@ -97,24 +97,3 @@ def pipeline_time(schedule: str, pp: int, virtual: int, microbatches: int, forwa
             if left[r] <= 1e-12 * step:
                 done.add(running[r])
                 running[r] = None
-
-
-def micro_batches_held(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> tuple[float, float | None]:
-    """Micro-batches' activations pipeline rank `stage` holds when its first backward starts, and when a later one
-    starts (by then gradients exist; None without a pipeline: one backward per micro-step), in units of the rank's
-    whole share of blocks, as torch's schedules order the work: GPipe runs every forward first; 1F1B runs
-    pp - stage forwards, then a backward before each further forward; interleaved 1F1B runs
-    (v - 1)·pp + 2·(pp - 1 - stage) chunk forwards, then a forward before each backward."""
-    if pp == 1:
-        return 1.0, None
-    if schedule in ("gpipe", "looped_bfs"):
-        return float(microbatches), microbatches - 1 / virtual
-    if schedule == "1f1b":
-        warm = min(microbatches, pp - stage)
-        return float(warm), float(warm if microbatches > warm else warm - 1)
-    chunks = microbatches * virtual  # interleaved and zero-bubble schedules: counted in one chunk's blocks
-    per_round = microbatches // max(1, microbatches // pp)
-    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - stage), chunks)
-    first = min(warm + 1, chunks)
-    later = first if chunks - warm > 1 else first - 1
-    return first / virtual, later / virtual

@@ -55,6 +55,12 @@ class Share:
     # and those made before any block's, the head's and final norm's (a tied embedding's with them)
     block_grads: tuple[int, ...] = ()
     head_grads: int = 0
+    # The same before data-parallel sharding: what FSDP2 accumulates unsharded while it does not reduce (a pipeline's
+    # micro-batches before the last, an accumulation's micro-steps)
+    block_local: tuple[int, ...] = ()
+    head_local: int = 0
+    unsharded_grads: int = 0  # all of them: stage_params, and tensor_parallel.WHOLE_GRADIENTS whole (DTensor's)
+    block_gathered: tuple[int, ...] = ()  # what FSDP2 gathers of each block of `parts` (block_params: the largest)
 
 
 def chunk(size: int, parts: int, index: int = 0) -> int:
@@ -169,7 +175,13 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
                             expert_local=sum(v for n, v in numel.items() if is_expert(n)), parts=parts,
                             block_grads=tuple(_block_total(kept, f"{block_prefix}{i}.") for part in parts for i in part)
                             if block_prefix else (),
-                            head_grads=_head_grads(kept, split, first=0 in mine, last=n_stages - 1 in mine)))
+                            head_grads=_head_grads(kept, split, first=0 in mine, last=n_stages - 1 in mine),
+                            block_local=tuple(_block_total(numel, f"{block_prefix}{i}.") for part in parts for i in part)
+                            if block_prefix else (),
+                            head_local=_head_grads(numel, split, first=0 in mine, last=n_stages - 1 in mine),
+                            unsharded_grads=sum(numel.values()) + _whole_gradient_surplus(held, local),
+                            block_gathered=tuple(_block_total(gathered, f"{block_prefix}{i}.") for part in parts
+                                                 for i in part) if block_prefix else ()))
     return shares
 
 
