@@ -30,16 +30,29 @@ def data_root(tmp_path_factory) -> Path:
     return prepare_data(tmp_path_factory.mktemp("data"))
 
 
+@pytest.fixture(scope="module")
+def avx2_cache(tmp_path_factory) -> Path:
+    """One machine cache for the AVX2-capped runs, as one user's: the first measures the capped profile (the
+    emulated bf16 matmul is the slow part), the trainings after it read the profile a user's second run reads."""
+    return tmp_path_factory.mktemp("avx2_cache")
+
+
+@pytest.fixture(scope="module")
+def native_cache(tmp_path_factory) -> Path:
+    """The uncapped runs' machine cache: `machine --ranks` adds its collectives to the profile measured before."""
+    return tmp_path_factory.mktemp("native_cache")
+
+
 def profile_json(cache: Path, *args: str, **env: str) -> dict:
     out = meshtrain("machine", "--json", *args, cache=cache, **env)
     assert out.returncode == 0, output(out)[-3000:]
     return json.loads(out.stdout)
 
 
-def test_the_emulated_avx2_cpu_has_the_slow_bf16_path_and_auto_picks_fp32(tmp_path):
+def test_the_emulated_avx2_cpu_has_the_slow_bf16_path_and_auto_picks_fp32(avx2_cache):
     """On an AVX-512/AMX box the caps must really take the bf16 units away (measured, not just reported); on an
     AVX2-only box they change nothing. Either way this is the path an AVX2 user gets."""
-    p = profile_json(tmp_path, **AVX2_ONLY)
+    p = profile_json(avx2_cache, **AVX2_ONLY)
     hw = p["hardware"]
     assert hw["isa"] == "AVX2" and hw["caps"] == ["ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2"]
     assert hw["bf16"] is False and p["auto_dtype"]["dtype"] == "fp32"
@@ -49,9 +62,9 @@ def test_the_emulated_avx2_cpu_has_the_slow_bf16_path_and_auto_picks_fp32(tmp_pa
     assert p["memory"]["gbs"] > 0.1
 
 
-def test_the_native_profile_is_cached_and_agrees_with_the_cpu_flags(tmp_path):
-    first = profile_json(tmp_path)
-    again = profile_json(tmp_path)
+def test_the_native_profile_is_cached_and_agrees_with_the_cpu_flags(native_cache):
+    first = profile_json(native_cache)
+    again = profile_json(native_cache)
     assert again["matmul"] == first["matmul"] or any(m["measured"].get("busy") for m in first["matmul"].values())
     hw = first["hardware"]
     assert first["auto_dtype"]["dtype"] == ("bf16" if hw["bf16"] else "fp32")
@@ -60,8 +73,8 @@ def test_the_native_profile_is_cached_and_agrees_with_the_cpu_flags(tmp_path):
         assert bf16 > 0.5 * fp32
 
 
-def test_machine_ranks_records_collective_bandwidth(tmp_path):
-    p = profile_json(tmp_path, "--ranks", "2", "--max-bytes", "64K")
+def test_machine_ranks_records_collective_bandwidth(native_cache):
+    p = profile_json(native_cache, "--ranks", "2", "--max-bytes", "64K")
     (key,) = [k for k in p["collectives"] if k.startswith("gloo|cpu|") and "|world=2|nodes=1|" in k]
     ops = p["collectives"][key]["ops"]
     assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"} <= set(ops)
@@ -70,8 +83,8 @@ def test_machine_ranks_records_collective_bandwidth(tmp_path):
         assert len(fig["bytes"]) == len(fig["seconds"]) == len(fig["busbw_gbs"])
 
 
-def test_training_on_the_avx2_path_chooses_fp32_says_why_and_keeps_mfu_honest(data_root, tmp_path):
-    out = meshtrain("train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path}", cache=tmp_path,
+def test_training_on_the_avx2_path_chooses_fp32_says_why_and_keeps_mfu_honest(data_root, avx2_cache, tmp_path):
+    out = meshtrain("train", "gpt", *TINY, f"data.root={data_root}", f"train.out_dir={tmp_path}", cache=avx2_cache,
                     **AVX2_ONLY)
     text = output(out)
     assert out.returncode == 0, text[-4000:]
@@ -84,9 +97,9 @@ def test_training_on_the_avx2_path_chooses_fp32_says_why_and_keeps_mfu_honest(da
     assert "dtype: fp32" in (run_dir / "config.yaml").read_text()
 
 
-def test_explicit_bf16_on_the_avx2_path_runs_with_one_warning_quoting_the_ratio(data_root, tmp_path):
+def test_explicit_bf16_on_the_avx2_path_runs_with_one_warning_quoting_the_ratio(data_root, avx2_cache, tmp_path):
     out = meshtrain("train", "gpt", *TINY, "train.max_iters=2", "train.eval_interval=2", "train.log_interval=1",
-                    "train.dtype=bf16", f"data.root={data_root}", f"train.out_dir={tmp_path}", cache=tmp_path,
+                    "train.dtype=bf16", f"data.root={data_root}", f"train.out_dir={tmp_path}", cache=avx2_cache,
                     **AVX2_ONLY)
     text = output(out)
     assert out.returncode == 0, text[-4000:]
