@@ -63,6 +63,16 @@ def test_a_pipeline_traces_its_first_middle_and_last_stage_each_holding_its_own_
     assert rows[0]["peak"] > rows[1]["peak"] > rows[2]["peak"]  # micro-batches in flight: 4, 2, 1
 
 
+def traced_stages(overrides: list[str], world: int) -> tuple[list[dict], dict[int, dict[str, float]]]:
+    """A GPT pipeline of two stages traced on `world` ranks, and the planner's terms of each stage."""
+    rows = traced("gpt", overrides, world, world)
+    cfg = config_mod.load_config(overrides, "gpt")
+    dims = ParallelDims.from_config(cfg, world, world)
+    predicted = stage_memory(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris")))
+    assert [row["stage"] for row in rows] == [0, 1]
+    return rows, predicted
+
+
 @pytest.mark.parametrize("schedule", [["parallel.pp_schedule=1f1b"],
                                       ["parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2"]])
 def test_sharded_pipeline_stages_trace_as_planned(schedule):
@@ -71,11 +81,7 @@ def test_sharded_pipeline_stages_trace_as_planned(schedule):
     them, is within 3.2%."""
     overrides = [*PIPELINE[:4], "train.backend=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=4",
                  *schedule]
-    rows = traced("gpt", overrides, 4, 4)
-    cfg = config_mod.load_config(overrides, "gpt")
-    dims = ParallelDims.from_config(cfg, 4, 4)
-    predicted = stage_memory(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris")))
-    assert [row["stage"] for row in rows] == [0, 1]
+    rows, predicted = traced_stages(overrides, 4)
     for row in rows:
         stage = predicted[row["stage"]]
         assert row["held"] == {k: round(stage[k]) for k in ("params", "grads", "optimizer")}, row
@@ -91,11 +97,7 @@ def test_sharded_pipeline_stages_keep_their_blocks_gathered_from_their_backward_
     overrides = [*PIPELINE[:4], "model.n_layer=8", "model.n_embd=256", "model.block_size=32", "train.backend=fsdp",
                  "train.grad_accum=1", "train.activation_checkpointing=full", "parallel.pp=2", "parallel.dp_shard=2",
                  "parallel.microbatches=2"]
-    rows = traced("gpt", overrides, 4, 4)
-    cfg = config_mod.load_config(overrides, "gpt")
-    dims = ParallelDims.from_config(cfg, 4, 4)
-    predicted = stage_memory(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris")))
-    assert [row["stage"] for row in rows] == [0, 1]
+    rows, predicted = traced_stages(overrides, 4)
     for row in rows:
         assert row["peak"] == pytest.approx(predicted[row["stage"]]["peak"], rel=0.05), (row, predicted[row["stage"]])
 
