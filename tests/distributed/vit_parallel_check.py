@@ -34,7 +34,7 @@ from meshtrain.models.vit.parallelize import (
     cp_forward_loss,
     cp_forward_patches,
     gather_tokens,
-    shard_tokens,
+    token_band,
 )
 from meshtrain.nn.transformer import full_attention
 from meshtrain.parallel.context_parallel import (
@@ -75,7 +75,7 @@ def check_attention(info, impl: str) -> tuple[bool, dict]:
     ref_out = F.scaled_dot_product_attention(*ref_in, is_causal=False)
     (ref_out * dy).sum().backward()
 
-    mine = shard_tokens(N, cp_mesh.get_local_rank(), cp)
+    mine = token_band(N, cp_mesh.get_local_rank(), cp)
     local_in = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     out = KERNELS[impl](cp_mesh)(*local_in, 0.0)
     (out * dy[:, :, mine]).sum().backward()
@@ -110,7 +110,7 @@ def check_training(info, *, tp: int = 1, cp: int = 1, impl: str = "ulysses", sp:
                             mesh=shard_mesh)
     elif dp_cp_mesh is not None:  # DDP averages every rank's gradient of its own mean loss
         parallel = DistributedDataParallel(model, process_group=dp_cp_mesh.get_group())
-    positions = shard_tokens(CONFIG.num_patches, coords["cp"], cp)
+    positions = token_band(CONFIG.num_patches, coords["cp"], cp)
     rows = slice(dp_rank * LOCAL_BATCH, (dp_rank + 1) * LOCAL_BATCH)  # tp and cp ranks of a replica: same rows
     worst, x = train_and_compare(model, parallel, reference, dims.dp_size, rows, positions, cp, dp_cp_mesh)
     if cp > 1:  # evaluation: the whole prediction, gathered from the ranks' token slices
@@ -217,10 +217,10 @@ def check_errors(info) -> tuple[bool, dict]:
     x = torch.zeros(1, 3, *CONFIG.img_size)
     problems = []
     for what, call, error, needles in [
-        ("tokens", lambda: shard_tokens(30, 0, 4), ContextParallelError, ["30 patch tokens", "cp=4"]),
+        ("tokens", lambda: token_band(30, 0, 4), ContextParallelError, ["30 patch tokens", "cp=4"]),
         ("ulysses heads", lambda: KERNELS["ulysses"](any_mesh)(q, q, q, 0.0), ContextParallelError, ["3 heads"]),
         ("ring dropout", lambda: KERNELS["ring"](any_mesh)(q, q, q, 0.1), ContextParallelError, ["dropout_p=0.1"]),
-        ("relative l2", lambda: cp_forward_loss(relative, x, x, torch.arange(4)), ContextParallelError,
+        ("relative l2", lambda: cp_forward_loss(relative, x, x, slice(0, 4)), ContextParallelError,
          ["relative_l2"]),
     ]:
         try:

@@ -9,7 +9,7 @@ Order of application, as for the decoders (parallel/lm_layout.py) without a pipe
     -> activation checkpointing per block -> data parallel (DDP over dp×cp, FSDP2 over dp_shard×cp), compile
 
 Under context parallel every cp rank of a replica reads the same images and handles a contiguous band of
-their patch tokens (shard_tokens, below): training takes the MSE of its band, which averages over the
+their patch tokens (token_band, below): training takes the MSE of its band, which averages over the
 cp ranks to the whole image's; prediction gathers the bands back into whole fields.
 
 Below, the ViT's own parallel parts (the model holds no distributed code).
@@ -33,7 +33,7 @@ attn / mlp all-gather from it once per sublayer; the head runs on the local toke
 model still returns whole fields. As for the GPT: build the model with the same weights on every rank before
 applying this (distribute_tensor keeps rank 0's values), and seed dropout by data-parallel rank.
 
-Context parallel (the shared `apply_context_parallel`, whose kernels are full here; `shard_tokens`,
+Context parallel (the shared `apply_context_parallel`, whose kernels are full here; `token_band`,
 `cp_forward_loss`): the N patch tokens of every image are split over the cp ranks of a replica, which all read the
 same batch. Everything but attention is per token, so only attention talks; it is swapped in as
 `block.attn.attend`:
@@ -188,14 +188,8 @@ def _whole_output(_module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torc
 
 
 # ---- the token layout -----------------------------------------------------------------------------------------------
-def shard_tokens(num_patches: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The patch indices (long, ascending, contiguous) that cp rank `cp_rank` of `cp_size` holds of `num_patches`."""
-    band = token_band(num_patches, cp_rank, cp_size)
-    return torch.arange(band.start, band.stop, device=device)
-
-
 def token_band(num_patches: int, cp_rank: int, cp_size: int) -> slice:
-    """shard_tokens' patches as the slice they are."""
+    """The contiguous band of patch tokens that cp rank `cp_rank` of `cp_size` holds of `num_patches`."""
     if not isinstance(cp_size, int) or cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ContextParallelError(f"cp_rank={cp_rank} must be in 0..cp_size-1 with cp_size={cp_size} >= 1")
     if num_patches % cp_size:
@@ -208,7 +202,7 @@ def token_band(num_patches: int, cp_rank: int, cp_size: int) -> slice:
 
 
 def gather_tokens(local: torch.Tensor, cp_mesh) -> torch.Tensor:
-    """[B, N/cp, ...] from every cp rank (shard_tokens' contiguous slices) -> [B, N, ...] in patch order, e.g. to
+    """[B, N/cp, ...] from every cp rank (token_band's contiguous bands) -> [B, N, ...] in patch order, e.g. to
     unpatchify a prediction for evaluation. Autograd-aware: the backward sums the ranks' gradients (reduce-scatter),
     i.e. it differentiates the sum of what every rank computes from the gathered tensor."""
     import torch.distributed._functional_collectives as fc
@@ -223,8 +217,8 @@ def gather_tokens(local: torch.Tensor, cp_mesh) -> torch.Tensor:
 
 # ---- the model ------------------------------------------------------------------------------------------------------
 def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                    positions: torch.Tensor | slice) -> torch.Tensor:
-    """This cp rank's MSE: its tokens (`positions`, from shard_tokens or token_band) of the prediction for fields `x` [B, C, H, W]
+                    positions: slice) -> torch.Tensor:
+    """This cp rank's MSE: its tokens (`positions`, token_band's) of the prediction for fields `x` [B, C, H, W]
     against the same tokens of `target`. The mean over cp ranks is the MSE of the whole images.
 
     `model` is the ViT, or it under DDP, FSDP2 or compile: it is called, so wrappers run their forward machinery.
@@ -243,22 +237,21 @@ def cp_forward_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
     return mse_loss(pred, want)
 
 
-def cp_forward_patches(model: nn.Module, x: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
+def cp_forward_patches(model: nn.Module, x: torch.Tensor, positions: slice) -> torch.Tensor:
     """This cp rank's predicted patches [B, N/cp, C_out·p²] of fields `x`, for its tokens `positions`; the whole
     prediction is model.unpatchify(gather_tokens(patches, cp_mesh)). `model` as for cp_forward_loss."""
     return model(x, _token_index(unwrap(model), positions))
 
 
-def _token_index(vit: ViT, positions: torch.Tensor | slice) -> slice | torch.Tensor:
-    """A slice (token_band's) as it is; shard_tokens' contiguous positions as the slice they are, anything else as it
-    is.
-
-    embed() picks the rows of the position embedding with token_positions. Under tensor parallel pos_embed is a
-    Replicate DTensor, which DTensor slices (forward and backward) but cannot index with a plain index tensor; a
-    slice is also a view instead of a copy.
-    """
-    if isinstance(positions, slice) and positions.step is None and 0 <= positions.start < positions.stop:
-        return positions
+def _token_index(vit: ViT, positions: slice) -> slice:
+    """token_band's slice, checked. embed() picks the rows of the position embedding with it: under tensor parallel
+    pos_embed is a Replicate DTensor, which DTensor slices (forward and backward) but cannot index with an index
+    tensor; a slice is also a view instead of a copy, and no step reads an index back on the host."""
+    if not (isinstance(positions, slice) and positions.step is None and 0 <= positions.start < positions.stop
+            <= vit.config.num_patches):
+        raise ContextParallelError(f"token positions must be one band of the {vit.config.num_patches} patch tokens "
+                                   f"(token_band), got {positions!r}")
+    return positions
     if not torch.is_tensor(positions) or positions.dim() != 1 or positions.numel() == 0:
         raise ContextParallelError(f"token positions must be a non-empty 1-D tensor of patch indices (shard_tokens), "
                                    f"got {positions!r}")
