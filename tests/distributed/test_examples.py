@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import REPO, clean_env, mpirun_cmd, output, requires_mpirun, torchrun_cmd
+from tests import preloaded
+from tests.conftest import REPO, clean_env, forked_cmd, mpirun_cmd, output, requires_mpirun
 
 from meshtrain.report.runs import read_run
 from meshtrain.runtime.rundir import read_jsonl
@@ -18,13 +19,17 @@ EXAMPLES = REPO / "examples"
 
 
 def run(launcher: str, ranks: int, script: str, *args: str, timeout: float = 300) -> str:
-    """`script ARGS` on one process (launcher "python"), or under torchrun or mpirun; must exit 0. Its output."""
+    """`script ARGS` on one process (launcher "python"), or under torchrun or mpirun; must exit 0. Its output.
+    One process and torchrun's ranks are forked from a process that imported torch (tests/preloaded.py,
+    tests/forked_ranks.py: torch's own elastic agent, rendezvous and environment); mpirun starts its own."""
     __tracebackhide__ = True
-    argv = [str(EXAMPLES / script), *args]
-    argv = {"python": [sys.executable, *argv], "torchrun": torchrun_cmd(ranks, *argv),
-            "mpirun": mpirun_cmd(ranks, sys.executable, *argv)}[launcher]
-    done = subprocess.run(argv, capture_output=True, text=True, env=clean_env(MESHTRAIN_PROGRESS="0"), cwd=REPO,
-                          timeout=timeout)
+    argv, env = [str(EXAMPLES / script), *args], clean_env(MESHTRAIN_PROGRESS="0")
+    if launcher == "mpirun":
+        done = subprocess.run(mpirun_cmd(ranks, sys.executable, *argv), capture_output=True, text=True, env=env,
+                              cwd=REPO, timeout=timeout)
+    else:
+        done = preloaded.run([sys.executable, *argv] if launcher == "python" else forked_cmd(ranks, *argv), env=env,
+                             cwd=REPO, timeout=timeout)
     assert done.returncode == 0, f"{launcher} {script} {' '.join(args)}:\n{output(done)[-4000:]}"
     return output(done)
 
