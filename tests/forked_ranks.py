@@ -16,8 +16,8 @@ started as a fork of this process as it begins, before the agent has a thread, n
 fresh interpreter importing PRELOAD again: 2.5 CPU seconds a job here). Run by tests/preloaded.py, this process was
 forked from a server that had imported PRELOAD, so a job's ranks import nothing.
 
-Tests whose subject is the launcher itself (signals and restarts, hangs, the documented
-`torchrun ... test-dist` and `meshtrain launch` lines) run real torchrun (tests/conftest.py: torchrun_cmd).
+Tests whose subject is the launcher itself (signals and restarts, hangs, the documented `torchrun ... test-dist` and
+`meshtrain launch` lines) run real torchrun (tests/conftest.py: torchrun_cmd).
 """
 
 from __future__ import annotations
