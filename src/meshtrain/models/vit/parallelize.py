@@ -252,14 +252,3 @@ def _token_index(vit: ViT, positions: slice) -> slice:
         raise ContextParallelError(f"token positions must be one band of the {vit.config.num_patches} patch tokens "
                                    f"(token_band), got {positions!r}")
     return positions
-    if not torch.is_tensor(positions) or positions.dim() != 1 or positions.numel() == 0:
-        raise ContextParallelError(f"token positions must be a non-empty 1-D tensor of patch indices (shard_tokens), "
-                                   f"got {positions!r}")
-    first, count = int(positions[0]), positions.numel()
-    if torch.equal(positions, torch.arange(first, first + count, device=positions.device)):
-        return slice(first, first + count)
-    if isinstance(vit.pos_embed, DTensor):
-        raise ContextParallelError("under tensor parallel a cp rank's token positions must be one contiguous run "
-                                   "(as shard_tokens gives them): DTensor cannot index the position embedding with "
-                                   "an arbitrary index tensor")
-    return positions
