@@ -154,8 +154,8 @@ def shell_env(root: Path) -> dict[str, str]:
                      OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                      OMPI_MCA_rmaps_base_oversubscribe="1",
                      MESHTRAIN_TIMEOUT="120",
-                     # a newcomer's empty machine profile, its own: measured by the lines that measure (`machine`,
-                     # `plan --validate`'s calibration), never the suite runner's ~/.cache, which it leaves alone
+                     # a newcomer's machine profile, empty until the lines that measure fill it (`machine`, `plan
+                     # --validate`'s calibration), whatever the suite's other processes measured before
                      MESHTRAIN_CACHE_DIR=str(root / "home-cache"))
 
 
