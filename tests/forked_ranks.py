@@ -3,6 +3,7 @@ imported torch and meshtrain once:
 
     python tests/forked_ranks.py N -m meshtrain train gpt ...
     python tests/forked_ranks.py N tests/distributed/layout_check.py CASES...
+    python tests/forked_ranks.py N --max-restarts=R -m meshtrain train gpt ...     (torchrun's --max-restarts=R)
 
 Why: each rank of a torchrun job is a fresh interpreter that imports torch, DTensor, DCP and torch._dynamo (about
 2.3 CPU seconds of the 3 a small training rank costs), and the suite starts hundreds of ranks on two cores. The ranks
@@ -91,9 +92,10 @@ def fork_the_forkserver() -> None:
 
 def main() -> int:
     ranks, argv = int(sys.argv[1]), sys.argv[2:]
+    restarts = int(argv.pop(0).split("=")[1]) if argv[0].startswith("--max-restarts=") else 0  # torchrun's option
     fork_the_forkserver()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=restarts,
                           start_method="forkserver", monitor_interval=0.1)
     try:
         elastic_launch(config, rank_main)(argv)

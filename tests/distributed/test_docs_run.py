@@ -165,19 +165,24 @@ def said(line: str) -> str | None:
 
 # A documented torchrun of a training run or a script, whose ranks the suite forks (tests/forked_ranks.py: torch's own
 # elastic agent, rendezvous and environment, ranks forked from a process that imported torch). The launcher's own
-# lines (`torchrun ... test-dist`) and `meshtrain launch`'s run the real torchrun, as test_runtime and test_examples do.
+# lines (`torchrun ... test-dist`, `meshtrain launch ... test-dist`) run the real torchrun, as test_runtime does.
 FORKED_TORCHRUN = re.compile(r"^torchrun (?:--standalone )?--nproc-per-node (\d+) (?:--standalone )?(?!.*\btest-dist\b)")
+# Any other `meshtrain launch` line: the command launch decides on (its --dry-run, the same code choosing the launcher,
+# the ranks and the options), where that is a plain torchrun on this host, with its ranks forked as above (the real
+# launch hands over to a real torchrun in test-dist's lines here and in test_train_gpt's and the multi-node tests).
+LAUNCHED = re.compile(r"^meshtrain launch (?!--dry-run)(?!.*\btest-dist\b)")
+DECIDED_TORCHRUN = re.compile(r"^\S*torchrun --standalone --nproc-per-node=(\d+) (--max-restarts=\d+ )?(.*)$")
 
 
 def run_as_the_shell_would(command: str, workspace: Path) -> subprocess.CompletedProcess:
-    """`command` as bash runs it. A `meshtrain ...` or `python SCRIPT ...` command, or a torchrun of FORKED_TORCHRUN's
-    (alone, or one of an `a && b` chain), its `$NAME`s expanded as bash would, runs the same entry point in a
-    process forked from tests/preloaded.py's server (the console script is `python -m meshtrain`'s main; a fresh
-    interpreter would spend ~1 s importing torch first, each of a torchrun's ranks too); anything else (a launcher,
-    a pipe, a glob, quotes) runs under bash itself."""
+    """`command` as bash runs it. A `meshtrain ...` or `python SCRIPT ...` command, a torchrun of FORKED_TORCHRUN's or
+    a `meshtrain launch` of LAUNCHED's (alone, or one of an `a && b` chain), its `$NAME`s expanded as bash would,
+    runs the same entry point in a process forked from tests/preloaded.py's server (the console script is `python -m
+    meshtrain`'s main; a fresh interpreter would spend ~1 s importing torch first, each of a torchrun's ranks too);
+    anything else (another launcher, a pipe, a glob, quotes) runs under bash itself."""
     env = shell_env(workspace)
     parts = [re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), m.group(0)), part) for part in command.split(" && ")]
-    argvs = [forked_argv(part) for part in parts]
+    argvs = [forked_argv(part, env, workspace) for part in parts]
     if None in argvs:
         return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=workspace, env=env,
                               timeout=300)
@@ -190,11 +195,13 @@ def run_as_the_shell_would(command: str, workspace: Path) -> subprocess.Complete
     return subprocess.CompletedProcess(command, done.returncode, stdout, stderr)
 
 
-def forked_argv(part: str) -> list[str] | None:
+def forked_argv(part: str, env: dict[str, str], workspace: Path) -> list[str] | None:
     """The forked process's `python ...` argv for one command of a line, or None where bash must run it."""
     # a list value (`data.crop=[32,64]`) is a glob to bash that matches no file here: bash passes it as it is
     if re.search(r"[$&|;<>`'\"\\*?\[~]", re.sub(r"=\[[\w,.]*\]", "=", part)):
         return None
+    if LAUNCHED.match(part):
+        return launched_argv(part, env, workspace)
     if part.startswith("meshtrain "):
         return [sys.executable, "-m", "meshtrain", *part.split()[1:]]
     if part.startswith("python ") and part.split()[1].endswith(".py"):
@@ -202,6 +209,19 @@ def forked_argv(part: str) -> list[str] | None:
     if ranks := FORKED_TORCHRUN.match(part):
         return forked_cmd(int(ranks.group(1)), *part[ranks.end():].split())
     return None
+
+
+def launched_argv(part: str, env: dict[str, str], workspace: Path) -> list[str] | None:
+    """The torchrun that `meshtrain launch` decides on for `part`, as forked ranks; None where it decides on anything
+    else (another launcher, an environment of its own for the ranks): bash runs the line as written."""
+    dry = preloaded.run([sys.executable, "-m", "meshtrain", "launch", "--dry-run", *part.split()[2:]], env=env,
+                        cwd=workspace, timeout=60)
+    assert dry.returncode == 0, f"`{part}` with --dry-run exited {dry.returncode}:\n{output(dry)[-2000:]}"
+    decided = DECIDED_TORCHRUN.match(dry.stdout.strip().splitlines()[-1])
+    if not decided:
+        return None
+    ranks, restarts, args = decided.groups()
+    return forked_cmd(int(ranks), *([restarts.strip()] if restarts else []), *args.split())
 
 
 @pytest.mark.parametrize("page,line", LINES, ids=[f"{page}: {line[:60]}" for page, line in LINES])
