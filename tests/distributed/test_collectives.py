@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from tests.conftest import ANSI, REPO, clean_env, fork_ranks, mpirun, requires_mpirun, torchrun_cmd
+from tests import preloaded
+from tests.conftest import ANSI, REPO, clean_env, fork_ranks, forked_cmd, mpirun, requires_mpirun
 
 from meshtrain.runtime.collectives import (
     BENCH_OPS,
@@ -71,8 +71,8 @@ def test_demo_passes_and_shows_every_collective(n):
 
 def test_demo_runs_as_one_plain_process():
     """No launcher at all: a world of one, where every collective is the identity (and the ring is empty)."""
-    result = subprocess.run([sys.executable, "-m", "meshtrain", "collectives", "--demo"], capture_output=True,
-                            text=True, timeout=120, env=clean_env(), cwd=REPO)
+    result = preloaded.run([sys.executable, "-m", "meshtrain", "collectives", "--demo"], env=clean_env(), cwd=REPO,
+                           timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "collectives demo: 12/12 passed on 1 rank (gloo)" in result.stdout
     assert "send/recv ring: one rank: nothing to send" in result.stdout
@@ -107,8 +107,7 @@ def test_demo_fails_when_a_rank_gets_a_wrong_answer(tmp_path):
         collectives._demo_case = corrupted
         sys.exit(commands.main(["collectives", "--demo"]))
     """))
-    result = subprocess.run(torchrun_cmd(2, str(script)), capture_output=True, text=True, timeout=120, env=clean_env(),
-                            cwd=REPO)
+    result = preloaded.run(forked_cmd(2, str(script)), env=clean_env(), cwd=REPO, timeout=120)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "collectives demo: 11/12 passed on 2 ranks (gloo); wrong: all_to_all on rank(s) 1" in out
