@@ -18,7 +18,8 @@ fresh interpreter importing PRELOAD again: 2.5 CPU seconds a job here). Run by t
 forked from a server that had imported PRELOAD, so a job's ranks import nothing.
 
 Tests whose subject is the launcher itself (signals and restarts, hangs, the documented `torchrun ... test-dist` and
-`meshtrain launch` lines) run real torchrun (tests/conftest.py: torchrun_cmd).
+`meshtrain launch ... test-dist` lines) run real torchrun (tests/conftest.py: torchrun_cmd); the docs' other
+`meshtrain launch` lines run here the torchrun command that launch's --dry-run prints.
 """
 
 from __future__ import annotations
