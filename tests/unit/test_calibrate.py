@@ -20,10 +20,10 @@ def fake_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "cached_slowdown", lambda ranks, dtype="fp32": 1.0)  # no slowdown run
     runs = []
 
-    def step_times(ranks, model, overrides_of_each):
-        runs.extend((model, overrides) for overrides in overrides_of_each)
+    def step_times(ranks, runs_of_models):
+        runs.extend(runs_of_models)
         depths = [next(int(o.split("=")[1]) for o in overrides if o.startswith(("model.n_layer=", "model.depth=")))
-                  for overrides in overrides_of_each]
+                  for _, overrides in runs_of_models]
         return [1e-3 * depth + 5e-3 for depth in depths]
 
     monkeypatch.setattr(calibrate, "_step_times", step_times)
@@ -55,11 +55,12 @@ def test_a_failed_calibration_run_names_the_ranks_error_and_the_run(monkeypatch)
     monkeypatch.setattr(calibrate, "run_ranks", lambda *args, **kw: jobs.append(args) or Job(
         1, output, {0: {"run 0": {"step_s": 0.01}}}))
     with pytest.raises(MeshtrainError) as failed:
-        calibrate._step_times(1, "gpt", [["model.n_layer=4"], ["model.n_layer=8"]])
+        calibrate._step_times(1, [("gpt", ["model.n_layer=4"]), ("gpt", ["model.n_layer=8"])])
     said = str(failed.value)
     assert "in the run `model.n_layer=8`: [2026-11-26][ERROR][rank 0/1] CUDA out of memory" in said, said
     assert said.endswith("torchrun --nproc-per-node 1 -m meshtrain.plan.measured.measure gpt model.n_layer=8")
-    assert len(jobs) == 1 and '"run 1": ["model.n_layer=8"]' in jobs[0][jobs[0].index("--cases") + 1]
+    assert len(jobs) == 1 and '"run 1": {"model": "gpt", "overrides": ["model.n_layer=8"]}' in jobs[0][
+        jobs[0].index("--cases") + 1]
 
 
 @pytest.mark.parametrize("model, depth_key", [("gpt", "model.n_layer"), ("llama", "model.n_layer"),
@@ -78,6 +79,45 @@ def test_each_model_is_calibrated_tiny_on_itself(fake_runs, tmp_path, model, dep
     assert (roots == {f"data.root={tmp_path}"}) == (model == "vit"), roots
     # whatever corpus the model's defaults name (the Llama's and the MoE's: GPT-2 BPE, a download away)
     assert all(("data.name=shakespeare_char" in o) == (model != "vit") for _, o in fake_runs)
+
+
+def test_a_cold_profile_measures_the_slowdown_and_every_kind_in_one_job(fake_runs, monkeypatch, tmp_path):
+    """An empty machine profile (a new machine): the reference's ddp, the slowdown of ranks sharing cores and the
+    model's own kinds run in one job (the ranks start once), and are fitted in the order each rests on the last. The
+    slowdown runs here take what the cost model gives at a slowdown of 1.7 with the ddp costs the tiny runs imply
+    (1 ms a block, 5 ms a step): the fit reads back 1.7."""
+    from dataclasses import replace
+
+    from meshtrain import config as config_mod
+    from meshtrain.parallel.mesh import ParallelDims
+    from meshtrain.plan.cost import predict
+    from meshtrain.plan.measured.this_machine import this_machine
+    from meshtrain.plan.workload import ModelFacts
+
+    monkeypatch.setattr(calibrate, "cached_slowdown", fixed_costs.cached_slowdown)
+    tiny_times, jobs = calibrate._step_times, []
+
+    def step_times(ranks, runs):
+        jobs.append(runs)
+        if not any("model.n_embd=192" in overrides for _, overrides in runs):
+            return tiny_times(ranks, runs)
+        cfg = config_mod.load_config(runs[0][1], "gpt")  # the first three: the slowdown's
+        machine = replace(this_machine(ranks), fixed={"backend:ddp": [1e-3, 5e-3]}, slowdown=1.7,
+                          slowdown_under_autocast=None)
+        slowed = predict(ModelFacts.of(cfg), cfg, ParallelDims.from_config(cfg, ranks), machine).step_s
+        return [slowed, slowed, slowed, *tiny_times(ranks, runs[3:])]
+
+    monkeypatch.setattr(calibrate, "_step_times", step_times)
+    known = calibrate.calibrate(2, ["cp:ring"], "vit", data_root=str(tmp_path), progress=lambda _: None)
+    assert len(jobs) == 1, "one job"
+    # the slowdown's three first, then the ViT's ddp and cp:ring and the reference GPT's ddp, each at 2 depths
+    assert [m for m, _ in jobs[0]] == ["gpt"] * 3 + ["vit"] * 4 + ["gpt"] * 2
+    assert known == {"backend:ddp": pytest.approx([1e-3, 5e-3]), "cp:ring": pytest.approx([0.0, 0.0])}
+    assert fixed_costs.cached(2, "gpt") == {"backend:ddp": pytest.approx([1e-3, 5e-3])}
+    assert fixed_costs.cached_slowdown(2) == pytest.approx(1.7)
+    jobs.clear()
+    calibrate.calibrate(2, ["cp:ring"], "vit", data_root=str(tmp_path), progress=lambda _: None)
+    assert jobs == [], "all cached: nothing measured again"
 
 
 def test_a_model_without_a_tiny_configuration_is_not_calibrated(fake_runs, monkeypatch):
@@ -119,8 +159,8 @@ def test_a_slow_calibration_says_which_kind_it_measures(fake_runs, tmp_path, mon
         heartbeat.note(step=0, phase="start-up", collective=None)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still ")]
     # one job runs the tiny runs of both kinds (ranks started once)
-    assert any(m.startswith("still measuring the fixed costs of backend:ddp, cp:ring on 2 ranks (gpt, 4 tiny runs "
-                            "in one job) (") for m in said), said
+    assert any(m.startswith("still measuring the fixed costs of backend:ddp, cp:ring (gpt) on 2 ranks (4 runs in "
+                            "one job) (") for m in said), said
 
 
 def test_recalibrating_measures_the_model_and_the_slowdown_again_and_keeps_the_rest(fake_runs):

@@ -95,49 +95,79 @@ def calibrate(ranks: int, kinds: list[str], model: str, data_root: str | None = 
     those not cached (and the kinds they are measured against), and the slowdown of ranks sharing cores. A language
     model is calibrated on the shipped corpus; any other reads `data_root` (e.g. the ViT's prepared ERA5). A model
     whose spec gives no tiny configuration is not calibrated (empty)."""
-    # first the collectives and the slowed arithmetic: the fixed costs are what is left beyond them (one rank has no
-    # collective to time: the cost model prices none)
+    # first the collectives: the fixed costs are what is left beyond them (one rank has no collective to time: the
+    # cost model prices none)
     if ranks > 1 and not any(world == ranks for _, world in recorded_collectives(describe(pick_device(0)),
                                                                                pick_device(0))):
         _record_collectives(ranks, progress)
-    if pick_device(0).type == "cpu" and cached_slowdown(ranks, dtype) is None:
-        _measure_slowdown(ranks, progress, dtype)
-    if not calibrated(model):
+    missing = {}  # model -> the kinds to measure
+    if calibrated(model):
+        wanted = dict.fromkeys(k for kind in kinds for k in (runs_of(kind, model)[1], kind) if k)
+        missing[model] = [k for k in wanted if fixed_kind(k, dtype) not in cached(ranks, model)]
+    else:
         progress(f"no calibration for the {model} model: its ModelSpec gives no tiny configuration (`tiny`)")
-        return {}
-    known = cached(ranks, model)
-    wanted = list(dict.fromkeys(k for kind in kinds for k in (runs_of(kind, model)[1], kind) if k))
-    missing = [k for k in wanted if fixed_kind(k, dtype) not in known]
-    if missing:
-        known = _measure_kinds(ranks, model, missing, data_root, known, progress, dtype)
-    return known
+    slowdown = pick_device(0).type == "cpu" and cached_slowdown(ranks, dtype) is None
+    if slowdown and fixed_kind("backend:ddp", dtype) not in cached(ranks, SLOWDOWN_REFERENCE):
+        # the slowdown is read off the reference's ddp step, beyond ddp's own fixed costs
+        missing[SLOWDOWN_REFERENCE] = list(dict.fromkeys(["backend:ddp", *missing.get(SLOWDOWN_REFERENCE, [])]))
+    missing = {name: missing_kinds for name, missing_kinds in missing.items() if missing_kinds}
+    if missing or slowdown:
+        _measure(ranks, missing, slowdown, data_root, progress, dtype)
+    return cached(ranks, model) if calibrated(model) else {}
 
 
-def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | None, known: dict,
-                   progress, dtype: str = "fp32") -> dict[str, list[float]]:
+def _measure(ranks: int, missing: dict[str, list[str]], slowdown: bool, data_root: str | None, progress,
+             dtype: str) -> None:
+    """Every tiny run the `missing` kinds need and, where `slowdown`, the runs that measure it: all in one job (the
+    ranks start once), then fitted in the order each rests on the last: the reference's ddp, the slowdown, the rest."""
+    with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
+        if slowdown or any(registry.get(name).text for name in missing):
+            prepare("shakespeare_char", Path(root))  # the shipped corpus, which needs no network
+        # a step of ranks sharing cores moves by a quarter between runs here: the median of three, first in the job
+        runs = {(SLOWDOWN_REFERENCE, "slowdown", i): [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]
+                for i in range(3 if slowdown else 0)}
+        runs.update({(name, kind, depth): overrides for name, missing_kinds in missing.items()
+                     for (kind, depth), overrides in _tiny_runs(name, missing_kinds, root, data_root, dtype).items()})
+        what = [f"the fixed costs of {', '.join(fixed_kind(k, dtype) for k in kinds)} ({name})"
+                for name, kinds in missing.items()] + ["how much slower ranks sharing cores compute"] * slowdown
+        heartbeat.note(phase=f"measuring {' and '.join(what)} on {ranks} ranks ({len(runs)} runs in one job)")
+        measured = dict(zip(runs, _step_times(ranks, [(name, o) for (name, _, _), o in runs.items()]), strict=True))
+        if slowdown:
+            if "backend:ddp" in missing.get(SLOWDOWN_REFERENCE, []):
+                _fit(ranks, SLOWDOWN_REFERENCE, ["backend:ddp"], runs, measured, progress, dtype)
+            _fit_slowdown(ranks, [measured[key] for key in runs if key[1] == "slowdown"], runs, progress, dtype)
+        for name, missing_kinds in missing.items():
+            known = cached(ranks, name)
+            _fit(ranks, name, [k for k in missing_kinds if fixed_kind(k, dtype) not in known], runs, measured,
+                 progress, dtype)
+
+
+def _tiny_runs(model: str, kinds: list[str], root: str, data_root: str | None,
+               dtype: str) -> dict[tuple[str, int], list[str]]:
+    """(kind, depth) -> the overrides of `model` made tiny, under that kind's layout, at that depth."""
     spec = registry.get(model)
     if not spec.text and data_root is None:
         raise ValueError(f"calibrating the {model} needs its data: pass data_root")
     depth_key = spec.shape(config_mod.load_config(list(spec.tiny), model)).keys["layers"]
-    with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
-        if spec.text:  # the shipped corpus, which needs no network
-            prepare("shakespeare_char", Path(root))
-        # a language model on the corpus prepared here, whatever its own default data (the Llama's and the MoE's
-        # is GPT-2 BPE Shakespeare, which needs a download)
-        corpus = [f"{spec.data_key}=shakespeare_char"] if spec.text else []
-        runs = {(kind, depth): [*spec.tiny, f"data.root={root if spec.text else data_root}", f"{depth_key}={depth}",
-                                *corpus, *runs_of(kind, model)[0], f"train.dtype={dtype}"]
-                for kind in missing for depth in DEPTHS}
-        heartbeat.note(phase=f"measuring the fixed costs of {', '.join(fixed_kind(k, dtype) for k in missing)} on "
-                             f"{ranks} ranks ({model}, {len(runs)} tiny runs in one job)")
-        measured = dict(zip(runs, _step_times(ranks, model, list(runs.values())), strict=True))
-    times = {}
-    for kind in missing:
-        times[kind] = [measured[kind, depth] - _modelled_s(ranks, model, runs[kind, depth]) for depth in DEPTHS]
+    # a language model on the corpus prepared in `root`, whatever its own default data (the Llama's and the MoE's is
+    # GPT-2 BPE Shakespeare, which needs a download)
+    corpus = [f"{spec.data_key}=shakespeare_char"] if spec.text else []
+    return {(kind, depth): [*spec.tiny, f"data.root={root if spec.text else data_root}", f"{depth_key}={depth}",
+                            *corpus, *runs_of(kind, model)[0], f"train.dtype={dtype}"]
+            for kind in kinds for depth in DEPTHS}
+
+
+def _fit(ranks: int, model: str, kinds: list[str], runs: dict, measured: dict, progress, dtype: str) -> None:
+    """Each kind's cost per block and per step, beyond the modelled arithmetic and bytes and beyond what it is
+    measured against, from its two depths; kept in the machine profile."""
+    known, times = cached(ranks, model), {}
+    for kind in kinds:
+        times[kind] = [measured[model, kind, depth] - _modelled_s(ranks, model, runs[model, kind, depth])
+                       for depth in DEPTHS]
         progress(f"fixed costs of {fixed_kind(kind, dtype)} on {ranks} ranks ({model}): "
                  f"{[f'{s * 1e3:.1f} ms' for s in times[kind]]} beyond the modelled arithmetic and bytes at "
                  f"{DEPTHS} blocks")
-    for kind in missing:  # absolute first, then the differences from what each is measured against
+    for kind in kinds:  # absolute first, then the differences from what each is measured against
         (short, long), base = times[kind], runs_of(kind, model)[1]
         per_block = (long - short) / (DEPTHS[1] - DEPTHS[0])
         per_step = short - DEPTHS[0] * per_block
@@ -146,7 +176,6 @@ def _measure_kinds(ranks: int, model: str, missing: list[str], data_root: str | 
             per_block, per_step = per_block - base_block, per_step - base_step
         known[fixed_kind(kind, dtype)] = [per_block, per_step]
     profile.remember("plan_fixed", key(ranks, model), known)
-    return known
 
 
 COLLECTIVES = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast"  # what the cost model prices
@@ -167,22 +196,16 @@ def _record_collectives(ranks: int, progress) -> None:
                              f"torchrun --nproc-per-node {ranks} -m meshtrain collectives --bench --record")
 
 
-def _measure_slowdown(ranks: int, progress, dtype: str = "fp32") -> float:
+def _fit_slowdown(ranks: int, step_s: list[float], runs: dict, progress, dtype: str) -> float:
     """How many times slower than alone a rank computes while the others do, in training, in `dtype`: a mid-size
-    SLOWDOWN_REFERENCE (COMPUTE, mostly arithmetic) under ddp, its measured step against the model's, whose step
-    time is linear in the slowdown (a × slowdown + b, b: its bytes and ddp's fixed costs)."""
+    SLOWDOWN_REFERENCE (COMPUTE, mostly arithmetic) under ddp, its measured steps (the median) against the model's,
+    whose step time is linear in the slowdown (a × slowdown + b, b: its bytes and ddp's fixed costs)."""
     reference, ddp_kind = SLOWDOWN_REFERENCE, fixed_kind("backend:ddp", dtype)
-    ddp = cached(ranks, reference).get(ddp_kind) or _measure_kinds(
-        ranks, reference, ["backend:ddp"], None, cached(ranks, reference), progress, dtype)[ddp_kind]
-    heartbeat.note(phase=f"measuring how much slower {ranks} ranks sharing cores compute")
-    with tempfile.TemporaryDirectory(prefix="meshtrain-calibrate-") as root:
-        prepare("shakespeare_char", Path(root))
-        overrides = [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]
-        # a step of ranks sharing cores moves by a quarter between runs here: the median of three
-        measured = statistics.median(_step_times(ranks, reference, [overrides] * 3))
-        cfg = config_mod.load_config(overrides, reference)
-        dims, facts = ParallelDims.from_config(cfg, ranks), ModelFacts.of(cfg)
-    machine = replace(this_machine(ranks), fixed={ddp_kind: ddp}, slowdown_under_autocast=None)
+    measured = statistics.median(step_s)
+    cfg = config_mod.load_config(runs[reference, "slowdown", 0], reference)
+    dims, facts = ParallelDims.from_config(cfg, ranks), ModelFacts.of(cfg)
+    machine = replace(this_machine(ranks), fixed={ddp_kind: cached(ranks, reference)[ddp_kind]},
+                      slowdown_under_autocast=None)
     one, two = (predict(facts, cfg, dims, replace(machine, slowdown=s)).step_s for s in (1.0, 2.0))
     slowdown = max(1.0, (measured - (2 * one - two)) / (two - one))
     progress(f"ranks sharing cores: {ranks} ranks compute {slowdown:.2f}× slower than one alone in {dtype} (a "
@@ -204,16 +227,16 @@ def _modelled_s(ranks: int, model: str, overrides: list[str]) -> float:
     return predict(ModelFacts.of(cfg), cfg, dims, machine).step_s
 
 
-def _step_times(ranks: int, model: str, runs: list[list[str]]) -> list[float]:
-    """The step time of each run (overrides of `model`), measured one after another in one job of `ranks` ranks: the
-    slowest rank's median of 8 steps after 3 of warm-up."""
-    cases = {f"run {i}": overrides for i, overrides in enumerate(runs)}
-    job = run_ranks(Path(measure.__file__), ranks, model, "--cases", json.dumps(cases), "--steps", "8", "--warmup", "3",
-                    timeout=120 + 60 * len(runs))
+def _step_times(ranks: int, runs: list[tuple[str, list[str]]]) -> list[float]:
+    """The step time of each run (a model and its overrides), measured one after another in one job of `ranks`
+    ranks: the slowest rank's median of 8 steps after 3 of warm-up."""
+    cases = {f"run {i}": {"model": model, "overrides": overrides} for i, (model, overrides) in enumerate(runs)}
+    job = run_ranks(Path(measure.__file__), ranks, runs[0][0], "--cases", json.dumps(cases), "--steps", "8",
+                    "--warmup", "3", timeout=120 + 60 * len(runs))
     times = [[fields["step_s"] for result in job.results.values() if (fields := result.get(case))] for case in cases]
     incomplete = [i for i, t in enumerate(times) if len(t) < ranks]  # the runs go in order: the first failed
     if job.returncode or incomplete:
-        failed = runs[incomplete[0] if incomplete else -1]
+        model, failed = runs[incomplete[0] if incomplete else -1]
         raise MeshtrainError(f"calibration on {ranks} rank(s) failed (exit {job.returncode}) in the run "
                              f"`{' '.join(failed)}`: {first_error(job.output)}; run it yourself to see all: "
                              f"torchrun --nproc-per-node {ranks} -m meshtrain.plan.measured.measure {model} "
