@@ -27,8 +27,10 @@ LAYOUTS = {  # one of each way of holding a model: replicated, sharded, tensor-p
     # dp 2 × pp 2: FSDP2 keeps each stage's whole gradients between the schedule's micro-batches
     "fsdp pp2": (4, ["train.backend=fsdp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=4"]),
     "ddp op": (2, ["train.backend=ddp", "train.activation_checkpointing=op"]),  # op-level checkpointing's cache
+    # ring attention: its backward inside a block holds more than the block's start (plan/backward.ring_point)
+    "ddp cp2 ring": (2, ["train.backend=ddp", "parallel.cp=2", "parallel.cp_impl=ring"]),
 }
-BF16 = ("ddp", "fsdp", "fsdp tp2", "ddp op")  # also measured under bf16 autocast
+BF16 = ("ddp", "fsdp", "fsdp tp2", "ddp op", "ddp cp2 ring")  # also measured under bf16 autocast
 BASE = ["preset=cpu", "model.dropout=0.0", "model.batch_size=8"]
 # The ViT's layouts, in the same launches (a case of its own model, measure.py --cases): its fields as the batch,
 # the head's whole field; fsdp tp2 gathers the field from sequence-parallel patches. 4 channels of 32 × 64, patches of
@@ -99,6 +101,15 @@ def test_predicted_bytes_are_what_ranks_hold(checks, name):
         assert round(check.predicted[key]) == check.measured[key], (name, key, check.predicted, check.measured)
     # the planner's promise (docs/plan.md); these four come within 3% on the box that wrote them
     assert abs(check.relative("peak")) <= 0.10, (name, check.predicted["peak"], check.measured["peak"])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ring_attentions_peak_inside_a_block_is_the_ranks_peak(checks, dtype):
+    """Ring attention's backward holds its K/V blocks, their gradients in flight and its score blocks after the
+    block's MLP has freed its activations: the planner's point inside the block, within 3% (1.7% fp32, 0.4% bf16
+    on the box that wrote this; 4.5% and 5.2% under without that point)."""
+    check = checks["ddp cp2 ring", dtype]
+    assert abs(check.relative("peak")) <= 0.03, (dtype, check.predicted["peak"], check.measured["peak"])
 
 
 @pytest.mark.parametrize("name", BF16)

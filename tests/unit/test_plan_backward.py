@@ -37,10 +37,15 @@ def test_the_walk_is_the_hand_count():
     cfg = load_config(["preset=cpu", "model.batch_size=8", "train.dtype=fp32"], "moe")
     share = replace(_shares(ModelFacts.of(cfg, VOCAB), cfg, ParallelDims.from_config(cfg, 1, 1))[0],
                     block_grads=(10, 10), head_grads=0)
-    assert backward.deepest([(1.0, 5.0), (1.0, 5.0)], share, earlier=0.0, reduced=7.0) == 87.0
+    assert backward.deepest([(1.0, 5.0, 0.0, 0.0)] * 2, share, earlier=0.0, reduced=7.0) == 87.0
     # gradients of earlier micro-steps: all of them from the start, so the last block's recompute, beside the first
     # block's input, is the most: 1 + 5 + 80
-    assert backward.deepest([(1.0, 5.0), (1.0, 5.0)], share, earlier=80.0) == 86.0
+    assert backward.deepest([(1.0, 5.0, 0.0, 0.0)] * 2, share, earlier=80.0) == 86.0
+    # ring attention's backward inside each block, holding 60 with 30 of the block's gradient bytes made: in the
+    # last block 1 + 60 + 30; in the first 0 + 60 + (40 + 30) + 7 (the last block's reduce-scatter input), the most
+    assert backward.deepest([(1.0, 5.0, 60.0, 30.0)] * 2, share, earlier=0.0, reduced=7.0) == 137.0
+    # with every gradient there from the start, what the ring's point holds beside them: 1 + 60 + 80
+    assert backward.deepest([(1.0, 5.0, 60.0, 30.0)] * 2, share, earlier=80.0) == 141.0
 
 
 def test_full_checkpointing_with_whole_experts_peaks_inside_backward_a_dense_model_where_it_starts():

@@ -113,7 +113,8 @@ def test_fsdp_keeps_whole_gradients_between_accumulation_micro_steps_as_planned(
     dims = ParallelDims.from_config(cfg, 2, 2)
     predicted = predict(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris"))).memory
     assert predicted["accumulated gradients"] == pytest.approx(2 * predicted["grads"], rel=1e-3)  # whole: not half
-    assert rank0["peak"] == pytest.approx(predicted["peak"], rel=0.03), (rank0["peak"], predicted["peak"])
+    # both under their traces: ring by 2.5% (6.7% before backward.ring_point), Ulysses by 3.1%
+    assert rank0["peak"] == pytest.approx(predicted["peak"], rel=0.035), (rank0["peak"], predicted["peak"])
 
 
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
@@ -125,7 +126,8 @@ def test_context_parallel_traces_holding_the_planners_states(impl):
     dims = ParallelDims.from_config(cfg, 2, 2)
     predicted = predict(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris"))).memory
     assert rank0["held"] == {k: round(predicted[k]) for k in ("params", "grads", "optimizer")}
-    assert rank0["peak"] == pytest.approx(predicted["peak"], rel=0.10), (rank0["peak"], predicted["peak"])
+    # both under their traces: ring by 2.5% (6.7% before backward.ring_point), Ulysses by 3.1%
+    assert rank0["peak"] == pytest.approx(predicted["peak"], rel=0.035), (rank0["peak"], predicted["peak"])
 
 
 def test_attention_with_dropout_traces_fused_as_the_planner_counts_it():

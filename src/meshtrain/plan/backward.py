@@ -10,6 +10,9 @@ holds move block by block, from the last block back to the first:
                   which it reduce-scatters (they exist only once j's backward is done and its saved tensors are freed,
                   and until the next block's are issued: at block j also those of the block after it)
 
+Ring attention's backward is one point inside a block (ring_point): the MLP done and its activations freed, the
+ring's K/V blocks, their gradients and its score blocks held.
+
 Where backward starts, no block's gradient exists yet; by the first block all but the embeddings' do. Which point is
 higher depends on the two rates: a block whose gradients outweigh what it keeps (an MoE block's experts under full
 checkpointing: each block keeps only its input) raises the holding as backward proceeds,
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING
 from meshtrain.parallel import backends
 from meshtrain.parallel.pipeline_schedules import stage_ids
 from meshtrain.plan import experts
-from meshtrain.plan.activations import fsdp_mixed, op_block_bytes
+from meshtrain.plan.activations import autocast, fsdp_mixed, op_block_bytes
 from meshtrain.plan.pipeline_time import rank_order
 
 if TYPE_CHECKING:  # for annotations only
@@ -45,9 +48,10 @@ FP32 = 4
 
 
 def block_list(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, tokens: int, dense_block: float,
-               block_input: float, machine: Machine) -> list[tuple[float, float]]:
+               block_input: float, machine: Machine) -> list[tuple[float, float, float, float]]:
     """(what each block of the stage keeps for backward for one micro-batch, what it holds while its own backward
-    runs), in forward order: a checkpointed block keeps its input and holds its whole saved set again; under `op`
+    runs, and at ring attention's backward inside it (`ring_point`): what it holds there and the gradients made by
+    then), in forward order: a checkpointed block keeps its input and holds its whole saved set again; under `op`
     a block keeps its matmuls' and attention's outputs and holds besides what recomputing its element-wise ops adds
     (cost._blocks_kept's count for the block backward starts with, here for each)."""
     moe = facts.shape.moe
@@ -59,15 +63,73 @@ def block_list(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Sha
     checkpointed = experts.checkpointed_layers(cfg, parts)
     op = cfg.train.activation_checkpointing == "op"
     out = []
-    for i in (i for part in parts for i in part):
+    for index, i in enumerate(i for part in parts for i in part):  # index: into the share's per-block tuples
         own = moe_block if i in moe_layers else dense_block
         extra = transients if i in moe_layers else 0.0
         if op:
             kept = op_block_bytes(facts, cfg, dims, tokens, machine, i, rows if i in moe_layers else 0.0)
-            out.append((kept, kept + max(0.0, own - (kept - block_input)) + extra))
+            keeps, holds = kept, kept + max(0.0, own - (kept - block_input)) + extra
         else:
-            out.append((block_input if i in checkpointed else own, own + extra))
+            keeps, holds = block_input if i in checkpointed else own, own + extra
+        ring = (0.0, 0.0)
+        if dims.cp > 1 and cfg.parallel.cp_impl == "ring":
+            freed = _freed_before_attention(facts, cfg, dims, tokens, machine, i, own, holds)
+            local = share.block_local[index] if index < len(share.block_local) else 0
+            ring = ring_point(facts, cfg, dims, tokens, machine, holds - freed, local)
+        out.append((keeps, holds, *ring))
     return out
+
+
+def _freed_before_attention(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine,
+                            layer: int, own: float, holds: float) -> float:
+    """What block `layer`'s sublayers after attention saved, freed by the time attention's backward runs: a dense
+    MLP's hidden activations before and after the nonlinearity (cut over tp) and, under autocast, the 16-bit casts
+    of its input (whole on every tp rank) and of attention's output projection's input (cut over tp); an MoE block's
+    all but its attention half. Under `op` only an MoE block's experts' part: the checkpoint keeps what it recomputed
+    until the block's backward ends (the traced op-mode GPT ring layouts peak 0-3.6% under this count, 3-8% over
+    with the dense MLP's counted freed)."""
+    shape, moe = facts.shape, facts.shape.moe
+    if cfg.train.activation_checkpointing == "op":
+        return holds - op_block_bytes(facts, cfg, dims, tokens, machine, layer) if moe and layer in moe.layers else 0.0
+    if moe and layer in moe.layers:
+        return own - experts.attention_half(facts, cfg, dims, machine) * tokens
+    if not autocast(cfg):
+        return 2 * shape.mlp_hidden / dims.tp * tokens * FP32
+    return (2 * shape.mlp_hidden / dims.tp + shape.width * (1 + 1 / dims.tp)) * tokens * 2
+
+
+def ring_point(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int, machine: Machine, holds: float,
+               local: int) -> tuple[float, float]:
+    """(what a block holds while ring attention's backward runs in it, beyond the blocks before it and the gradients
+    made before it, less cost.py's working set that peaks() adds throughout; the block's gradient bytes made by
+    then). By then the block's MLP is done: `holds` is the block's holding without what the sublayers after attention
+    saved (_freed_before_attention), the MLP's hidden gradient is freed, and every weight gradient but the q, k, v
+    projection's is made (unsharded, fp32). At every ring step the ring's backward holds, for E elements of a
+    query-shaped tensor (K and V are repeated to every head before it) and a bytes an attention element: K and V
+    stacked and the next pair arriving (4a), the output's gradient made contiguous (a), the query's gradient, the
+    step's K/V gradient and the block pair's fp32 gradients (4 + 8 + 8): E·(5a + 20); at step 0 the whole score
+    blocks of our own K/V (cost.py's three), at a later step the previous step's K/V gradient still being sent and
+    the next arriving (fp32: 16E) beside score blocks half as large under the causal zigzag. Traced: the CPU recipe
+    (fp32, ddp cp 4) peaks at a later step (E·56 and the score blocks: 1.50 MiB), the 16-layer 70B decoder's last
+    stage at step 0 (three 1 GiB score blocks beside E·40 = 320 MiB)."""
+    shape = facts.shape
+    act = 2 if autocast(cfg) else FP32
+    attention = FP32 if machine.cpu or not autocast(cfg) else 2  # a CPU's ring runs bf16 attention in fp32
+    query = tokens * shape.width / dims.tp
+    stream = (shape.mlp_hidden / dims.tp + shape.width) * tokens * act  # cost.py's, added by peaks()
+    scores = score_blocks(facts, dims, tokens)  # cost.py's too
+    later_step = 16 * query - scores * (0.5 if shape.causal else 0.0)  # beyond step 0's
+    flowing = shape.width * tokens * act  # the stream's gradient entering attention
+    qkv = shape.width * (shape.heads + 2 * shape.kv_heads) * (shape.width // shape.heads) / dims.tp
+    return (holds + (5 * attention + 20) * query + max(0.0, later_step) + flowing - stream,
+            max(0.0, local - qkv) * FP32)
+
+
+def score_blocks(facts: ModelFacts, dims: ParallelDims, tokens: int) -> float:
+    """The fp32 score blocks ring attention's backward makes for one K/V block (s, p and ds) for `tokens` of this
+    rank's: its queries against as many keys, its heads (cut over tp)."""
+    samples = tokens / (facts.tokens / dims.cp)
+    return 3 * samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
 
 
 def gathered_beyond_two(share: Share, gathered: float, element_bytes: float) -> float:
@@ -124,7 +186,7 @@ def starts(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) 
     return out
 
 
-def deepest(blocks: list[tuple[float, float]], share: Share, earlier: float, reduced: float = 0.0,
+def deepest(blocks: list[tuple[float, float, float, float]], share: Share, earlier: float, reduced: float = 0.0,
             gathering: tuple[float, float] = (0.0, 0.0), local: bool = False) -> float:
     """The most bytes one micro-batch's backward holds inside the stage's blocks beyond what is held throughout (the
     states, buffers, other micro-batches): the saved tensors still kept, the block being run, and the gradients made
@@ -136,14 +198,17 @@ def deepest(blocks: list[tuple[float, float]], share: Share, earlier: float, red
     grads = share.block_local if local else share.block_grads
     if not blocks or len(blocks) != len(grads):
         return 0.0
-    kept = sum(k for k, _ in blocks)
+    kept = sum(block[0] for block in blocks)
     made = (share.head_local if local else share.head_grads) * FP32
     most = pending = 0.0
     gathered_at_start, element_bytes = gathering
-    for visited, ((keeps, holds), block) in enumerate(zip(reversed(blocks), reversed(grads), strict=True)):
+    for visited, ((keeps, holds, at_ring, made_by_ring), block) in enumerate(zip(reversed(blocks), reversed(grads),
+                                                                                 strict=True)):
         gathered = gathered_beyond_two(share, gathered_at_start + visited, element_bytes)
         kept -= keeps
         most = max(most, kept + holds + max(earlier, made) + pending + gathered)
+        if at_ring:  # ring attention's backward, inside the block (ring_point)
+            most = max(most, kept + at_ring + max(earlier, made + made_by_ring) + pending + gathered)
         made += block * FP32
         most = max(most, kept + max(earlier, made) + reduced + gathered)
         pending = reduced  # FSDP2 frees a reduce-scatter's input only as it issues the next block's

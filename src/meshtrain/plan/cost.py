@@ -291,7 +291,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     stream = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes if share.blocks else 0.0
     flowing = stream
     if dims.cp > 1 and p.cp_impl == "ring" and share.blocks:
-        flowing += 3 * micro.samples * facts.shape.heads / dims.tp * (facts.tokens / dims.cp) ** 2 * FP32
+        flowing += backward.score_blocks(facts, dims, micro.tokens)
     working = flowing + recomputing if share.blocks else 0.0
     params, grads, optimizer = share.params * FP32, share.grads * FP32, share.optimizer * FP32
     buffers, reduced, expert_copy = _data_parallel_buffers(cfg, dims, share)

@@ -129,9 +129,7 @@ def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, token
     rows = routed_rows(facts, dims, tokens)
     exchanged = moe.saved_per_row_ep if dims.ep > 1 else 0
     per_row, shared_cut = cut_hidden(moe.hidden, dims.tp), cut_hidden(moe.shared_hidden, dims.tp)
-    # the attention half, whose column-parallel linears (attn.*) keep their inputs whole
-    half = activations.per_token_bytes(facts, cfg, dims, machine, moe.attention_per_token, moe.attention_autocast,
-                                       lambda name: ".attn." in name) if moe.attention_per_token else 0.0
+    half = attention_half(facts, cfg, dims, machine)
     if not activations.autocast(cfg) or moe.autocast_per_token is None:
         rest = (moe.saved_per_token - moe.attention_per_token - shared_cut) * FP32
         return (half + rest) * tokens + rows * (moe.saved_per_row - per_row + exchanged) * FP32
@@ -143,6 +141,16 @@ def moe_block_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, token
     rest = fp32 * FP32 + (low - shared_cut) * 2 + (saved.attention - cut.attention) * (FP32 if machine.cpu else 2)
     copies = _weight_casts(facts, cfg, dims)
     return (half + rest) * tokens + rows * ((moe.autocast_per_row - per_row) * 2 + exchanged * FP32) + copies
+
+
+def attention_half(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine) -> float:
+    """Bytes per token an MoE block's attention half saves (its norm, projections and attention), whose
+    column-parallel linears (attn.*) keep their inputs whole under tp."""
+    moe = facts.shape.moe
+    if not moe.attention_per_token:
+        return 0.0
+    return activations.per_token_bytes(facts, cfg, dims, machine, moe.attention_per_token, moe.attention_autocast,
+                                       lambda name: ".attn." in name)
 
 
 def cut_hidden(hidden: int, tp: int) -> int:
