@@ -113,16 +113,22 @@ def ring_point(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: in
     (fp32, ddp cp 4) peaks at a later step (E·56 and the score blocks: 1.50 MiB), the 16-layer 70B decoder's last
     stage at step 0 (three 1 GiB score blocks beside E·40 = 320 MiB)."""
     shape = facts.shape
-    act = 2 if autocast(cfg) else FP32
     attention = FP32 if machine.cpu or not autocast(cfg) else 2  # a CPU's ring runs bf16 attention in fp32
     query = tokens * shape.width / dims.tp
-    stream = (shape.mlp_hidden / dims.tp + shape.width) * tokens * act  # cost.py's, added by peaks()
-    scores = score_blocks(facts, dims, tokens)  # cost.py's too
+    scores = score_blocks(facts, dims, tokens)  # cost.py's, added by peaks()
     later_step = 16 * query - scores * (0.5 if shape.causal else 0.0)  # beyond step 0's
-    flowing = shape.width * tokens * act  # the stream's gradient entering attention
+    # of the gradients flowing through the block (cost.py's, added by peaks()) only the stream's enters attention
+    entering = shape.width * tokens * (2 if autocast(cfg) else FP32)
+    beyond = entering - flowing_gradients(facts, cfg, dims, tokens)
     qkv = shape.width * (shape.heads + 2 * shape.kv_heads) * (shape.width // shape.heads) / dims.tp
-    return (holds + (5 * attention + 20) * query + max(0.0, later_step) + flowing - stream,
-            max(0.0, local - qkv) * FP32)
+    return holds + (5 * attention + 20) * query + max(0.0, later_step) + beyond, max(0.0, local - qkv) * FP32
+
+
+def flowing_gradients(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, tokens: int) -> float:
+    """The gradients flowing through one block's backward for `tokens` of this rank's, in the activations' dtype:
+    its MLP's hidden one (cut over tp) and the residual stream's (cost.py's working set)."""
+    shape = facts.shape
+    return (shape.mlp_hidden / dims.tp + shape.width) * tokens * (2 if autocast(cfg) else FP32)
 
 
 def score_blocks(facts: ModelFacts, dims: ParallelDims, tokens: int) -> float:

@@ -287,8 +287,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block);
     # `stream` without those score blocks: what a backward's start holds beside the head (backward.peaks)
-    act_bytes = 2 if autocast(cfg) else FP32
-    stream = (facts.shape.mlp_hidden / dims.tp + facts.shape.width) * micro.tokens * act_bytes if share.blocks else 0.0
+    stream = backward.flowing_gradients(facts, cfg, dims, micro.tokens) if share.blocks else 0.0
     flowing = stream
     if dims.cp > 1 and p.cp_impl == "ring" and share.blocks:
         flowing += backward.score_blocks(facts, dims, micro.tokens)
