@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.parallel import backends
-from meshtrain.parallel.clipping import clip_grad_norm_, several_meshes
 from meshtrain.parallel.compose import Recipe, apply_model_parallelism, wrap_data_parallel
 from meshtrain.parallel.context_parallel import shard_sequence
 from meshtrain.parallel.data_parallel import gradient_sync
@@ -116,8 +115,6 @@ class LanguageModelLayout(Layout):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.pipeline is not None:  # over every stage, the tied embedding's two copies counted once
             return self.pipeline.clip_grad_norm_(max_norm)
-        if several_meshes(self.model.parameters()):  # torch's clip stacks the norms: they must be of one kind
-            return clip_grad_norm_(self.model.parameters(), max_norm)
         return super().clip_grad_norm(max_norm)
 
     # ---- what the loop reports ------------------------------------------------------------------------------
