@@ -1,6 +1,7 @@
 """Regret: how much slower the layout the planner ranks first ran than the fastest of those measured, in measured
 samples per second (layouts of one plan may differ in samples per step)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -44,6 +45,7 @@ def test_validation_measures_each_layout_twice_interleaved_and_reports_the_sprea
         row = {"rank": 0, "params": 1, "grads": 1, "optimizer": 2, "peak": 7, "step_s": next(step_times[label])}
         return Job(0, "", {0: {"case": row}})
 
+    monkeypatch.setattr(validate, "one_job_per_repeat", lambda: False)  # as on a GPU: a job per layout
     monkeypatch.setattr(validate, "run_ranks", run_ranks)
     checks = validate.run("gpt", [], candidates, 1, repeats=2, progress=lambda check: None)
     assert order == ["A", "B", "C", "A", "C"]
@@ -51,3 +53,38 @@ def test_validation_measures_each_layout_twice_interleaved_and_reports_the_sprea
     assert a.step_times == (0.10, 0.12) and a.measured["step_s"] == pytest.approx(0.11)
     assert a.spread == pytest.approx(0.02 / 0.11) and c.spread == 0.0 and a.measured["peak"] == 7
     assert b.measured is None and "B does not fit" in b.error
+
+
+def test_on_a_cpu_a_repeats_layouts_share_one_job_and_a_failed_job_is_run_again_a_layout_a_job(monkeypatch):
+    """On a CPU each repeat is one job of `measure --cases` (a start-up of the ranks per repeat, not per layout); where
+    that job fails, its layouts run again one a job, which names the one that failed and keeps the others' figures."""
+    from meshtrain.runtime.results import Job
+
+    candidates = [SimpleNamespace(label=label, overrides=[f"train.backend={label}"],
+                                  dims=SimpleNamespace(coords=lambda rank: {}), cost=SimpleNamespace(memory_stage=0))
+                  for label in ("a", "b", "c")]
+    times = {"train.backend=a": iter([0.1, 0.3]), "train.backend=b": iter([0.2, 0.4])}
+    jobs = []
+
+    def row(overrides, rank):
+        return {"rank": rank, "params": 1, "grads": 1, "optimizer": 2, "peak": 7, "step_s": next(times[overrides[0]])}
+
+    def run_ranks(script, ranks, model, *args, timeout):
+        cases = json.loads(args[args.index("--cases") + 1]) if "--cases" in args else None
+        jobs.append(sorted(o[0] for o in cases.values()) if cases else [args[0]])
+        if cases is None:  # one layout's own job: c fails
+            if args[0] == "train.backend=c":
+                return Job(1, "[rank0]: RuntimeError: c does not fit", {})
+            return Job(0, "", {0: {"layout": row(args, 0)}})
+        if "train.backend=c" in [o[0] for o in cases.values()]:
+            return Job(1, "[rank0]: RuntimeError: c does not fit", {0: {"0": {}}})
+        return Job(0, "", {0: {case: row(o, 0) for case, o in cases.items()}})
+
+    monkeypatch.setattr(validate, "one_job_per_repeat", lambda: True)
+    monkeypatch.setattr(validate, "run_ranks", run_ranks)
+    a, b, c = validate.run("gpt", [], candidates, 1, repeats=2, progress=lambda check: None)
+    # repeat 1: the three in one job, which fails, then one job each; repeat 2: a and b in one job
+    assert jobs == [["train.backend=a", "train.backend=b", "train.backend=c"], ["train.backend=a"],
+                    ["train.backend=b"], ["train.backend=c"], ["train.backend=a", "train.backend=b"]]
+    assert a.step_times == (0.1, 0.3) and b.step_times == (0.2, 0.4)
+    assert c.measured is None and "c does not fit" in c.error

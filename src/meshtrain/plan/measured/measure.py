@@ -12,8 +12,9 @@ exactly as `train` does (the Trainer, in a scratch directory), steps it, and rec
 
     python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measured.measure gpt preset=cpu train.backend=fsdp
 
-A layout's peak is measured in a job of its own (the CUDA allocator's cache and the counted storages start empty);
-`--cases` runs several in one job where only their times matter (calibration), sparing a start-up of the ranks each.
+`--cases` runs several in one job, sparing a start-up of the ranks each: the calibration's tiny runs, and on a CPU
+the layouts `plan --validate` measures (each case's storages are counted from its own start). On a GPU a layout's
+peak is measured in a job of its own (the CUDA allocator's cache starts empty).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Predictions against measurements: each layout run for a few steps on this machine (plan/measured/measure.py under
-torchrun, one job per layout), its figures set beside what plan/cost.py predicted for it, with the errors
+torchrun: on a CPU the layouts of a repeat in one job, on a GPU one job per layout), its figures set beside what plan/cost.py predicted for it, with the errors
 `plan --validate` reports:
 
     params, grads, optimizer   bytes per rank, predicted exactly or not
@@ -22,6 +22,7 @@ machine alone, never from these runs.
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -37,6 +38,7 @@ from meshtrain.plan.measured import calibrate, measure
 from meshtrain.plan.search import Candidate
 from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime import heartbeat
+from meshtrain.runtime.device import pick_device
 from meshtrain.runtime.results import first_error, run_ranks
 
 if TYPE_CHECKING:  # for annotations only
@@ -82,24 +84,54 @@ class Check:
 def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: int, *, steps: int = 5,
         repeats: int = 2, timeout: float = 600, progress=print) -> list[Check]:
     """Measure each candidate (the run config `overrides` give, with its layout) on `ranks` ranks of this machine,
-    `repeats` times, the candidates interleaved; a candidate that fails once is not run again."""
+    `repeats` times, the candidates interleaved; a candidate that fails once is not run again. On a CPU a repeat's
+    layouts run in one job (one_job_per_repeat); on a GPU each has a job of its own."""
     found: list[list[dict] | str] = [[] for _ in candidates]
     for repeat in range(repeats):
-        for i, candidate in enumerate(candidates):
-            if isinstance(found[i], str):
-                continue
-            heartbeat.note(phase=f"measuring {candidate.label} on {ranks} ranks (layout {i + 1} of "
-                                 f"{len(candidates)}, measurement {repeat + 1} of {repeats})")
-            job = run_ranks(Path(measure.__file__), ranks, model, *overrides, *candidate.overrides, "--steps",
-                            str(steps), timeout=timeout)
-            rows = [fields for result in job.results.values() for fields in result.values()]
-            if job.returncode or len(rows) != ranks:
-                found[i] = f"exit {job.returncode}: {first_error(job.output)}"
+        live = [i for i, measured in enumerate(found) if not isinstance(measured, str)]
+        together = _in_one_job(model, overrides, [candidates[i] for i in live], ranks, steps, timeout, repeat,
+                               repeats) if one_job_per_repeat() and len(live) > 1 else None
+        for n, i in enumerate(live):
+            rows = together[n] if together else _in_its_own_job(model, overrides, candidates[i], ranks, steps,
+                                                                 timeout, f"layout {i + 1} of {len(candidates)}, "
+                                                                 f"measurement {repeat + 1} of {repeats}")
+            if isinstance(rows, str):
+                found[i] = rows
             else:
-                found[i].append(measured_of(candidate, rows))
+                found[i].append(measured_of(candidates[i], rows))
             if repeat == repeats - 1 or isinstance(found[i], str):
-                progress(_check(candidate, found[i]))
+                progress(_check(candidates[i], found[i]))
     return [_check(candidate, measured) for candidate, measured in zip(candidates, found, strict=True)]
+
+
+def one_job_per_repeat() -> bool:
+    """Whether a repeat's layouts share one job (measure --cases): on a CPU, where each case's storages are counted
+    from its own start and a start-up of the ranks is seconds of the cores the layouts share (a fresh interpreter
+    per rank importing torch); not on a GPU, where a layout's peak wants the CUDA allocator's cache empty."""
+    return pick_device(0).type == "cpu"
+
+
+def _in_its_own_job(model: str, overrides: list[str], candidate: Candidate, ranks: int, steps: int, timeout: float,
+                    which: str) -> list[dict] | str:
+    """What each rank recorded for `candidate` (a row a rank) in a job of its own, or the job's error."""
+    heartbeat.note(phase=f"measuring {candidate.label} on {ranks} ranks ({which})")
+    job = run_ranks(Path(measure.__file__), ranks, model, *overrides, *candidate.overrides, "--steps", str(steps),
+                    timeout=timeout)
+    rows = [fields for result in job.results.values() for fields in result.values()]
+    return rows if not job.returncode and len(rows) == ranks else f"exit {job.returncode}: {first_error(job.output)}"
+
+
+def _in_one_job(model: str, overrides: list[str], candidates: list[Candidate], ranks: int, steps: int,
+                timeout: float, repeat: int, repeats: int) -> list[list[dict] | str] | None:
+    """Each candidate's rows from one job that runs them in turn, or None where that job failed: the caller then
+    gives each a job of its own, which names the layout that fails."""
+    heartbeat.note(phase=f"measuring {len(candidates)} layouts on {ranks} ranks in one job (measurement "
+                         f"{repeat + 1} of {repeats})")
+    cases = {str(n): list(candidate.overrides) for n, candidate in enumerate(candidates)}
+    job = run_ranks(Path(measure.__file__), ranks, model, *overrides, "--steps", str(steps), "--cases",
+                    json.dumps(cases), timeout=timeout * len(candidates))
+    rows = [[result[case] for result in job.results.values() if case in result] for case in cases]
+    return None if job.returncode or any(len(r) != ranks for r in rows) else rows
 
 
 def _check(candidate: Candidate, measured: list[dict] | str) -> Check:
