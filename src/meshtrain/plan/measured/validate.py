@@ -1,6 +1,6 @@
 """Predictions against measurements: each layout run for a few steps on this machine (plan/measured/measure.py under
-torchrun: on a CPU the layouts of a repeat in one job, on a GPU one job per layout), its figures set beside what plan/cost.py predicted for it, with the errors
-`plan --validate` reports:
+torchrun: on a CPU the layouts of a repeat in one job, on a GPU one job per layout), its figures set beside what
+plan/cost.py predicted for it, with the errors `plan --validate` reports:
 
     params, grads, optimizer   bytes per rank, predicted exactly or not
     all-to-all bytes           under expert parallelism, what a step's dispatch and combine sent, mean per rank over
@@ -122,7 +122,7 @@ def _in_its_own_job(model: str, overrides: list[str], candidate: Candidate, rank
 
 
 def _in_one_job(model: str, overrides: list[str], candidates: list[Candidate], ranks: int, steps: int,
-                timeout: float, repeat: int, repeats: int) -> list[list[dict] | str] | None:
+                timeout: float, repeat: int, repeats: int) -> list[list[dict]] | None:
     """Each candidate's rows from one job that runs them in turn, or None where that job failed: the caller then
     gives each a job of its own, which names the layout that fails."""
     heartbeat.note(phase=f"measuring {len(candidates)} layouts on {ranks} ranks in one job (measurement "
