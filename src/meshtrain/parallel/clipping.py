@@ -1,7 +1,7 @@
 """Gradient clipping over a model laid out on a mesh: each gradient's norm with DTensor ops (so FSDP × TP's strided
 shards and the experts' two-mesh DTensors count once), summed over the pipeline ranks, then every gradient's local
 shard scaled. torch.nn.utils.clip_grad_norm_ cannot add norms of DTensors on different meshes, nor across pipeline
-stages, and scales DTensors through sharding propagation (holds_dtensors)."""
+stages, and scales DTensors through sharding propagation (clip_by_total_norm_)."""
 
 from __future__ import annotations
 
@@ -56,12 +56,26 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_grou
     return total_norm
 
 
-def holds_dtensors(parameters: Iterable[torch.Tensor]) -> bool:
-    """Whether any parameter is a DTensor (FSDP2, tensor parallel, the experts' meshes). torch.nn.utils.clip_grad_norm_
-    cannot add norms of DTensors on several meshes, nor beside plain tensors, and on one mesh of several dims it scales
-    them through DTensor's sharding propagation, which expands every op's strategies over the whole mesh (a 3-D hsdp ×
-    tp mesh: seconds of a first step on CPU); clip_grad_norm_ here scales each local shard by the same coefficient."""
-    return any(hasattr(p, "device_mesh") for p in parameters)
+def several_meshes(parameters: Iterable[torch.Tensor]) -> bool:
+    """Whether the parameters are DTensors on more than one mesh, or DTensors beside plain tensors (the experts' view
+    beside the data-parallel mesh; a mixture-of-experts layer's plain weights beside tensor-parallel ones), which
+    torch.nn.utils.clip_grad_norm_ cannot add up and clip_grad_norm_ here can."""
+    return len({getattr(p, "device_mesh", None) for p in parameters}) > 1
+
+
+def clip_by_total_norm_(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (its total norm, the same coefficient), with each gradient's local shard scaled
+    by it rather than the DTensors: torch scales them with one `_foreach_mul_` whose sharding propagation torch 2.13
+    expands over every placement of the whole mesh (seconds of a first step on an hsdp × tp mesh on CPU ranks).
+    Returns the total norm, whole."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    total = total.full_tensor() if hasattr(total, "full_tensor") else total
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_([local_shard(g) for g in grads], coef.to(grads[0].device))
+    return total
 
 
 def whole_norm(norm: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.parallel import float8
-from meshtrain.parallel.clipping import clip_grad_norm_, holds_dtensors
+from meshtrain.parallel.clipping import clip_by_total_norm_, clip_grad_norm_, several_meshes
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.state_dict import load_model_and_optimizer_state, model_and_optimizer_state
 
@@ -61,9 +61,9 @@ class Layout:
         return norm
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        if holds_dtensors(self.model.parameters()):  # each shard scaled where it lies (clipping.holds_dtensors)
+        if several_meshes(self.model.parameters()):  # torch's clip stacks the norms: they must be of one kind
             return clip_grad_norm_(self.model.parameters(), max_norm)
-        return torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm)
+        return clip_by_total_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm)
 
     def finish_backward(self) -> None:
         """After the last micro-step: what the backward pass leaves undone (the after_backward hooks)."""
