@@ -63,7 +63,7 @@ def several_meshes(parameters: Iterable[torch.Tensor]) -> bool:
     return len({getattr(p, "device_mesh", None) for p in parameters}) > 1
 
 
-def clip_by_total_norm_(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_by_total_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (its total norm, the same coefficient), with each gradient's local shard scaled
     by it rather than the DTensors: torch scales them with one `_foreach_mul_` whose sharding propagation torch 2.13
     expands over every placement of the whole mesh (seconds of a first step on an hsdp × tp mesh on CPU ranks).

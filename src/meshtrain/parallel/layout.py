@@ -63,7 +63,7 @@ class Layout:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if several_meshes(self.model.parameters()):  # torch's clip stacks the norms: they must be of one kind
             return clip_grad_norm_(self.model.parameters(), max_norm)
-        return clip_by_total_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm)
+        return clip_by_total_norm_(self.model.parameters(), max_norm)
 
     def finish_backward(self) -> None:
         """After the last micro-step: what the backward pass leaves undone (the after_backward hooks)."""

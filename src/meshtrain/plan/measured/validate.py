@@ -89,12 +89,14 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
     found: list[list[dict] | str] = [[] for _ in candidates]
     for repeat in range(repeats):
         live = [i for i, measured in enumerate(found) if not isinstance(measured, str)]
-        together = _in_one_job(model, overrides, [candidates[i] for i in live], ranks, steps, timeout, repeat,
-                               repeats) if one_job_per_repeat() and len(live) > 1 else None
+        which = f"measurement {repeat + 1} of {repeats}"
+        together = _in_one_job(model, overrides, [candidates[i] for i in live], ranks, steps, timeout,
+                               f"{len(live)} layouts in one job ({which})") \
+            if one_job_per_repeat() and len(live) > 1 else None
         for n, i in enumerate(live):
-            rows = together[n] if together else _in_its_own_job(model, overrides, candidates[i], ranks, steps,
-                                                                 timeout, f"layout {i + 1} of {len(candidates)}, "
-                                                                 f"measurement {repeat + 1} of {repeats}")
+            # no shared job, or it failed: a job of the layout's own, which names a layout that fails
+            rows = together[n] if isinstance(together, list) else _in_its_own_job(
+                model, overrides, candidates[i], ranks, steps, timeout, f"layout {i + 1} of {len(candidates)}, {which}")
             if isinstance(rows, str):
                 found[i] = rows
             else:
@@ -114,24 +116,22 @@ def one_job_per_repeat() -> bool:
 def _in_its_own_job(model: str, overrides: list[str], candidate: Candidate, ranks: int, steps: int, timeout: float,
                     which: str) -> list[dict] | str:
     """What each rank recorded for `candidate` (a row a rank) in a job of its own, or the job's error."""
-    heartbeat.note(phase=f"measuring {candidate.label} on {ranks} ranks ({which})")
-    job = run_ranks(Path(measure.__file__), ranks, model, *overrides, *candidate.overrides, "--steps", str(steps),
-                    timeout=timeout)
-    rows = [fields for result in job.results.values() for fields in result.values()]
-    return rows if not job.returncode and len(rows) == ranks else f"exit {job.returncode}: {first_error(job.output)}"
+    rows = _in_one_job(model, overrides, [candidate], ranks, steps, timeout, f"{candidate.label} ({which})")
+    return rows if isinstance(rows, str) else rows[0]
 
 
 def _in_one_job(model: str, overrides: list[str], candidates: list[Candidate], ranks: int, steps: int,
-                timeout: float, repeat: int, repeats: int) -> list[list[dict]] | None:
-    """Each candidate's rows from one job that runs them in turn, or None where that job failed: the caller then
-    gives each a job of its own, which names the layout that fails."""
-    heartbeat.note(phase=f"measuring {len(candidates)} layouts on {ranks} ranks in one job (measurement "
-                         f"{repeat + 1} of {repeats})")
+                timeout: float, what: str) -> list[list[dict]] | str:
+    """Each candidate's rows (a row a rank) from one job of `measure --cases` that runs them in turn, or the job's
+    error."""
+    heartbeat.note(phase=f"measuring {what} on {ranks} ranks")
     cases = {str(n): list(candidate.overrides) for n, candidate in enumerate(candidates)}
     job = run_ranks(Path(measure.__file__), ranks, model, *overrides, "--steps", str(steps), "--cases",
                     json.dumps(cases), timeout=timeout * len(candidates))
     rows = [[result[case] for result in job.results.values() if case in result] for case in cases]
-    return None if job.returncode or any(len(r) != ranks for r in rows) else rows
+    if job.returncode or any(len(r) != ranks for r in rows):
+        return f"exit {job.returncode}: {first_error(job.output)}"
+    return rows
 
 
 def _check(candidate: Candidate, measured: list[dict] | str) -> Check:
