@@ -214,6 +214,7 @@ def _explain(e: OmegaConfBaseException, schema: DictConfig, origin: str) -> Conf
     return ConfigError(f"{origin}: {message}" if key in origin else f"{origin}: {key}: {message}")
 
 
+@functools.cache  # read, never changed: each load copies it
 def _schema(workload: str) -> DictConfig:
     return OmegaConf.structured(_spec(workload).run_config)
 
@@ -239,17 +240,26 @@ def load_config(overrides: list[str] = (), workload: str = "gpt"):
             dotted.append(f"{target}={translate(value) if translate else value}")
         else:
             dotted.append(item)
-    for item in dotted:
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([_keep_words(schema, item)]))
-        except OmegaConfBaseException as e:
-            raise _explain(e, schema, item) from None
-    run = OmegaConf.to_object(cfg)
+    run = OmegaConf.to_object(_merge_overrides(cfg, schema, dotted))
     _compile_words(run)
     _choices_in_lower_case(run)
     _stop_condition_given_wins(run, {item.partition("=")[0] for item in dotted})
     validate(run)
     return run
+
+
+def _merge_overrides(cfg: DictConfig, schema: DictConfig, dotted: list[str]) -> DictConfig:
+    """The dotted overrides merged in order, in one merge: each merge copies the whole config first (a test's rank
+    with a dozen overrides spent 0.1 s here). Only where that fails, one by one, to name the override at fault."""
+    try:
+        return OmegaConf.merge(cfg, *(OmegaConf.from_dotlist([_keep_words(schema, item)]) for item in dotted))
+    except OmegaConfBaseException:
+        for item in dotted:
+            try:
+                cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([_keep_words(schema, item)]))
+            except OmegaConfBaseException as e:
+                raise _explain(e, schema, item) from None
+        raise
 
 
 def _stop_condition_given_wins(cfg: RunConfig, given: set[str]) -> None:

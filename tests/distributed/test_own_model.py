@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from tests import preloaded
-from tests.conftest import REPO, clean_env, output, prepare_data
+from tests.conftest import REPO, clean_env, forked_cmd, output, prepare_data
 from tests.unit.test_docs_links import command_lines
 
 PRESET = """model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, batch_size: 4}
@@ -42,12 +42,16 @@ def page_commands() -> list[str]:
 
 def run_as_written(line: str, package: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`line` as a shell in the package's folder runs it (the venv's commands first on PATH, nothing on
-    PYTHONPATH: the working directory is what finds the package), with `overrides` after the page's own."""
+    PYTHONPATH: the working directory is what finds the package), with `overrides` after the page's own. A torchrun
+    line's ranks are forked (tests/forked_ranks.py: torch's own agent; each rank's sys.path[0] the working
+    directory, as `python -m` sets it), not four fresh interpreters importing torch."""
     bin_dir = str(Path(sys.executable).parent)
     env = clean_env(PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
     env.pop("PYTHONPATH", None)
-    return subprocess.run([*shlex.split(line), f"data.root={package / 'data'}", *overrides], capture_output=True,
-                          text=True, env=env, cwd=package, timeout=300)
+    argv = [*shlex.split(line), f"data.root={package / 'data'}", *overrides]
+    if argv[:2] == ["torchrun", "--nproc-per-node"]:
+        return preloaded.run(forked_cmd(int(argv[2]), *argv[3:]), env=env, cwd=package, timeout=300)
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=package, timeout=300)
 
 
 def test_the_documented_model_trains_and_samples(package):

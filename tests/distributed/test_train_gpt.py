@@ -433,8 +433,8 @@ def test_sample_command_reads_a_run(ddp_run_2):
     run_dir = run_dir_of(out_dir)
     cmd = [sys.executable, "-m", "meshtrain", "sample", "--run", str(run_dir), "--prompt", "ROMEO:",
            "--max-new-tokens", "40", "--seed", "3"]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
-    again = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
+    first = preloaded.run(cmd, env=clean_env(), cwd=REPO, timeout=120)
+    again = preloaded.run(cmd, env=clean_env(), cwd=REPO, timeout=120)
     assert first.returncode == 0, output(first)
     assert first.stdout.startswith("ROMEO:") and len(first.stdout.rstrip("\n")) == len("ROMEO:") + 40
     assert first.stdout == again.stdout, "the same seed gives the same sample"

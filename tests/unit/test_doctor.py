@@ -5,13 +5,13 @@ import json
 import os
 import resource
 import socket
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from tests import preloaded
 from tests.conftest import REPO, clean_env
 
 from meshtrain.data.text import shipped_data_check
@@ -281,9 +281,9 @@ def test_an_mpi4py_whose_library_fails_to_load_is_reported_as_such(tmp_path, mon
 # ------------------------------------------------------------------------------------------------ the command
 def test_doctor_json_lists_every_check_and_exits_1_on_an_error(tmp_path):
     env = clean_env(MESHTRAIN_CACHE_DIR=str(tmp_path), GLOO_SOCKET_IFNAME="nosuchif")
-    out = subprocess.run([sys.executable, "-m", "meshtrain", "doctor", "--json", "--gpus-per-node", "4",
-                          "--checkpoint-dir", str(tmp_path / "runs"), "--data-root", str(tmp_path / "data")],
-                         capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    out = preloaded.run([sys.executable, "-m", "meshtrain", "doctor", "--json", "--gpus-per-node", "4",
+                         "--checkpoint-dir", str(tmp_path / "runs"), "--data-root", str(tmp_path / "data")],
+                        env=env, cwd=REPO, timeout=120)
     assert out.returncode == 1, out.stderr
     rows = {row["name"]: row for row in json.loads(out.stdout)}
     assert list(rows) == ["python", "torch", "devices", "launcher", "rendezvous address", "rendezvous port",

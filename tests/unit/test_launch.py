@@ -1,11 +1,12 @@
 """`meshtrain launch` command building under synthetic PBS / SLURM / local environments."""
 
-import subprocess
+import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests import preloaded
 from tests.conftest import clean_env
 
 from meshtrain.runtime import launch
@@ -117,7 +118,7 @@ def test_empty_command_and_unknown_launcher_are_errors():
 
 
 def _cli(*args, env):
-    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env)
+    return preloaded.run([sys.executable, "-m", "meshtrain", *args], env=env, cwd=os.getcwd(), timeout=120)
 
 
 @pytest.mark.distributed  # starts `python -m meshtrain`

@@ -7,13 +7,13 @@ import functools
 import json
 import math
 import re
-import subprocess
 import sys
 import threading
 from dataclasses import replace
 
 import pytest
 import torch
+from tests import preloaded
 from tests.conftest import REPO, clean_env, prepare_data
 
 from meshtrain import config as config_mod
@@ -224,18 +224,16 @@ def test_no_layout_fits_names_the_smallest(data_root):
 def test_plan_command_prints_json_and_explains(data_root):
     argv = [sys.executable, "-m", "meshtrain", "plan", "gpt", "preset=cpu", f"data.root={data_root}",
             "--system", "perlmutter", "--nodes", "1"]
-    out = subprocess.run([*argv, "--json"], capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=300)
+    out = preloaded.run([*argv, "--json"], env=clean_env(), cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout)
     assert rows and all(r["fits"] for r in rows[:3]) and {"peak", "params"} <= set(rows[0]["memory_bytes"])
     assert rows[0]["samples_per_s"] >= rows[1]["samples_per_s"]
-    out = subprocess.run([*argv, "--top", "3", "--explain", "2"], capture_output=True, text=True, env=clean_env(),
-                         cwd=REPO, timeout=300)
+    out = preloaded.run([*argv, "--top", "3", "--explain", "2"], env=clean_env(), cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout + out.stderr
     assert "memory: peak" in text and "time: step" in text and "train the first with" in text
-    bad = subprocess.run([*argv[:-4], "--system", "summit"], capture_output=True, text=True, env=clean_env(),
-                         cwd=REPO, timeout=300)
+    bad = preloaded.run([*argv[:-4], "--system", "summit"], env=clean_env(), cwd=REPO, timeout=300)
     assert bad.returncode != 0 and "polaris" in bad.stdout + bad.stderr
 
 

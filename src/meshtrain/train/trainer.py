@@ -206,10 +206,11 @@ class Trainer:
         self.drill = faults.Drill(info.rank)  # MESHTRAIN_FAULT: rehearsed failures
         self.interval = metrics.Interval(device)
         dims = self.dims
+        self.config_dict = config_mod.to_dict(cfg)  # as every checkpoint records it: the config is final here
         self.profiler = profiling.StepProfiler(t.profile, start=t.profile_start, steps=t.profile_steps,
                                                out_dir=self.run_dir / "profile", rank=info.rank, device=device)
         self.sinks = build_sinks(self.run_dir, info.is_main, tensorboard=t.tensorboard,
-                                 wandb=False if t.wandb == "off" else t.wandb, config=config_mod.to_dict(cfg),
+                                 wandb=False if t.wandb == "off" else t.wandb, config=self.config_dict,
                                  resume_step=self.start_iter if self.resumed else None)
         self.recorder = MetricsRecorder(
             self.run_dir, info, batch_size=self.workload.batch_size, grad_accum=t.grad_accum, dp_size=dims.dp_size,
@@ -227,8 +228,9 @@ class Trainer:
         cfg, dims, workload = self.cfg, self.dims, self.workload
         t, o = cfg.train, cfg.optimizer
         peak = self.recorder.mfu_meter.peak
-        (self.run_dir / rundir.CONFIG).write_text(config_mod.to_yaml(cfg))
-        log.info("resolved config:\n%s", config_mod.to_yaml(cfg).rstrip())
+        resolved = config_mod.to_yaml(cfg)
+        (self.run_dir / rundir.CONFIG).write_text(resolved)
+        log.info("resolved config:\n%s", resolved.rstrip())
         log.info("run directory: %s%s", self.run_dir,
                  f" (resuming at iteration {self.start_iter})" if self.resumed else "")
         log.info("precision: %s (%s)", t.dtype, self.precision.reason)
@@ -365,7 +367,7 @@ class Trainer:
         self._phase("checkpoint")
         ranks = gather_objects(_rank_state(self.device), "all_gather_object of RNG states for the checkpoint",
                                info.timeout_s)
-        trainer_state = {"scaler": self.scaler.state_dict(), "iteration": it, "config": config_mod.to_dict(self.cfg),
+        trainer_state = {"scaler": self.scaler.state_dict(), "iteration": it, "config": self.config_dict,
                          "workload": self.spec.name, "spec": self.spec.source,
                          "data_facts": self.workload.data_facts(), "ranks": ranks, "layout": _describe(self.dims),
                          "global_batch": self.samples_per_iter,
