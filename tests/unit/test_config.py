@@ -35,6 +35,8 @@ def test_preset_from_a_yaml_path(tmp_path):
 
 @pytest.mark.parametrize("overrides,message", [
     (["train.max_iter=3"], "unknown key 'train.max_iter': did you mean train.max_iters?"),
+    # the overrides merge in one go; the one at fault is still the one named, among good ones before and after it
+    (["model.n_layer=2", "train.max_iter=3", "train.max_iters=5"], "unknown key 'train.max_iter': did you mean"),
     (["trian.max_iters=3"], "unknown key 'trian': did you mean train?"),
     (["model.n_layer=abc"], "model.n_layer=abc: Value 'abc'"),
     (["model.n_head=5"], "model.n_embd=128 is not divisible by model.n_head=5"),
@@ -68,6 +70,11 @@ def test_mistakes_name_the_key(overrides, message):
         load_config(overrides)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_overrides_apply_in_order_the_last_of_a_key_winning():
+    cfg = load_config(["train.max_iters=3", "preset=cpu", "model.n_layer=3", "train.max_iters=9", "model.n_layer=5"])
+    assert (cfg.train.max_iters, cfg.model.n_layer) == (9, 5)
 
 
 def test_round_trip_through_a_saved_dict_and_yaml():

@@ -130,9 +130,10 @@ def _attempt_store(addr: str, port: int, rank: int, world_size: int, timeout: fl
 
 def setup(device: str | None = None, backend: str | None = None, timeout: float | None = None) -> DistInfo:
     """Find this rank, pick its device, join the process group, and log the set-up table on rank 0."""
-    # What is alive before the process group (torch's and meshtrain's modules: ~200k objects) lives as long as the
-    # process: frozen, no collection walks it again. cleanup()'s full collection cost 0.2 s a rank forked from a
-    # process that had imported torch (each object's header written, so its page copied), 0.15 s a fresh one.
+    # What is alive before the process group (torch's and meshtrain's modules, some 300k objects) lives as long as
+    # the process: frozen, no collection walks it again, neither cleanup()'s full one nor those the steps' garbage
+    # sets off. cleanup()'s took 0.19-0.24 s in a rank forked from a process that had imported torch (a collection
+    # writes each object's header, so the fork's pages are copied), 2-3 ms once frozen.
     gc.freeze()
     launch = launch_env.detect()
     configure_logging(launch.rank, launch.world_size)
