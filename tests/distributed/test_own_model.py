@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from tests import preloaded
 from tests.conftest import REPO, clean_env, forked_cmd, output, prepare_data
+from tests.distributed.test_docs_run import FORKED_TORCHRUN
 from tests.unit.test_docs_links import command_lines
 
 PRESET = """model: {n_layer: 2, n_head: 2, n_embd: 32, block_size: 32, batch_size: 4}
@@ -48,10 +49,12 @@ def run_as_written(line: str, package: Path, *overrides: str) -> subprocess.Comp
     bin_dir = str(Path(sys.executable).parent)
     env = clean_env(PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
     env.pop("PYTHONPATH", None)
-    argv = [*shlex.split(line), f"data.root={package / 'data'}", *overrides]
-    if argv[:2] == ["torchrun", "--nproc-per-node"]:
-        return preloaded.run(forked_cmd(int(argv[2]), *argv[3:]), env=env, cwd=package, timeout=300)
-    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=package, timeout=300)
+    extra = [f"data.root={package / 'data'}", *overrides]
+    if ranks := FORKED_TORCHRUN.match(line):  # as test_docs_run forks a documented torchrun line
+        return preloaded.run(forked_cmd(int(ranks.group(1)), *shlex.split(line[ranks.end():]), *extra), env=env,
+                             cwd=package, timeout=300)
+    return subprocess.run([*shlex.split(line), *extra], capture_output=True, text=True, env=env, cwd=package,
+                          timeout=300)
 
 
 def test_the_documented_model_trains_and_samples(package):
