@@ -15,6 +15,7 @@
 #                   shards compared), then GPT-2 124M on it in random and epoch order: the data wait
 #   memory          GPT-2 124M eager (bf16 and fp32, loss in chunks, op and full activation checkpointing): the
 #                   allocator's peaks that `meshtrain plan --trace` is held to
+#   allocator       benchmarks/cuda_memory_items.py: cuBLAS's workspace and the allocator's rounding on a GPT-2 step
 #
 # docs/gpu.md holds the tables these printed, with the device and the date.
 set -u
@@ -28,7 +29,7 @@ deadline=$((started + ${DEADLINE_S:-570}))
 part() {  # part NAME LIMIT_S COMMAND...: run it for at most LIMIT_S, never past the deadline
     local name=$1 limit=$2 begin rc
     shift 2
-    case " ${PARTS:-test-gpu plan-validate features prepare corpus memory} " in *" $name "*) ;; *) return ;; esac
+    case " ${PARTS:-test-gpu plan-validate features prepare corpus memory allocator} " in *" $name "*) ;; *) return ;; esac
     begin=$(date +%s)
     limit=$((limit < deadline - begin ? limit : deadline - begin))
     if [ "$limit" -le 10 ]; then
@@ -85,4 +86,5 @@ export scratch PY
 part corpus 300 bash -c corpus_part
 part memory 200 "$PY" benchmarks/gpt2_gpu_features.py --iters 10 --rows "compile whole model,bf16 eager,\
 bf16 eager + loss in chunks (auto),bf16 eager + AC op,bf16 eager + AC full,fp32 eager"
+part allocator 60 "$PY" benchmarks/cuda_memory_items.py
 echo "all: $(($(date +%s) - started)) s" | tee -a "$OUT/summary.txt"

@@ -134,8 +134,10 @@ def vit_fp32(era5_root, tmp_path_factory) -> list[float]:
 # ---- compiled paths first: they take longest, so the workers start them before the quick ones --------------------
 
 def test_compile_follows_eager(eager_fp32, data_root, tmp_path):
+    """Each block compiled, and beside them the output layer and the whole-logits loss as one graph."""
     run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=true", "train.cuda_graphs=false",
                 timeout=COMPILED)
+    assert "torch.compile: each block on its own, and the output layer and loss" in run.text
     assert_close_losses(run, eager_fp32, rel=1e-3)  # inductor fuses and reorders fp32 sums
 
 

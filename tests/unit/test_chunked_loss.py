@@ -1,10 +1,12 @@
 """train.loss_chunks: the output layer and loss a few tokens at a time (nn/chunked_loss.py) give the loss and the
 gradients of the whole-logits cross-entropy (float64: to rounding; fp32: within 1e-6 relative, which is what lets
 `auto` be the default), in a model too (the tied embedding's two gradients added); what auto chooses; the key's
-values and its old name. Under tp and pp: tests/distributed/layout_check.py's loss_chunks cases."""
+values and its old name. Under tp and pp: tests/distributed/layout_check.py's loss_chunks cases. And the whole
+loss compiled beside the blocks (compile_loss), as eager, where compose turns it on."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 
@@ -14,8 +16,10 @@ import torch.nn.functional as F
 
 from meshtrain import config as config_mod
 from meshtrain.models.language import AUTO_CHUNK_LOGITS, AUTO_VOCAB, resolve_loss_chunks
-from meshtrain.nn import chunked_loss
+from meshtrain.nn import chunked_loss, transformer
 from meshtrain.nn.chunked_loss import chunked_cross_entropy
+from meshtrain.parallel.compose import compile_loss
+from meshtrain.parallel.mesh import ParallelDims
 
 # On CUDA the chunks' matmuls pad the output layer's rows to a multiple of 64 (aligned for cuBLAS): here padded
 # on the CPU too, the padding must change nothing.
@@ -103,6 +107,54 @@ def test_a_decoder_with_a_chunked_loss_trains_as_with_the_whole(model):
     assert chunked == pytest.approx(whole, rel=1e-13)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-13, msg=name)
+
+
+@pytest.mark.parametrize("chunks", ["off", "24"])
+def test_the_compiled_output_layer_and_loss_train_as_eager(chunks, monkeypatch):
+    """compile_loss (train.compile=blocks on a GPU, parallel/compose.py): the whole-logits output layer and loss as
+    one graph, with the same loss and gradients as eager (fp32, 1e-6 relative); a chunked loss stays eager. Traced
+    here by dynamo and AOT autograd (backend aot_eager): on a CPU inductor's kernels risk torch's bug, which is why
+    compose compiles the loss on a GPU only; tests/gpu runs inductor's."""
+    compiled = []
+
+    def compiled_function(function):
+        compiled.append(function.__name__)
+        return torch.compile(function, backend="aot_eager")
+
+    monkeypatch.setattr(transformer, "compiled_function", functools.cache(compiled_function))
+    build_model = importlib.import_module("meshtrain.models.gpt").build_model
+    cfg = config_mod.load_config(["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+                                  f"train.loss_chunks={chunks}"], "gpt")
+    torch.manual_seed(0)
+    net = build_model(cfg, {"meta": {"vocab_size": 65}})
+    idx = torch.randint(0, 65, (3, 16), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for compiled_loss in (False, True):
+        net.compile_loss = compiled_loss
+        net.zero_grad()
+        _, loss = net(idx, idx.roll(-1, 1))
+        loss.backward()
+        runs.append((loss.item(), {n: p.grad.clone() for n, p in net.named_parameters()}))
+    assert compiled == (["logits_and_loss"] if chunks == "off" else [])
+    (eager, want), (graphs, got) = runs
+    assert graphs == pytest.approx(eager, rel=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6 * want[name].abs().max().item(),
+                                   msg=name)
+
+
+def test_compose_compiles_a_decoders_loss_on_a_gpu_with_the_vocabulary_whole():
+    """On a CPU torch's inductor bug (pytorch/pytorch#196681) rules it out; under tp the head is a DTensor whose loss
+    is DTensor's loss parallel; a pipeline's schedule computes its last stage's loss."""
+    build_model = importlib.import_module("meshtrain.models.gpt").build_model
+    net = build_model(config_mod.load_config(["model.n_layer=1", "model.n_embd=16", "model.n_head=2"], "gpt"),
+                      {"meta": {"vocab_size": 65}})
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    layouts = [(ParallelDims(), cuda), (ParallelDims.resolve(2, tp=2), cuda), (ParallelDims.resolve(2, pp=2), cuda),
+               (ParallelDims(), cpu)]
+    assert [compile_loss(net, dims, device) for dims, device in layouts] == [True, False, False, False]
+    assert not net.compile_loss
+    assert compile_loss(torch.nn.Linear(2, 2), ParallelDims(), cuda) is False  # not a decoder
 
 
 def test_auto_chunks_big_vocabularies_only_and_is_the_default():

@@ -12,6 +12,7 @@ layout without touching a model:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -181,15 +182,29 @@ class Block(nn.Module):
 
 
 def decoder_output(logits, x: torch.Tensor, targets: torch.Tensor | None, *, head: nn.Module | None = None,
-                   norm: nn.Module | None = None, chunk_tokens: int | None = None):
+                   norm: nn.Module | None = None, chunk_tokens: int | None = None, compiled: bool = False):
     """A decoder's (logits, loss) from its final hidden states x [B, T, C] and `logits(hidden)`: with targets, logits
     [B, T, V] and the mean cross-entropy (targets of -1 ignored); without, the last position's logits only, which
     is all sampling needs. With chunk_tokens (and the final `norm` and output layer `head` that `logits` applies),
-    the loss is computed that many tokens at a time and no logits are made: (None, loss)."""
+    the loss is computed that many tokens at a time and no logits are made: (None, loss). compiled: the whole
+    logits' output layer and loss as one torch.compile graph (the model's `compile_loss`, which parallel/compose.py
+    sets); chunks stay eager, where a graph per chunk was slower on an H200 (docs/gpu.md, round 6)."""
     if targets is None:
         return logits(x[:, -1:, :]), None
     if chunk_tokens:
         return None, chunked_cross_entropy(norm(x), head.weight, targets, chunk_tokens)
+    return (compiled_function(logits_and_loss) if compiled else logits_and_loss)(logits, x, targets)
+
+
+@functools.cache
+def compiled_function(function):
+    """torch.compile(function), made once a process on first use."""
+    return torch.compile(function)
+
+
+def logits_and_loss(logits, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole logits and their mean cross-entropy (targets of -1 ignored): one graph when compiled, in which
+    inductor pads the output layer's matmul (GPT-2's 50,257 words) and fuses the softmax's passes."""
     out = logits(x)
     return out, F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-1)
 

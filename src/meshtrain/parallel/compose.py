@@ -8,7 +8,8 @@ public `parallelize`): each step must see what the one before left.
     -> compile each block                             train.compile=blocks (true): every block on its own, in
                                                       place (its names unchanged), around what tp, cp, AC and
                                                       float8 made of it (under tp, inside AC: compile_blocks);
-                                                      FSDP2's hooks then run outside its graph
+                                                      FSDP2's hooks then run outside its graph; on a GPU
+                                                      a decoder's output layer and loss too (compile_loss)
     -> data parallelism, last of all                  DDP over dp×cp, or FSDP2 per block then the part over
                                                       dp_shard×cp: FSDP shards whatever the others left (tp's
                                                       DTensors included); experts sharded over ep
@@ -95,7 +96,7 @@ def wrap_data_parallel(parts: list[nn.Module], blocks: str, recipe: Recipe, dims
     graphs = use_cuda_graphs(recipe, dims, device, sum(q.numel() for part in parts for q in part.parameters()))
     compile_options = {"mode": "reduce-overhead"} if graphs else {}  # CUDA graphs through compile
     gathered = sharded and wraps(recipe.backend, dims.size("dp_cp"))  # FSDP2 shards the blocks: float8 gathers pay
-    wrapped = []
+    wrapped, loss_compiled = [], False
     for part in parts:
         part_blocks = list(part.get_submodule(blocks).children())
         if swapped := float8.convert_blocks(part_blocks, recipe.float8, fsdp=gathered):
@@ -104,6 +105,7 @@ def wrap_data_parallel(parts: list[nn.Module], blocks: str, recipe: Recipe, dims
                      else "")
         if recipe.compile == "blocks":
             compile_blocks(part_blocks, inside_checkpoint=dims.tp > 1, options=compile_options)
+            loss_compiled = compile_loss(part, dims, device) or loss_compiled
         whole = recipe.compile == "model" and not sharded  # DDP: compile around its module; FSDP2: below
         wrapped.append(apply_data_parallel(
             torch.compile(part, **compile_options) if whole else part, recipe.backend,
@@ -113,7 +115,8 @@ def wrap_data_parallel(parts: list[nn.Module], blocks: str, recipe: Recipe, dims
     if sharded and recipe.compile == "model":  # FSDP first, then compile the sharded model
         wrapped = [torch.compile(w, **compile_options) for w in wrapped]
     if recipe.compile != "off":
-        log.info("torch.compile: %s", "each block on its own" if recipe.compile == "blocks" else "the whole model")
+        log.info("torch.compile: %s", "the whole model" if recipe.compile == "model" else
+                 "each block on its own" + (", and the output layer and loss" if loss_compiled else ""))
     return wrapped
 
 
@@ -123,6 +126,18 @@ def compile_blocks(blocks: list[nn.Module], *, inside_checkpoint: bool, options:
     checkpointed region of DTensors holds ("expected all tensors_saved_with_vc_check to be Tensors")."""
     for block in blocks:
         (getattr(block, "_checkpoint_wrapped_module", block) if inside_checkpoint else block).compile(**options)
+
+
+def compile_loss(part: nn.Module, dims: ParallelDims, device: torch.device) -> bool:
+    """Under train.compile=blocks, a decoder's output layer and whole-logits loss as a graph of their own beside the
+    blocks (as torchtitan compiles its loss): the model's `compile_loss`, which its forward reads. On a GPU only
+    (on CPU, torch 2.13's inductor miscompiles some reductions' tails, pytorch/pytorch#196681, and a softmax over an
+    arbitrary vocabulary is one), with the vocabulary whole (tp 1: a sharded head's loss is DTensor's loss parallel)
+    and no pipeline (its schedule computes the last stage's loss). GPT-2 on an H200: 1.53× (docs/gpu.md, round 6)."""
+    if not hasattr(part, "compile_loss"):  # not a decoder: the ViT
+        return False
+    part.compile_loss = device.type == "cuda" and dims.tp == 1 and dims.pp == 1
+    return part.compile_loss
 
 
 # train.cuda_graphs=null (auto) captures models under this many parameters: their kernels are short, so a step waits on

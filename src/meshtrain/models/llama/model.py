@@ -121,6 +121,7 @@ class Llama(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
     loss_sum = decoder_loss_sum  # a pipeline's last stage under train.loss_chunks
+    compile_loss = False  # output layer and loss compiled (parallel/compose.py: compile=blocks on a GPU)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):
@@ -134,7 +135,7 @@ class Llama(nn.Module):
         for block in self.transformer.h.values():
             x = block(x, **kwargs)
         return decoder_output(self.logits, x, targets, head=self.lm_head, norm=self.transformer.ln_f,
-                              chunk_tokens=self.config.loss_chunks)
+                              chunk_tokens=self.config.loss_chunks, compiled=self.compile_loss)
 
     # ---- counts, optimizer groups, sampling --------------------------------------------------------------------
     def num_params(self, non_embedding: bool = True) -> int:
