@@ -48,3 +48,23 @@ def test_a_run_that_cannot_fit_stops_with_both_figures_and_what_fits(monkeypatch
     monkeypatch.setattr(preflight, "available_bytes", lambda device, ranks: (need + 8 * GIB) / 0.9)
     preflight.check_memory(cfg, one_process())  # fits: nothing said
     assert len(warned) == 1
+
+
+@pytest.mark.parametrize(("batch", "derived"), [(["data.global_batch_size=64"], True),
+                                               (["data.global_batch_size=null", "data.batch_size=32"], False)],
+                         ids=["global batch", "per-rank batch"])
+def test_the_settings_that_fit_follow_how_the_batch_is_given(batch, derived):
+    """The ViT's data.global_batch_size makes its micro-batch (global / (dp × grad_accum)): there a smaller micro-batch
+    is more accumulation alone, as data.batch_size is not read. Each setting named fits, applied to the config."""
+    overrides = ["preset=tiny", *batch]
+    cfg = load_config(overrides, "vit")
+    dims = ParallelDims.from_config(cfg, 2, 2)
+    machine = Machine("this", 2, 0.0, {}, 0.0, 0.0, 0.0, 0.0, 0.0, overlap=False, cpu=True)
+    need, message = preflight.shortfall(ModelFacts.of(cfg), cfg, dims, machine, 0.1 * GIB, "this box")
+    changes = message.split("these fit: ")[1].split("; ")
+    assert changes[0] == ("train.grad_accum=8" if derived else "data.batch_size=4 train.grad_accum=8")
+    for change in changes:
+        assert ("data.batch_size" in change) != derived, change
+        fixed = load_config(overrides + change.split(), "vit")
+        fixed_dims = ParallelDims.from_config(fixed, 2, 2)
+        assert predict_peak(ModelFacts.of(fixed), fixed, fixed_dims, machine) <= 0.1 * GIB < need, change

@@ -99,11 +99,12 @@ def shortfall(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Ma
 
 def _alternatives(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Machine):
     """(the change, its predicted peak) for the nearest settings: a smaller micro-batch (the same global batch
-    through accumulation), full activation checkpointing, a sharded backend, and all three together."""
-    key = facts.shape.keys["batch_size"]
-    batch, accum = facts.configured_batch, cfg.train.grad_accum
-    smaller = [[(key, b), ("train.grad_accum", accum * batch // b)] for b in (batch // 2, batch // 4, batch // 8)
-               if b >= 1 and batch % b == 0]
+    through accumulation; where the config gives the global batch, data.global_batch_size, accumulation alone
+    makes the micro-batch smaller), full activation checkpointing, a sharded backend, and all three together."""
+    key, accum = facts.shape.keys["batch_size"], cfg.train.grad_accum
+    batch = facts.for_dp(dims.dp_size, accum).batch_size  # the micro-batch a rank takes
+    smaller = [([] if facts.global_batch else [(key, b)]) + [("train.grad_accum", accum * batch // b)]
+               for b in (batch // 2, batch // 4, batch // 8) if b >= 1 and batch % b == 0]
     recompute = [("train.activation_checkpointing", "full")] if cfg.train.activation_checkpointing != "full" else []
     shard = [("train.backend", "fsdp")] if not backends.get(cfg.train.backend).sharded and dims.dp_size > 1 else []
     for change in [*smaller, recompute, shard, recompute + shard + (smaller[-1] if smaller else [])]:
