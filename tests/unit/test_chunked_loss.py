@@ -145,7 +145,7 @@ def test_the_compiled_output_layer_and_loss_train_as_eager(chunks, monkeypatch):
 
 def test_compose_compiles_a_decoders_loss_on_a_gpu_with_the_vocabulary_whole():
     """On a CPU torch's inductor bug (pytorch/pytorch#196681) rules it out; under tp the head is a DTensor whose loss
-    is DTensor's loss parallel; a pipeline's schedule computes its last stage's loss."""
+    is DTensor's loss parallel; a pipeline's schedule computes its last stage's loss; chunks stay eager."""
     build_model = importlib.import_module("meshtrain.models.gpt").build_model
     net = build_model(config_mod.load_config(["model.n_layer=1", "model.n_embd=16", "model.n_head=2"], "gpt"),
                       {"meta": {"vocab_size": 65}})
@@ -154,6 +154,8 @@ def test_compose_compiles_a_decoders_loss_on_a_gpu_with_the_vocabulary_whole():
                (ParallelDims(), cpu)]
     assert [compile_loss(net, dims, device) for dims, device in layouts] == [True, False, False, False]
     assert not net.compile_loss
+    net.config.loss_chunks = 64  # a chunked loss stays eager
+    assert compile_loss(net, ParallelDims(), cuda) is False
     assert compile_loss(torch.nn.Linear(2, 2), ParallelDims(), cuda) is False  # not a decoder
 
 

@@ -132,11 +132,12 @@ def compile_loss(part: nn.Module, dims: ParallelDims, device: torch.device) -> b
     """Under train.compile=blocks, a decoder's output layer and whole-logits loss as a graph of their own beside the
     blocks (as torchtitan compiles its loss): the model's `compile_loss`, which its forward reads. On a GPU only
     (on CPU, torch 2.13's inductor miscompiles some reductions' tails, pytorch/pytorch#196681, and a softmax over an
-    arbitrary vocabulary is one), with the vocabulary whole (tp 1: a sharded head's loss is DTensor's loss parallel)
-    and no pipeline (its schedule computes the last stage's loss). GPT-2 on an H200: 1.53× (docs/gpu.md, round 6)."""
+    arbitrary vocabulary is one), with the vocabulary whole (tp 1: a sharded head's loss is DTensor's loss parallel),
+    no pipeline (its schedule computes the last stage's loss) and the whole logits (train.loss_chunks: a graph per
+    chunk ran slower). GPT-2 on an H200: 1.53× (docs/gpu.md, round 6)."""
     if not hasattr(part, "compile_loss"):  # not a decoder: the ViT
         return False
-    part.compile_loss = device.type == "cuda" and dims.tp == 1 and dims.pp == 1
+    part.compile_loss = device.type == "cuda" and dims.tp == 1 and dims.pp == 1 and not part.config.loss_chunks
     return part.compile_loss
 
 
