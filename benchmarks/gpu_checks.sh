@@ -16,6 +16,8 @@
 #   memory          GPT-2 124M eager (bf16 and fp32, loss in chunks, op and full activation checkpointing): the
 #                   allocator's peaks that `meshtrain plan --trace` is held to
 #   allocator       benchmarks/cuda_memory_items.py: cuBLAS's workspace and the allocator's rounding on a GPT-2 step
+#   chunks          GPT-2 124M, each block compiled, the loss whole and in chunks of auto's 320 tokens to 4096: the
+#                   chunk size a GPU's auto should take (docs/gpu.md, round 6)
 #
 # docs/gpu.md holds the tables these printed, with the device and the date.
 set -u
@@ -29,7 +31,7 @@ deadline=$((started + ${DEADLINE_S:-570}))
 part() {  # part NAME LIMIT_S COMMAND...: run it for at most LIMIT_S, never past the deadline
     local name=$1 limit=$2 begin rc
     shift 2
-    case " ${PARTS:-test-gpu plan-validate features prepare corpus memory allocator} " in *" $name "*) ;; *) return ;; esac
+    case " ${PARTS:-test-gpu plan-validate features prepare corpus memory allocator chunks} " in *" $name "*) ;; *) return ;; esac
     begin=$(date +%s)
     limit=$((limit < deadline - begin ? limit : deadline - begin))
     if [ "$limit" -le 10 ]; then
@@ -87,4 +89,6 @@ part corpus 300 bash -c corpus_part
 part memory 200 "$PY" benchmarks/gpt2_gpu_features.py --iters 10 --rows "compile whole model,bf16 eager,\
 bf16 eager + loss in chunks (auto),bf16 eager + AC op,bf16 eager + AC full,fp32 eager"
 part allocator 60 "$PY" benchmarks/cuda_memory_items.py
+part chunks 240 "$PY" benchmarks/gpt2_gpu_features.py --iters 15 --rows "bf16+compile,loss in chunks (auto),\
+loss in chunks 1024,loss in chunks 2048,loss in chunks 4096"
 echo "all: $(($(date +%s) - started)) s" | tee -a "$OUT/summary.txt"

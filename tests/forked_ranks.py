@@ -48,22 +48,38 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.dist
 def rank_main(argv: list[str]) -> None:
     """One rank: `python -m MODULE ARGS` or `python SCRIPT ARGS`, as the interpreter would run it. An exit of 0 (or
     None) returns, as the elastic agent expects of a finished rank; any other exit code is the rank's failure."""
-    if argv[0] == "-m":
-        sys.argv = argv[1:]
-        sys.path[0] = os.getcwd()  # as `python -m` sets it
-        run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)  # noqa: E731
-    else:
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` sets it
-        run = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
     # A forkserver's child inherits its parent's start method as the default: a fresh interpreter has none (fork on
     # Linux), and a DataLoader's workers started by a forkserver of their own cost a new interpreter each epoch.
     multiprocessing.set_start_method(None, force=True)
     try:
-        run()
+        run_as_main(argv)
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise
+
+
+_KEPT: list = []  # what each run_as_main left: never finalized (its docstring)
+
+
+def run_as_main(argv: list[str]) -> None:
+    """`python -m MODULE ARGS` or `python SCRIPT ARGS` in this process, sys.argv and sys.path[0] as the interpreter
+    sets them (SystemExit and errors propagate). What the code made stays referenced until the process ends, as it
+    does here, by os._exit: unreferenced in the middle of a process (runpy's returned namespace dropped), a script's
+    DDP frees its reducer and with it a gloo process group, whose destructor joins its worker thread while holding
+    the GIL, and a worker still freeing a finished collective's tensors waits for the GIL: both wait for ever (seen
+    in 1 of about 25 runs of a documented 2-rank script on a loaded box; its rank's native stack: ~Reducer,
+    ~ProcessGroupGloo, std::thread::join, against AsyncAllgatherWork's destructor in gil_scoped_acquire). An
+    interpreter that exits lets no thread take the GIL once it finalizes, so a real run ends there."""
+    try:
+        if argv[0] == "-m":
+            sys.argv, sys.path[0] = argv[1:], os.getcwd()  # as `python -m` sets them
+            _KEPT.append(runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
+        else:
+            sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT`
+            _KEPT.append(runpy.run_path(argv[0], run_name="__main__"))
+    except BaseException as ended:  # its traceback's frames hold the namespace
+        _KEPT.append(ended)
+        raise
 
 
 def fork_the_forkserver() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tests.forked_ranks import PRELOAD as RANK_MODULES
+from tests.forked_ranks import run_as_main
 
 PRELOAD = [*RANK_MODULES, "torch.distributed.launcher.api", "tests.forked_ranks", "tests.preloaded"]
 _server: multiprocessing.context.BaseContext | None = None
@@ -82,15 +82,10 @@ def _child(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -
 
 
 def _main(args: list[str]) -> int:
-    """`python -m MODULE ARGS` or `python SCRIPT ARGS` with sys.argv and sys.path[0] as the interpreter sets them; the
-    exit code it would end with (an uncaught exception: its traceback, then 1)."""
+    """`python -m MODULE ARGS` or `python SCRIPT ARGS` as the interpreter runs it (forked_ranks.run_as_main); the exit
+    code it would end with (an uncaught exception: its traceback, then 1)."""
     try:
-        if args[0] == "-m":
-            sys.argv, sys.path[0] = args[1:], os.getcwd()
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv, sys.path[0] = list(args), os.path.dirname(os.path.abspath(args[0]))
-            runpy.run_path(args[0], run_name="__main__")
+        run_as_main(args)
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else _said(stop.code))
