@@ -67,7 +67,7 @@ def run_as_main(argv: list[str]) -> None:
     does here, by os._exit: unreferenced in the middle of a process (runpy's returned namespace dropped), a script's
     DDP frees its reducer and with it a gloo process group, whose destructor joins its worker thread while holding
     the GIL, and a worker still freeing a finished collective's tensors waits for the GIL: both wait for ever (seen
-    in 1 of about 25 runs of a documented 2-rank script on a loaded box; its rank's native stack: ~Reducer,
+    in 2 of about 43 runs of a documented 2-rank script on a loaded box; its rank's native stack: ~Reducer,
     ~ProcessGroupGloo, std::thread::join, against AsyncAllgatherWork's destructor in gil_scoped_acquire). An
     interpreter that exits lets no thread take the GIL once it finalizes, so a real run ends there."""
     try:
