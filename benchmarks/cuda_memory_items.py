@@ -7,7 +7,11 @@ GiB under `max_memory_allocated` on GPT-2 124M (docs/gpu.md, round 5). Two candi
   its peak of requested bytes (what the tensors asked for), over a GPT-2 124M step of meshtrain's own model in bf16
   autocast, eager, batch 12 × 1024 in 4 micro-batches, the whole loss (as round 5's row), fused AdamW.
 
-    python benchmarks/cuda_memory_items.py            # on a GPU: two tables
+Then what is alive at that step's peak, from the allocator's own history (`torch.cuda.memory._record_memory_history`,
+its events replayed to the moment the most bytes were allocated): each live block's bytes under the line of
+meshtrain or of torch that asked for it, largest first.
+
+    python benchmarks/cuda_memory_items.py            # on a GPU: three tables
 """
 
 from __future__ import annotations
@@ -38,7 +42,37 @@ def workspace_rows(device: torch.device) -> list[tuple[str, float]]:
     return rows
 
 
-def step_peaks(device: torch.device, steps: int = 3) -> dict[str, float]:
+def alive_at_peak(snapshot: dict, top: int = 16) -> tuple[float, list[tuple[str, int, float]]]:
+    """(the peak's GiB, [(where, blocks, MiB)]) from a memory snapshot's trace of allocator events: the blocks alive
+    at the moment the most were, grouped by the first frame of meshtrain's code that made them (else the first)."""
+    live: dict[int, tuple[int, str]] = {}
+    held = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
+            held += event["size"]
+            if held > peak:
+                peak, at_peak = held, dict(live)
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            held -= live.pop(event["addr"])[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        groups.setdefault(where, []).append(size)
+    rows = sorted(((w, len(sizes), sum(sizes) / MiB) for w, sizes in groups.items()), key=lambda r: -r[2])
+    return peak / GiB, rows[:top]
+
+
+def _where(frames: list[dict]) -> str:
+    """file:line function of the first frame in meshtrain (else in torch's Python, else the first)."""
+    for wanted in ("meshtrain", "torch", ""):
+        for frame in frames:
+            if wanted in frame["filename"] and frame["filename"].endswith(".py"):
+                return f"{frame['filename'].split('/')[-1]}:{frame['line']} {frame['name']}"
+    return "(no Python frame)"
+
+
+def step_peaks(device: torch.device, steps: int = 3) -> tuple[dict[str, float], dict]:
     from meshtrain.models.gpt.model import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -49,16 +83,20 @@ def step_peaks(device: torch.device, steps: int = 3) -> dict[str, float]:
         if step == steps - 1:  # the last step alone: the optimizer state exists, as in a run's steady state
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            before = torch.cuda.memory_allocated(device)  # the weights and AdamW's state: no events of their own
         for micro in idx:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = model(micro, micro.roll(-1, 1))
+                loss = model(micro, micro.roll(-1, 1))[1]  # not the logits: held, they would sit in the next forward
             (loss / len(idx)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     stats = torch.cuda.memory_stats(device)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
     return {"allocated": stats["allocated_bytes.all.peak"] / GiB, "requested": stats["requested_bytes.all.peak"] / GiB,
-            "reserved": stats["reserved_bytes.all.peak"] / GiB}
+            "reserved": stats["reserved_bytes.all.peak"] / GiB, "held before the step": before / GiB}, snapshot
 
 
 def main() -> None:
@@ -70,11 +108,16 @@ def main() -> None:
     print("| first matmul of its kind (1024 × 1024) | MiB allocated beyond its output |\n|---|---|")
     for name, extra in workspace_rows(device):
         print(f"| {name} | {extra:.2f} |")
-    peaks = step_peaks(device)
+    peaks, snapshot = step_peaks(device)
     print("\n| GPT-2 124M step, bf16 eager, 12 × 1024 × 4, whole loss | GiB |\n|---|---|")
     for name, value in peaks.items():
-        print(f"| peak {name} | {value:.3f} |")
+        print(f"| {'' if name.startswith('held') else 'peak '}{name} | {value:.3f} |")
     print(f"| allocated − requested (the allocator's rounding) | {peaks['allocated'] - peaks['requested']:.3f} |")
+    peak, rows = alive_at_peak(snapshot)
+    print(f"\nAlive at the step's peak beside what was held before it ({peak:.3f} GiB, the recorded events replayed):")
+    print("| made at | blocks | MiB |\n|---|---|---|")
+    for where, blocks, mib in rows:
+        print(f"| `{where}` | {blocks} | {mib:,.1f} |")
 
 
 if __name__ == "__main__":

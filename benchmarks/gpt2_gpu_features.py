@@ -45,6 +45,7 @@ ROWS = {
     "loss in chunks 1024": ["train.dtype=bf16", "train.compile=true", "train.loss_chunks=1024"],
     "loss in chunks 2048": ["train.dtype=bf16", "train.compile=true", "train.loss_chunks=2048"],
     "loss in chunks 4096": ["train.dtype=bf16", "train.compile=true", "train.loss_chunks=4096"],
+    "loss in chunks 12288": ["train.dtype=bf16", "train.compile=true", "train.loss_chunks=12288"],
     "whole model + loss in chunks (auto)": ["train.dtype=bf16", "train.compile=model", "train.loss_chunks=auto"],
     "batch 8 × 1": ["train.dtype=bf16", "train.compile=true", "model.batch_size=8", "train.grad_accum=1"],
     "batch 8 × 1 + loss in chunks (auto)": ["train.dtype=bf16", "train.compile=true", "model.batch_size=8",

@@ -141,6 +141,15 @@ def test_compile_follows_eager(eager_fp32, data_root, tmp_path):
     assert_close_losses(run, eager_fp32, rel=1e-3)  # inductor fuses and reorders fp32 sums
 
 
+def test_compiled_loss_in_chunks_follows_eager(eager_fp32, data_root, tmp_path):
+    """Each block compiled, and beside them each chunk's softmax and gradient as a graph (48 of the 512 tokens at a
+    time: a shorter last chunk, a graph of its own)."""
+    run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=true", "train.cuda_graphs=false",
+                "train.loss_chunks=48", timeout=COMPILED)
+    assert "torch.compile: each block on its own, and the output layer and loss" in run.text
+    assert_close_losses(run, eager_fp32, rel=1e-3)
+
+
 def test_whole_model_compile_follows_eager(eager_fp32, data_root, tmp_path):
     """train.compile=model: the whole model as one graph (true compiles each block: the test above)."""
     run = train(data_root, tmp_path, "train.dtype=fp32", "train.compile=model", "train.cuda_graphs=false",

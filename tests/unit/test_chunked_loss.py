@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain import config as config_mod
-from meshtrain.models.language import AUTO_CHUNK_LOGITS, AUTO_VOCAB, resolve_loss_chunks
-from meshtrain.nn import chunked_loss, transformer
+from meshtrain.models.language import AUTO_CHUNK_LOGITS, AUTO_VOCAB, resolve_loss_chunks, with_loss_chunks
+from meshtrain.nn import chunked_loss
 from meshtrain.nn.chunked_loss import chunked_cross_entropy
 from meshtrain.parallel.compose import compile_loss
 from meshtrain.parallel.mesh import ParallelDims
@@ -112,16 +112,17 @@ def test_a_decoder_with_a_chunked_loss_trains_as_with_the_whole(model):
 @pytest.mark.parametrize("chunks", ["off", "24"])
 def test_the_compiled_output_layer_and_loss_train_as_eager(chunks, monkeypatch):
     """compile_loss (train.compile=blocks on a GPU, parallel/compose.py): the whole-logits output layer and loss as
-    one graph, with the same loss and gradients as eager (fp32, 1e-6 relative); a chunked loss stays eager. Traced
-    here by dynamo and AOT autograd (backend aot_eager): on a CPU inductor's kernels risk torch's bug, which is why
-    compose compiles the loss on a GPU only; tests/gpu runs inductor's."""
+    one graph, or each chunk's softmax and gradient as one (24 tokens a chunk: two of 24 and none of 48 tokens, two
+    shapes), with the same loss and gradients as eager (fp32, 1e-6 relative). Traced here by dynamo and AOT autograd
+    (backend aot_eager): on a CPU inductor's kernels risk torch's bug, which is why compose compiles the loss on a
+    GPU only; tests/gpu runs inductor's."""
     compiled = []
 
     def compiled_function(function):
         compiled.append(function.__name__)
-        return torch.compile(function, backend="aot_eager")
+        return torch.compile(function, backend="aot_eager", dynamic=False)
 
-    monkeypatch.setattr(transformer, "compiled_function", functools.cache(compiled_function))
+    monkeypatch.setattr(chunked_loss, "compiled_function", functools.cache(compiled_function))
     build_model = importlib.import_module("meshtrain.models.gpt").build_model
     cfg = config_mod.load_config(["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
                                   f"train.loss_chunks={chunks}"], "gpt")
@@ -135,7 +136,7 @@ def test_the_compiled_output_layer_and_loss_train_as_eager(chunks, monkeypatch):
         _, loss = net(idx, idx.roll(-1, 1))
         loss.backward()
         runs.append((loss.item(), {n: p.grad.clone() for n, p in net.named_parameters()}))
-    assert compiled == (["logits_and_loss"] if chunks == "off" else [])
+    assert compiled == (["logits_and_loss"] if chunks == "off" else ["_chunk_gradient"])
     (eager, want), (graphs, got) = runs
     assert graphs == pytest.approx(eager, rel=1e-6)
     for name in want:
@@ -145,7 +146,7 @@ def test_the_compiled_output_layer_and_loss_train_as_eager(chunks, monkeypatch):
 
 def test_compose_compiles_a_decoders_loss_on_a_gpu_with_the_vocabulary_whole():
     """On a CPU torch's inductor bug (pytorch/pytorch#196681) rules it out; under tp the head is a DTensor whose loss
-    is DTensor's loss parallel; a pipeline's schedule computes its last stage's loss; chunks stay eager."""
+    is DTensor's loss parallel; a pipeline's schedule computes its last stage's loss; chunks are compiled too."""
     build_model = importlib.import_module("meshtrain.models.gpt").build_model
     net = build_model(config_mod.load_config(["model.n_layer=1", "model.n_embd=16", "model.n_head=2"], "gpt"),
                       {"meta": {"vocab_size": 65}})
@@ -154,8 +155,8 @@ def test_compose_compiles_a_decoders_loss_on_a_gpu_with_the_vocabulary_whole():
                (ParallelDims(), cpu)]
     assert [compile_loss(net, dims, device) for dims, device in layouts] == [True, False, False, False]
     assert not net.compile_loss
-    net.config.loss_chunks = 64  # a chunked loss stays eager
-    assert compile_loss(net, ParallelDims(), cuda) is False
+    net.config.loss_chunks = 64  # each chunk's graph
+    assert compile_loss(net, ParallelDims(), cuda) is True
     assert compile_loss(torch.nn.Linear(2, 2), ParallelDims(), cuda) is False  # not a decoder
 
 
@@ -164,8 +165,19 @@ def test_auto_chunks_big_vocabularies_only_and_is_the_default():
     assert resolve_loss_chunks("auto", 65) is None and resolve_loss_chunks("auto", AUTO_VOCAB) is None  # characters
     assert resolve_loss_chunks("auto", 50304) == 320  # GPT-2: 320 × 50,304 fp32 logits, 61 MiB
     assert resolve_loss_chunks("auto", 128256) == 128 and resolve_loss_chunks("auto", 10**7) == 64  # at least 64
-    assert all(resolve_loss_chunks("auto", v) * 4 * v <= AUTO_CHUNK_LOGITS for v in (8193, 32000, 50304, 128256))
+    for device, budget in AUTO_CHUNK_LOGITS.items():
+        assert all(resolve_loss_chunks("auto", v, device) * 4 * v <= budget for v in (8193, 32000, 50304, 128256))
+    assert resolve_loss_chunks("auto", 50304, "cuda") == 1280  # a GPU's: 1,280 × 50,304 fp32 logits, 246 MiB
+    assert resolve_loss_chunks("auto", 128256, "cuda") == 512 and resolve_loss_chunks("auto", 65, "cuda") is None
     assert resolve_loss_chunks("off", 50304) is None and resolve_loss_chunks("100", 65) == 100
+    assert resolve_loss_chunks("100", 50304, "cuda") == 100  # a number is the number on any device
+    # what a run's config (and the plan's trace) says: auto made a number, or off, for the device
+    cfg = config_mod.load_config([], "gpt")
+    assert with_loss_chunks(cfg, 50304, "cuda").train.loss_chunks == "1280"
+    assert with_loss_chunks(cfg, 50304, "cpu").train.loss_chunks == "320"
+    assert with_loss_chunks(cfg, 65, "cuda").train.loss_chunks == "off"
+    given = config_mod.load_config(["train.loss_chunks=64"], "gpt")
+    assert with_loss_chunks(given, 50304, "cuda") is given
     build_model = importlib.import_module("meshtrain.models.gpt").build_model
     small = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=8"]
     net = build_model(config_mod.load_config(small, "gpt"), {"meta": {"vocab_size": 50304}})
@@ -217,7 +229,8 @@ def test_vocabulary_slices_put_together_give_the_whole_loss(words_multiple, monk
     def rank(r: int) -> None:
         me.rank, first = r, r * -(-vocab // ranks)
         h, w = hidden.clone().requires_grad_(), weight[first:first + -(-vocab // ranks)].clone().requires_grad_()
-        loss = chunked_loss._ChunkedCrossEntropy.apply(h, w, targets, 10, False, "tp", first)
+        loss = chunked_loss._ChunkedCrossEntropy.apply(h, w, targets, 10, False, "tp", first,
+                                                       chunked_loss._chunk_gradient)
         got[r] = (loss, *torch.autograd.grad(loss, (h, w)), first)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
@@ -225,6 +238,7 @@ def test_vocabulary_slices_put_together_give_the_whole_loss(words_multiple, monk
         thread.start()
     for thread in threads:
         thread.join()
+    assert sorted(got) == list(range(ranks))  # every rank finished (a thread's exception only warns)
     for loss, grad_hidden, grad_slice, first in got.values():
         assert loss.item() == pytest.approx(whole.item(), rel=1e-14)
         torch.testing.assert_close(grad_hidden, want[0], rtol=1e-12, atol=1e-15)

@@ -15,7 +15,7 @@ from meshtrain import config as config_mod
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import machines, systems
 from meshtrain.plan.cost import predict, stage_memory
-from meshtrain.plan.measured.trace import check_traceable
+from meshtrain.plan.measured.trace import check_traceable, traced_config
 from meshtrain.plan.systems import PlanError
 from meshtrain.plan.workload import ModelFacts
 
@@ -153,10 +153,11 @@ def test_attention_with_dropout_traces_fused_as_the_planner_counts_it():
     overrides = ["preset=cpu", "model.n_layer=2", "model.n_embd=256", "model.n_head=8", "model.n_kv_head=4",
                  "model.block_size=1024", "model.batch_size=2", "model.dropout=0.1", "train.grad_accum=1",
                  "train.dtype=fp32", "train.activation_checkpointing=op"]
-    (rank0,) = traced("llama", overrides, 1, 1)
-    cfg = config_mod.load_config(overrides, "llama")
+    cfg, machine = config_mod.load_config(overrides, "llama"), machines.from_system(systems.get("polaris"))
+    cfg = traced_config(cfg, ModelFacts.of(cfg), machine)  # the loss in a GPU's chunks, as plan --trace traces it
+    (rank0,) = traced("llama", [*overrides, f"train.loss_chunks={cfg.train.loss_chunks}"], 1, 1)
     dims = ParallelDims.from_config(cfg, 1, 1)
-    predicted = predict(ModelFacts.of(cfg), cfg, dims, machines.from_system(systems.get("polaris"))).memory
+    predicted = predict(ModelFacts.of(cfg), cfg, dims, machine).memory
     assert rank0["peak"] == pytest.approx(predicted["peak"], rel=0.06), (rank0["peak"], predicted["peak"])
 
 
@@ -249,10 +250,11 @@ def test_auto_with_plan_trace_never_picks_a_layout_whose_traced_peak_does_not_fi
     from meshtrain.plan.measured.trace import trace
 
     cfg = config_mod.load_config(["preset=cpu", "model.batch_size=8", "train.dtype=fp32"], "gpt")
-    ranked, _ = search.search(cfg, 1, 2, machines.from_system(systems.get("polaris")))
+    machine, facts = machines.from_system(systems.get("polaris")), ModelFacts.of(cfg)
+    ranked, _ = search.search(cfg, 1, 2, machine, facts)
     peaks = {c.label: max(t.peak for t in trace(c.cfg, c.dims)) for c in ranked[:2]}
     ranked = sorted(ranked[:2], key=lambda c: -peaks[c.label])  # the fullest first: as if the planner ranked it so
-    assert traced_choice(ranked, peaks[ranked[0].label]) is ranked[0]
-    assert traced_choice(ranked, peaks[ranked[0].label] - 1) is ranked[1]  # a byte short: passed over
+    assert traced_choice(ranked, peaks[ranked[0].label], machine, facts) is ranked[0]
+    assert traced_choice(ranked, peaks[ranked[0].label] - 1, machine, facts) is ranked[1]  # a byte short: passed over
     with pytest.raises(ConfigError, match="none of the 2 best layouts fits"):
-        traced_choice(ranked, 2**20)
+        traced_choice(ranked, 2**20, machine, facts)

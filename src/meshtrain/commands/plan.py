@@ -218,15 +218,16 @@ def reason(c: Candidate, ranked: list[Candidate], machine: machines.Machine) -> 
 def _trace(c: Candidate, machine: machines.Machine, facts: ModelFacts) -> None:
     """Trace `c`'s layout in this process (plan/measured/trace.py) and print its bytes beside the prediction."""
     from meshtrain.plan.cost import stage_memory
-    from meshtrain.plan.measured.trace import check_traceable, trace
+    from meshtrain.plan.measured.trace import check_traceable, trace, traced_config
 
     check_traceable(c.cfg, c.dims)
     log.info("tracing %s: %d ranks on a fake process group, in %s", c.label, c.dims.world_size, c.cfg.train.dtype)
-    predicted = stage_memory(facts, c.cfg, c.dims, machine)  # each stage's own terms, beside its traced rank
+    cfg = traced_config(c.cfg, facts, machine)
+    predicted = stage_memory(facts, cfg, c.dims, machine)  # each stage's own terms, beside its traced rank
     on_cpu = None  # the trace runs the CPU's kernels: under autocast its attention and logits' gradient keep fp32
-    if c.cfg.train.dtype != "fp32" and not machine.cpu:
-        on_cpu = stage_memory(facts, c.cfg, c.dims, replace(machine, cpu=True))
-    for traced in trace(c.cfg, c.dims):
+    if cfg.train.dtype != "fp32" and not machine.cpu:
+        on_cpu = stage_memory(facts, cfg, c.dims, replace(machine, cpu=True))
+    for traced in trace(cfg, c.dims):
         print_rich(trace_table(c, traced, predicted[traced.stage], on_cpu and on_cpu[traced.stage]))
         log.info("rank %d traced in %.1f s (this process's largest resident set: %.0f MiB)", traced.rank,
                  traced.seconds, traced.max_rss / 2**20)

@@ -10,6 +10,8 @@ tokens of a micro-batch, 5.9 GiB that the whole-logits loss holds through backwa
 alive, in the forward, which also computes the chunk's gradients with respect to the hidden states and the weight
 (the loss's gradient is known there, up to the scale backward brings): backward only scales them. Liger-Kernel's
 fused linear cross-entropy does the same in Triton; this is plain PyTorch, so it runs (and compiles) on any device.
+With compiled=True each chunk's logits, softmax and gradient are one torch.compile graph (its element-wise passes
+over the chunk's fp32 logits fused), for a whole vocabulary (no tp).
 
 Under tensor parallelism the output layer's weight is a DTensor sharded over the vocabulary (Shard(0) on the tp
 mesh): each rank then takes its own vocabulary slice of every chunk's logits and the softmax is put together with
@@ -20,21 +22,35 @@ gradient is summed over the tp ranks once, after the last chunk.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, *,
-                          reduction: str = "mean") -> torch.Tensor:
+                          reduction: str = "mean", compiled: bool = False) -> torch.Tensor:
     """Cross-entropy of `hidden` [..., C] through the output layer `weight` [V, C] (a plain tensor, or a DTensor
     sharded over the vocabulary) against `targets` [...] (-1: ignored), `chunk_tokens` tokens at a time; the mean
     over the counted targets, or their sum (reduction="sum"). Returns a plain 0-dim tensor, the same on every tp
-    rank."""
+    rank. compiled: each chunk's softmax and gradient as a torch.compile graph (a whole weight only)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     hidden, weight, group, first = _vocabulary_slice(hidden, weight)
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, reduction == "sum", group, first)
+    if compiled and group is not None:
+        raise ValueError("chunked_cross_entropy(compiled=True) takes a whole output layer: a vocabulary-sharded one "
+                         "all-reduces inside each chunk's softmax")
+    chunk_step = compiled_function(_chunk_gradient) if compiled else _chunk_gradient
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, reduction == "sum", group, first,
+                                      chunk_step)
+
+
+@functools.cache
+def compiled_function(function):
+    """torch.compile(function), made once a process on first use; a graph per shape (a micro-batch's last chunk may
+    be shorter than the others: its own graph, rather than one dynamic graph for all of them)."""
+    return torch.compile(function, dynamic=False)
 
 
 def _vocabulary_slice(hidden: torch.Tensor, weight: torch.Tensor):
@@ -76,7 +92,7 @@ def _words_multiple(device: torch.device) -> int:
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, summed, group, first):
+    def forward(ctx, hidden, weight, targets, chunk_tokens, summed, group, first, chunk_step):
         shape, grads = hidden.shape, any(ctx.needs_input_grad[:2])  # none wanted: evaluation, the loss alone
         flat, labels = hidden.reshape(-1, shape[-1]), targets.reshape(-1)
         wide = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)  # the loss's dtype
@@ -91,18 +107,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_head = torch.zeros(head.shape, dtype=wide, device=weight.device)
         for start in range(0, flat.size(0), chunk_tokens):
             rows, chunk_labels = flat[start:start + chunk_tokens].to(low), labels[start:start + chunk_tokens]
-            logits = rows @ head.t()  # in autocast's dtype where it is on, as the whole-logits head's
-            grad_logits, chunk_loss = _softmax_and_gradient(logits.to(wide), words, chunk_labels - first,
-                                                            chunk_labels != -1, counted, group)
+            grad_logits, chunk_loss = chunk_step(rows, head, words, chunk_labels - first, chunk_labels != -1, counted,
+                                                 group)
             loss += chunk_loss
             if grads:
-                grad_logits = grad_logits.to(low)
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ head
                 if low == grad_head.dtype:  # in place: no product the size of the weight beside it
                     grad_head.addmm_(grad_logits.t(), rows)
                 else:  # autocast's 16-bit product, then added
                     grad_head += grad_logits.t() @ rows
-            del logits, grad_logits  # before the next chunk's are made, not as they replace these
+            del grad_logits  # before the next chunk's are made, not as they replace these
         if grads:
             _all_reduce(grad_hidden, group)  # every vocabulary slice's share of the hidden states' gradient
             ctx.save_for_backward(grad_hidden.reshape(shape), grad_head[:words].to(weight.dtype))
@@ -113,7 +127,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         # scaled where they are, not copied: a copy of the weight's gradient is the size of the output layer (the
         # graph is not kept for a second backward: retain_graph would scale them twice)
-        return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None, None, None
+        return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None, None, None, None
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -122,6 +136,16 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _chunk_gradient(rows: torch.Tensor, head: torch.Tensor, words: int, local: torch.Tensor, kept: torch.Tensor,
+                    counted: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's (gradient of the loss with respect to its logits, in the rows' dtype; its summed loss): its logits
+    `rows @ head.T` in the rows' dtype (autocast's where it is on, as the whole-logits head's), their softmax in the
+    loss's dtype (counted's: fp32 or wider)."""
+    logits = (rows @ head.t()).to(counted.dtype)
+    grad_logits, loss = _softmax_and_gradient(logits, words, local, kept, counted, group)
+    return grad_logits.to(rows.dtype), loss
 
 
 def _softmax_and_gradient(logits: torch.Tensor, words: int, local: torch.Tensor, kept: torch.Tensor,

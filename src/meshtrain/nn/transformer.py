@@ -12,7 +12,6 @@ layout without touching a model:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -20,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshtrain.nn import chunked_loss
 from meshtrain.nn.chunked_loss import chunked_cross_entropy
 
 ACTIVATIONS = {
@@ -186,20 +186,14 @@ def decoder_output(logits, x: torch.Tensor, targets: torch.Tensor | None, *, hea
     """A decoder's (logits, loss) from its final hidden states x [B, T, C] and `logits(hidden)`: with targets, logits
     [B, T, V] and the mean cross-entropy (targets of -1 ignored); without, the last position's logits only, which
     is all sampling needs. With chunk_tokens (and the final `norm` and output layer `head` that `logits` applies),
-    the loss is computed that many tokens at a time and no logits are made: (None, loss). compiled: the whole
-    logits' output layer and loss as one torch.compile graph (the model's `compile_loss`, which parallel/compose.py
-    sets); chunks stay eager, where a graph per chunk was slower on an H200 (docs/gpu.md, round 6)."""
+    the loss is computed that many tokens at a time and no logits are made: (None, loss). compiled (the model's
+    `compile_loss`, which parallel/compose.py sets): the whole logits' output layer and loss as one torch.compile
+    graph, or each chunk's softmax and gradient as one."""
     if targets is None:
         return logits(x[:, -1:, :]), None
     if chunk_tokens:
-        return None, chunked_cross_entropy(norm(x), head.weight, targets, chunk_tokens)
-    return (compiled_function(logits_and_loss) if compiled else logits_and_loss)(logits, x, targets)
-
-
-@functools.cache
-def compiled_function(function):
-    """torch.compile(function), made once a process on first use."""
-    return torch.compile(function)
+        return None, chunked_cross_entropy(norm(x), head.weight, targets, chunk_tokens, compiled=compiled)
+    return (chunked_loss.compiled_function(logits_and_loss) if compiled else logits_and_loss)(logits, x, targets)
 
 
 def logits_and_loss(logits, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -189,13 +189,13 @@ def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _M
         return 2 * micro.samples * facts.tokens * facts.head_features * FP32
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
     chunks = getattr(cfg.train, "loss_chunks", "off")  # a decoder's; the ViT has none
-    chunk = resolve_loss_chunks(chunks, facts.head_features)
+    chunk = resolve_loss_chunks(chunks, facts.head_features, "cpu" if cpu else "cuda")  # auto's, for the device
     if chunk:  # nn/chunked_loss.py: a chunk's fp32 logits, made into their probabilities and gradient in place
-        # (under autocast: the 16-bit logits, their fp32 copy, the 16-bit gradient), beside the gradients the forward
+        # (under autocast: their fp32 copy and the 16-bit gradient made from it), beside the gradients the forward
         # makes for backward: the hidden states' (fp32: the final norm's output) and the output layer's, kept in its
         # weight's dtype (16-bit under FSDP2's mixed precision: GPipe's last stage holds one per micro-batch, 196 MiB
         # for the 70B decoder's, not 393); under tp, of this rank's vocabulary slice, loss parallel or not
-        per_feature = 2 + FP32 + 2 if autocast(cfg) else FP32
+        per_feature = FP32 + 2 if autocast(cfg) else FP32
         words = facts.head_features / dims.tp
         weight_bytes = 2 if fsdp_mixed(cfg, dims) else FP32
         return (min(chunk, micro.tokens) * words * per_feature

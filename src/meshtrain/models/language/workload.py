@@ -17,6 +17,7 @@ import torch
 from meshtrain.config import ConfigError
 from meshtrain.data.streams import dataset_meta, token_batches
 from meshtrain.data.tokenizers import tokenizer_from_meta
+from meshtrain.models.language import with_loss_chunks
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, reduce_scalar
@@ -64,10 +65,11 @@ class LanguageModelWorkload:
     def __init__(self, cfg: RunConfig, info: DistInfo, dims: ParallelDims, *, build_model: Callable, build_layout: Callable):
         """build_model(cfg, data_facts) -> the model; build_layout(model, cfg, dims, mesh, device, rank) -> its
         parallel.lm_layout.LanguageModelLayout."""
-        self.cfg, self.info, self.dims, self.device = cfg, info, dims, info.torch_device
+        self.info, self.dims, self.device = info, dims, info.torch_device
         self._build_model, self._build_layout = build_model, build_layout
         self.data_dir = Path(cfg.data.root) / cfg.data.name
         self.meta = dataset_meta(self.data_dir)  # training needs the prepared data itself
+        self.cfg = cfg = with_loss_chunks(cfg, self.meta["vocab_size"], self.device.type)  # auto's, for this device
         self.tokenizer = tokenizer_from_meta(self.meta)
         try:  # the prompt is first used at the first evaluation: find a bad one now
             self.prompt_ids = self.tokenizer.encode(cfg.train.prompt)

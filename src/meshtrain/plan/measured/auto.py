@@ -13,6 +13,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import search
 from meshtrain.plan.measured.this_machine import this_machine
+from meshtrain.plan.workload import ModelFacts
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.setup import DistInfo, broadcast_object
 from meshtrain.train.trainer import resolve_precision
@@ -42,9 +43,10 @@ def resolve(cfg: RunConfig, info: DistInfo):
         try:
             chosen = search.best(cfg, info.world_size // info.local_world_size, info.local_world_size, machine)
             if cfg.parallel.plan_trace:
+                facts = ModelFacts.of(cfg)
                 ranked, _ = search.search(cfg, info.world_size // info.local_world_size, info.local_world_size,
-                                          machine)
-                chosen = traced_choice(ranked, search.HEADROOM * machine.device_memory_bytes)
+                                          machine, facts)
+                chosen = traced_choice(ranked, search.HEADROOM * machine.device_memory_bytes, machine, facts)
         except MeshtrainError as e:  # every rank raises it, none waits for a layout that never comes
             layout = {"error": str(e)}
         else:
@@ -61,11 +63,11 @@ def resolve(cfg: RunConfig, info: DistInfo):
 TRACED = 3  # the ranked layouts parallel.plan_trace traces, at most (each takes seconds: docs/plan.md)
 
 
-def traced_choice(ranked: list, memory: float, count: int = TRACED):
+def traced_choice(ranked: list, memory: float, machine, facts, count: int = TRACED):
     """The first of the `count` best fitting layouts of `ranked` whose traced peak (plan --trace: every distinct
-    rank role, in a fork of this process) fits in `memory` bytes; a layout the trace cannot build is taken on its
-    prediction. An error when none of them fits."""
-    from meshtrain.plan.measured.trace import check_traceable, trace
+    rank role, in a fork of this process) fits in `memory` bytes of a `machine`'s device; a layout the trace cannot
+    build is taken on its prediction. An error when none of them fits."""
+    from meshtrain.plan.measured.trace import check_traceable, trace, traced_config
     from meshtrain.plan.systems import PlanError
 
     tried = []
@@ -75,7 +77,7 @@ def traced_choice(ranked: list, memory: float, count: int = TRACED):
         except PlanError as e:
             log.info("parallel.plan_trace: %s taken on its prediction (%s)", c.label, e)
             return c
-        peak = max(t.peak for t in trace(c.cfg, c.dims))
+        peak = max(t.peak for t in trace(traced_config(c.cfg, facts, machine), c.dims))
         if peak <= memory:
             log.info("parallel.plan_trace: %s traced at %.3f GiB peak per rank (predicted %.3f GiB): fits", c.label,
                      peak / 2**30, c.cost.peak_bytes / 2**30)

@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from meshtrain import config as config_mod
 from meshtrain import registry
+from meshtrain.models.language import with_loss_chunks
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.measured.balanced_routing import balanced_routing
@@ -139,6 +140,12 @@ def traced_ranks(dims) -> list[int]:
     without a pipeline, where every rank holds alike (rank 0 holds FSDP2's largest shards, as the planner predicts)."""
     coords = {dim: 0 for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
     return sorted({dims.rank_of(coords | {"pp": stage}) for stage in (0, dims.pp // 2, dims.pp - 1)})
+
+
+def traced_config(cfg, facts, machine):
+    """The cfg a trace of a layout planned for `machine` builds: the loss in the chunks auto takes on the machine's
+    devices (a GPU's are larger than the CPU's whose kernels the trace runs), as its prediction counts them."""
+    return with_loss_chunks(cfg, facts.head_features, "cpu" if machine.cpu else "cuda")
 
 
 def trace(cfg, dims) -> list[Traced]:
