@@ -63,6 +63,20 @@ def test_a_pipeline_traces_its_first_middle_and_last_stage_each_holding_its_own_
     assert rows[0]["peak"] > rows[1]["peak"] > rows[2]["peak"]  # micro-batches in flight: 4, 2, 1
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipelines_last_stage_holds_each_waiting_micro_batchs_logits_as_planned(schedule):
+    """GPT-2's vocabulary, the whole loss, 2 stages, 4 micro-batches: the last stage keeps each micro-batch's output,
+    its [tokens, vocabulary] logits, until that micro-batch's backward, beside its loss's fp32 log-softmax. GPipe
+    holds all four at the first backward, 1F1B one. The planner counted neither the logits nor what a waiting
+    micro-batch keeps apart from one whose backward starts: 18.5% over GPipe's traced peak, 19.9% under 1F1B's."""
+    overrides = ["preset=cpu", "data.name=shakespeare", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+                 "model.batch_size=8", "model.dropout=0.0", "train.dtype=fp32", "train.loss_chunks=off",
+                 "parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.microbatches=4"]
+    rows, predicted = traced_stages(overrides, 2)
+    assert rows[1]["peak_phase"] == "backward"
+    assert rows[1]["peak"] == pytest.approx(predicted[1]["peak"], rel=0.01), (rows[1]["peak"], predicted[1])
+
+
 def traced_stages(overrides: list[str], world: int) -> tuple[list[dict], dict[int, dict[str, float]]]:
     """A GPT pipeline of two stages traced on `world` ranks, and the planner's terms of each stage."""
     rows = traced("gpt", overrides, world, world)

@@ -227,7 +227,7 @@ def deepest(blocks: list[tuple[float, float, float, float]], share: Share, earli
 
 
 def peaks(cfg: RunConfig, dims: ParallelDims, share: Share, microbatches: int, blocks: list, *,
-          held_throughout: float, per_batch: tuple[float, float, float],
+          held_throughout: float, per_batch: tuple[float, tuple[float, float], float],
           working: tuple[float, float, float], grads: tuple[float, float],
           reduced: float) -> tuple[float, float, tuple[float, float, float]]:
     """(the most bytes where a backward starts, the most inside one, and at the fullest start the micro-batches held,
@@ -252,14 +252,14 @@ def peaks(cfg: RunConfig, dims: ParallelDims, share: Share, microbatches: int, b
         gradients = max(earlier, start.later * between)
         gathered_at_start = start.gathered * share.blocks
         gathered = gathered_beyond_two(share, gathered_at_start, element_bytes)
-        at_start = held_throughout + start.held * kept + start.heads * head + gradients + whole + gathered
+        at_start = held_throughout + start.held * kept + heads_held(start.heads, *head) + gradients + whole + gathered
         best = max(best, (at_start, start.held, start.heads, gathered))
         inside = max(inside, held_throughout + flowing + _inside(start, share, blocks, virtual, per_batch,
                                                                  (earlier, between), reduced, element_bytes))
     return best[0], inside, best[1:]
 
 
-def _inside(start: Start, share: Share, blocks: list, virtual: int, per_batch: tuple[float, float, float],
+def _inside(start: Start, share: Share, blocks: list, virtual: int, per_batch: tuple[float, tuple[float, float], float],
             grads: tuple[float, float], reduced: float, element_bytes: float) -> float:
     """What one backward holds inside its chunk's blocks, with the rest held beside it (peaks): the other micro-batches'
     saved tensors and heads, this one's chunk input, and the rank's other chunks' gradients and gathered blocks where
@@ -288,8 +288,14 @@ def _inside(start: Start, share: Share, blocks: list, virtual: int, per_batch: t
     walk = deepest(blocks[mine], chunk_share, own_grads, 0.0 if element_bytes else reduced,
                    (gathered_own if not whole else start.gathered * share.blocks, element_bytes),
                    local=bool(element_bytes), entry=max(0.0, entry))
-    others = (start.held - 1 / virtual) * kept + max(0.0, start.heads - last) * head
+    others = (start.held - 1 / virtual) * kept + max(0.0, start.heads - last) * head[1]  # waiting micro-batches'
     return others + inputs / virtual + walk + other_grads + other_gathered
+
+
+def heads_held(heads: float, running: float, waiting: float) -> float:
+    """The head's bytes where a backward starts with `heads` micro-batches' loss computed on the rank: the one
+    starting holds `running` (its loss's gradients too), each of the others what it keeps until its backward."""
+    return running + (heads - 1) * waiting if heads >= 1 else heads * running
 
 
 def _chunk_grads(share: Share, index: int, between: float) -> float:

@@ -180,31 +180,39 @@ def _weight_copies(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share:
     return 2.0 * (outside + in_blocks)
 
 
-def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro, cpu: bool) -> float:
-    """The output layer's output, what the loss saves of it and its gradient, for one micro-batch: a decoder's logits
-    on this rank's tokens (vocabulary-sharded under loss parallel), or where the ViT's backward starts, the gradient
-    of its whole field on every rank and its copy back into patches (the field and its patches of the forward are
-    gone by then; `plan --trace` counts two fields there, beside the micro-batch's own, _batch_bytes)."""
+def _head_bytes(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, micro: _Micro,
+                cpu: bool) -> tuple[float, float]:
+    """(what one micro-batch's output layer and loss hold where its backward starts, what they keep of it while the
+    micro-batch waits for its backward: a pipeline's last stage holds the second for each micro-batch in flight
+    beside the first). A decoder's logits on this rank's tokens (vocabulary-sharded under loss parallel); or, where
+    the ViT's backward starts, the gradient of its whole field on every rank and its copy back into patches (the
+    field and its patches of the forward are gone by then; `plan --trace` counts two fields there, beside the
+    micro-batch's own, _batch_bytes), held alike."""
     if facts.shape.whole_output:
-        return 2 * micro.samples * facts.tokens * facts.head_features * FP32
+        field = 2 * micro.samples * facts.tokens * facts.head_features * FP32
+        return field, field
     sharded = dims.tp if cfg.parallel.loss_parallel and dims.pp == 1 else 1
     chunks = getattr(cfg.train, "loss_chunks", "off")  # a decoder's; the ViT has none
     chunk = resolve_loss_chunks(chunks, facts.head_features, "cpu" if cpu else "cuda")  # auto's, for the device
     if chunk:  # nn/chunked_loss.py: a chunk's fp32 logits, made into their probabilities and gradient in place
         # (under autocast: their fp32 copy and the 16-bit gradient made from it), beside the gradients the forward
-        # makes for backward: the hidden states' (fp32: the final norm's output) and the output layer's, kept in its
-        # weight's dtype (16-bit under FSDP2's mixed precision: GPipe's last stage holds one per micro-batch, 196 MiB
-        # for the 70B decoder's, not 393); under tp, of this rank's vocabulary slice, loss parallel or not
+        # makes for backward, which are all a waiting micro-batch keeps: the hidden states' (fp32: the final norm's
+        # output) and the output layer's, kept in its weight's dtype (16-bit under FSDP2's mixed precision: GPipe's
+        # last stage holds one per micro-batch, 196 MiB for the 70B decoder's, not 393); under tp, of this rank's
+        # vocabulary slice, loss parallel or not
         per_feature = FP32 + 2 if autocast(cfg) else FP32
         words = facts.head_features / dims.tp
         weight_bytes = 2 if fsdp_mixed(cfg, dims) else FP32
-        return (min(chunk, micro.tokens) * words * per_feature
-                + (words * weight_bytes + micro.tokens * FP32) * facts.shape.width)
+        kept = (words * weight_bytes + micro.tokens * FP32) * facts.shape.width
+        return min(chunk, micro.tokens) * words * per_feature + kept, kept
     # where backward starts: the loss's fp32 log-softmax (saved) and its gradient, and the logits' gradient: fp32 on
-    # a CPU, 16-bit under autocast on a GPU (measured: docs/plan.md). The logits themselves are gone: the loss kept
-    # the log-softmax of its fp32 copy, not them.
-    per_feature = 2 * FP32 + (2 if autocast(cfg) and not cpu else FP32)
-    return micro.tokens * facts.head_features / sharded * per_feature
+    # a CPU, 16-bit under autocast on a GPU (measured: docs/plan.md). The logits themselves are gone (the loss kept
+    # the log-softmax of its fp32 copy, not them), but for a pipeline's, which its stage keeps as the output its
+    # backward starts from (in autocast's dtype) until that backward has run; a waiting micro-batch keeps its
+    # log-softmax and those logits (traced: GPipe's last stage holds them for each micro-batch in flight)
+    logits = micro.tokens * facts.head_features / sharded
+    output = logits * (2 if autocast(cfg) else FP32) if dims.pp > 1 else 0.0
+    return logits * (2 * FP32 + (2 if autocast(cfg) and not cpu else FP32)) + output, logits * FP32 + output
 
 
 def _batch_bytes(facts: ModelFacts, micro: _Micro) -> float:
@@ -282,7 +290,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
     if share.first and facts.split:
         inputs += sum(shape[1] for name, shape in facts.linears if name in facts.split.first) * micro.tokens * FP32
     kept += inputs
-    head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else 0.0
+    head, waiting_head = _head_bytes(facts, cfg, dims, micro, machine.cpu) if share.last else (0.0, 0.0)
     # Backward's working set: the gradients in flight through one block (its MLP's hidden one and the stream's:
     # what autograd holds beside the saved tensors, measured by plan/measured/measure.py), the block being recomputed under
     # checkpointing, and for ring attention the score blocks its backward makes (s, p, ds for one K/V block);
@@ -305,10 +313,11 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
                                                                                      machine), machine)
     batch = _batch_bytes(facts, micro) if share.first else 0.0
     peaks = backward.peaks(cfg, dims, share, micro.microbatches, blocks,
-                           held_throughout=params + optimizer + buffers + copies + batch, per_batch=(kept, head, inputs),
-                           working=(stream, flowing, working), grads=(earlier, between), reduced=reduced)
+                           held_throughout=params + optimizer + buffers + copies + batch,
+                           per_batch=(kept, (head, waiting_head), inputs), working=(stream, flowing, working),
+                           grads=(earlier, between), reduced=reduced)
     start, inside, (in_flight, heads, gathered) = peaks
-    activations, head = in_flight * kept, heads * head
+    activations, head = in_flight * kept, backward.heads_held(heads, head, waiting_head)
     optimizer_step = params + grads + optimizer + buffers + reduced + expert_copy + batch
     out = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations, "head": head,
            "buffers": buffers + reduced, "backward working set": working, "16-bit weight copies": copies,
