@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import logging
 import os
 import shutil
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.unit.test_api import one_process
 
 from meshtrain.commands import prepare as prepare_command
+from meshtrain.config import load_config
 from meshtrain.data import prepare_text, text
 from meshtrain.data.prepare_text import prepare
 from meshtrain.data.text import (
@@ -29,6 +34,9 @@ from meshtrain.data.text import (
     shakespeare_text,
 )
 from meshtrain.data.tokenizers import tokenizer_from_meta
+from meshtrain.models import gpt
+from meshtrain.models.language.workload import LanguageModelWorkload
+from meshtrain.parallel.mesh import ParallelDims
 
 SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 BPE_TOTAL_TOKENS = 338_025  # tiktoken's GPT-2 encoding of the whole corpus
@@ -441,3 +449,25 @@ def test_meshtrain_prepare_through_the_cli(prepared, capsys):
     finally:  # commands.main pointed the logger at this test's captured stdout: put it back
         logger.handlers[:], logger.level, logger.propagate = saved
     assert "shakespeare_char is up to date" in capsys.readouterr().out
+
+
+def test_a_sample_builds_its_copy_of_the_model_and_keeps_none(prepared):
+    """After an evaluation rank 0 samples from a whole copy of the model: built for that sample and dropped after
+    it, so that it is not held beside every later step on rank 0's device (the planner's peaks, a 7B model's 28 GB
+    on one rank of an FSDP job). The same iteration sampled again gives the same text from a fresh copy."""
+    cfg = load_config(["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+                       f"data.root={prepared['root']}", "train.sample_tokens=8"], "gpt")
+    workload = LanguageModelWorkload(cfg, one_process(), ParallelDims(), build_model=gpt.SPEC.build_model,
+                                     build_layout=gpt.SPEC.build_layout)
+    torch.manual_seed(0)
+    layout = workload.build_layout(workload.build_model(), None)
+    copies, factory = [], workload.sampler_factory  # weak references: the test holds none of them
+    workload.sampler_factory = lambda: (copy := factory(), copies.append(weakref.ref(copy)))[0]
+    texts = []
+    for _ in range(2):
+        result, sinks = SimpleNamespace(samples=[]), SimpleNamespace(log_text=lambda *args: None)
+        workload.after_eval(7, layout, nullcontext(), sinks, result)
+        texts += result.samples
+    gc.collect()
+    assert len(copies) == 2 and all(ref() is None for ref in copies)  # one a sample, neither alive after it
+    assert texts[0] == texts[1] and texts[0].startswith(cfg.train.prompt) and len(texts[0]) > len(cfg.train.prompt)
