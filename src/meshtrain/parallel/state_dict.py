@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 
 def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
@@ -93,6 +94,18 @@ def _alias(key: str, aliases: dict[str, str]) -> str:
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Whole tensors, on the CPU, of what `model` holds: its shards gathered from the ranks that share it
     (FSDP, TP). Every rank must call it and every rank gets them; under PP each rank still has only its
-    stages' tensors. (cpu_offload=True would keep them on global rank 0 alone, which holds one stage.)"""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {name: value.detach().cpu() for name, value in state.items()}
+    stages' tensors. One tensor at a time: each is gathered on the device and copied to the CPU before the next,
+    where torch's full_state_dict keeps every gathered tensor on the device until the last (a whole fp32 copy of the
+    model on every GPU: 28 GB for a 7B model), and its cpu_offload keeps them on global rank 0 alone, which holds
+    one stage."""
+    state = get_model_state_dict(model)  # the shards, named as torch's full state names them
+    return {name: _whole(value).cpu() for name, value in state.items()}
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (on its mesh's device: FSDP2 may keep its shards on the CPU); a tensor as it is."""
+    if not isinstance(value, DTensor):
+        return value.detach()
+    if value.device.type != value.device_mesh.device_type:
+        value = value.to(value.device_mesh.device_type)
+    return value.full_tensor().detach()
