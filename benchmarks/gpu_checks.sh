@@ -16,8 +16,8 @@
 #   memory          GPT-2 124M eager (bf16 and fp32, loss in chunks, op and full activation checkpointing): the
 #                   allocator's peaks that `meshtrain plan --trace` is held to
 #   allocator       benchmarks/cuda_memory_items.py: cuBLAS's workspace and the allocator's rounding on a GPT-2 step
-#   chunks          GPT-2 124M, each block compiled, the loss whole and in chunks of auto's 320 tokens to 4096: the
-#                   chunk size a GPU's auto should take (docs/gpu.md, round 6)
+#   chunks          GPT-2 124M, each block compiled, the loss whole, in auto's chunks (1,280 tokens on a GPU) and in
+#                   chunks of 1024 to 12288 tokens, a graph each: the chunk size a GPU's auto takes (docs/gpu.md, round 7)
 #
 # docs/gpu.md holds the tables these printed, with the device and the date.
 set -u
@@ -89,6 +89,6 @@ part corpus 300 bash -c corpus_part
 part memory 200 "$PY" benchmarks/gpt2_gpu_features.py --iters 10 --rows "compile whole model,bf16 eager,\
 bf16 eager + loss in chunks (auto),bf16 eager + AC op,bf16 eager + AC full,fp32 eager"
 part allocator 60 "$PY" benchmarks/cuda_memory_items.py
-part chunks 240 "$PY" benchmarks/gpt2_gpu_features.py --iters 15 --rows "bf16+compile,loss in chunks (auto),\
-loss in chunks 1024,loss in chunks 2048,loss in chunks 4096"
+part chunks 280 "$PY" benchmarks/gpt2_gpu_features.py --iters 15 --rows "bf16+compile,loss in chunks (auto),\
+loss in chunks 1024,loss in chunks 2048,loss in chunks 4096,loss in chunks 12288"
 echo "all: $(($(date +%s) - started)) s" | tee -a "$OUT/summary.txt"
