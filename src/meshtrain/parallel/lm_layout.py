@@ -123,11 +123,10 @@ class LanguageModelLayout(Layout):
         if self.dims.world_size == 1:  # FSDP2 on one rank (cpu_offload, float8) still holds DTensors
             return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                     for k, v in self.model.state_dict().items()}
-        # Every rank gathers its stage's whole tensors (the shards live on its dp/tp peers)...
-        local = full_model_state(self.model)
+        # Every rank joins the gathers of its stage's whole tensors (the shards live on its dp/tp peers); one rank
+        # per stage keeps them and sends them to rank 0.
         first_of_stage = all(c == 0 for d, c in self.dims.coords(self.rank).items() if d != "pp")
-        mine = local if first_of_stage else {}
-        # ... and one rank per stage sends them to rank 0.
+        mine = full_model_state(self.model, keep=first_of_stage)
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:

@@ -91,15 +91,19 @@ def _alias(key: str, aliases: dict[str, str]) -> str:
     return key
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """Whole tensors, on the CPU, of what `model` holds: its shards gathered from the ranks that share it
-    (FSDP, TP). Every rank must call it and every rank gets them; under PP each rank still has only its
-    stages' tensors. One tensor at a time: each is gathered on the device and copied to the CPU before the next,
-    where torch's full_state_dict keeps every gathered tensor on the device until the last (a whole fp32 copy of the
-    model on every GPU: 28 GB for a 7B model), and its cpu_offload keeps them on global rank 0 alone, which holds
-    one stage."""
-    state = get_model_state_dict(model)  # the shards, named as torch's full state names them
-    return {name: _whole(value).cpu() for name, value in state.items()}
+    (FSDP, TP). Every rank must call it, as the gathers are collective; a rank that does not `keep` them gets none
+    (one rank of a stage is enough: a 7B model's 28 GB of host memory each, 8 ranks a node). Under PP each rank has
+    only its stages' tensors. One tensor at a time: each is gathered on the device and copied to the CPU before the
+    next, where torch's full_state_dict keeps every gathered tensor on the device until the last (a whole fp32 copy
+    of the model on every GPU), and its cpu_offload keeps them on global rank 0 alone, which holds one stage."""
+    out = {}
+    for name, value in get_model_state_dict(model).items():  # the shards, named as torch's full state names them
+        whole = _whole(value)  # every rank joins each gather
+        if keep:
+            out[name] = whole.cpu()
+    return out
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
