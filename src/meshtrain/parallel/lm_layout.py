@@ -120,13 +120,12 @@ class LanguageModelLayout(Layout):
     # ---- what the loop reports ------------------------------------------------------------------------------
     def full_state_for_sampling(self) -> dict[str, torch.Tensor] | None:
         """The whole model's tensors on rank 0 (None elsewhere), gathered from every layout. Every rank calls it."""
-        if self.dims.world_size == 1:  # FSDP2 on one rank (cpu_offload, float8) still holds DTensors
-            return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                    for k, v in self.model.state_dict().items()}
-        # Every rank joins the gathers of its stage's whole tensors (the shards live on its dp/tp peers); one rank
-        # per stage keeps them and sends them to rank 0.
+        # Every rank joins the gathers of its stage's whole tensors (the shards live on its dp/tp peers; FSDP2 on one
+        # rank still holds DTensors); one rank per stage keeps them and sends them to rank 0.
         first_of_stage = all(c == 0 for d, c in self.dims.coords(self.rank).items() if d != "pp")
         mine = full_model_state(self.model, keep=first_of_stage)
+        if self.dims.world_size == 1:  # all of it, and perhaps no process group to send it through
+            return mine
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:
