@@ -297,13 +297,23 @@ def test_under_tp_an_moe_block_cuts_its_attention_half_and_its_experts_hidden_te
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_under_tp_an_moe_block_reduces_its_stream_as_a_dense_block_and_its_gates_gradient(sequence_parallel):
-    """Every block all-reduces its stream 4 times a micro-batch (2 forward, 2 backward; under sequence parallel as
-    all-gather and reduce-scatter pairs): 512 tokens × 64 fp32 = 131,072 bytes each; an MoE layer's backward also
-    all-reduces its gates' gradient, 512 × 2 fp32."""
+    """The calls a step on 2 ranks made (counted by the profiler, clipping off). Under sequence parallel each of the 4
+    blocks gathers its stream and reduce-scatters it twice forward and twice backward, the embedding's output and
+    the head's input once each: 18 apiece, of 512 tokens × 64 fp32 = 131,072 bytes. Without it each block
+    all-reduces its two sublayers' outputs forward and, backward, the inputs of its column-parallel linears (q, k and
+    v; in the dense first block the MLP's up and gate projections, in an MoE block its whole input once): 8 + 5 +
+    3 × 4 + the ends' 2 = 27. Each of the 3 MoE layers' backward also all-reduces its gates' gradient, 512 × 2 fp32;
+    under loss parallel the loss sums 3 figures a token, and sequence parallel's 9 norms' gradients are summed."""
     cfg, facts = facts_of("train.backend=ddp", "parallel.tp=2", f"parallel.sequence_parallel={sequence_parallel}",
-                          f"parallel.loss_parallel={sequence_parallel}")
+                          f"parallel.loss_parallel={sequence_parallel}", "optimizer.grad_clip=0.0")
     cost = predict(facts, cfg, ParallelDims.from_config(cfg, 2, 2), machines.from_system(systems.get("polaris")))
-    assert cost.comm_bytes["tp"] == 4 * 4 * 512 * 64 * 4 + 3 * 512 * 2 * 4
+    stream, gates = 512 * 64 * 4, 512 * 2 * 4
+    if sequence_parallel:
+        assert cost.comm_calls == {"all_gather": 18, "reduce_scatter": 18, "all_reduce": 3 + 9 + 3}
+        assert cost.comm_bytes["tp"] == 36 * stream + 3 * 512 * 4 + 9 * 64 * 4 + 3 * gates
+    else:  # the logits gathered whole for the loss
+        assert cost.comm_calls == {"all_reduce": 27 + 3, "all_gather": 1}
+        assert cost.comm_bytes["tp"] == 27 * stream + 3 * gates + 512 * facts.head_features * 4
 
 
 def test_under_cp_the_balance_loss_sums_over_the_cp_ranks():

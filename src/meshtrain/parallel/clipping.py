@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def process_group_of(mesh_or_group):
@@ -30,6 +31,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_grou
     clipped but not counted (the second copy of a tied weight). Returns the total norm.
     """
     norm_type = float(norm_type)
+    parameters = list(parameters)
+    sum_partial_gradients(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     extra = [p.grad for p in scale_only if p.grad is not None]
     device = (grads or extra)[0].device if grads or extra else torch.device("cpu")
@@ -68,6 +71,8 @@ def clip_by_total_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> 
     by it rather than the DTensors: torch scales them with one `_foreach_mul_` whose sharding propagation torch 2.13
     expands over every placement of the whole mesh (seconds of a first step on an hsdp × tp mesh on CPU ranks).
     Returns the total norm, whole."""
+    parameters = list(parameters)
+    sum_partial_gradients(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -94,3 +99,14 @@ def whole_norm(norm: torch.Tensor) -> torch.Tensor:
             placements[dim] = Replicate()
             norm = norm.redistribute(norm.device_mesh, placements)
     return norm.to_local()
+
+
+def sum_partial_gradients(parameters: Iterable[torch.Tensor]) -> None:
+    """Sum, in place and once, each DTensor gradient that still awaits a sum over a mesh dim (Partial: the weight of a
+    sequence-parallel norm, each tp rank's from its own tokens). Left so, the norm sums it for itself and the
+    optimizer's step again: two all-reduces a norm a step (counted under tp: plan/communication.py)."""
+    for p in parameters:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(place.is_partial() for place in grad.placements):
+            p.grad = grad.redistribute(placements=[Replicate() if place.is_partial() else place
+                                                   for place in grad.placements])

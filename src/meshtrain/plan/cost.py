@@ -83,6 +83,7 @@ class Cost:
     memory_stage: int = 0  # the pipeline stage `memory` is of: the fullest
     time: dict[str, float] = field(default_factory=dict)  # compute, comm (per kind), exposed, bubble, step
     comm_bytes: dict[str, float] = field(default_factory=dict)  # bytes this rank sends per iteration, per kind
+    comm_calls: dict[str, float] = field(default_factory=dict)  # collective calls per iteration, per op
     tokens_per_iteration: int = 0
     samples_per_iteration: int = 0
     flops_per_iteration: float = 0.0  # the model's (6N + attention) × tokens: what MFU counts
@@ -133,7 +134,8 @@ def predict(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, machine: Mach
                    for share in shares]
     fullest = max(range(len(shares)), key=lambda i: stage_costs[i][0]["peak"])
     cost.memory, cost.memory_stage = stage_costs[fullest][0], shares[fullest].stage
-    cost.time, cost.comm_bytes = max((tm for _, tm in stage_costs), key=lambda tm: tm[0]["step"])  # the slowest
+    cost.time, cost.comm_bytes, cost.comm_calls = max((tm for _, tm in stage_costs),
+                                                      key=lambda tm: tm[0]["step"])  # the slowest stage's
     cost.samples_per_iteration = facts.batch_size * t.grad_accum * dims.dp_size
     cost.tokens_per_iteration = cost.samples_per_iteration * facts.tokens
     cost.flops_per_iteration = float(facts.flops_per_token) * cost.tokens_per_iteration
@@ -329,7 +331,7 @@ def _memory(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share,
 
 
 def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, micro: _Micro,
-          machine: Machine) -> tuple[dict[str, float], dict[str, float]]:
+          machine: Machine) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     t, p = cfg.train, cfg.parallel
     label = "bf16" if autocast(cfg) else "fp32"
     tokens = micro.tokens
@@ -369,7 +371,7 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
         pipelined, bubble = one_pass.busy * t.grad_accum, (one_pass.makespan - one_pass.busy) * t.grad_accum
     compute = pipelined + optimizer_s * slowdown + _fixed_costs(facts, cfg, dims, share, micro, machine)
 
-    sent, seconds = communication(facts, cfg, dims, share, micro, machine)
+    sent, seconds, calls = communication(facts, cfg, dims, share, micro, machine)
     dp_time = seconds.get("dp", 0.0)
     critical = sum(v for k, v in seconds.items() if k != "dp")
     backward = per_micro * micro.count * slowdown * 2 / 3
@@ -377,7 +379,7 @@ def _time(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims, share: Share, m
     exposed = critical + dp_time - hidden
     step = compute + exposed + bubble
     return ({"compute": compute, **{f"comm {k}": v for k, v in seconds.items()}, "exposed": exposed,
-             "bubble": bubble, "step": step}, sent)
+             "bubble": bubble, "step": step}, sent, calls)
 
 
 def kinds_of(cfg: RunConfig, dims: ParallelDims) -> list[str]:

@@ -61,6 +61,9 @@ class Share:
     head_local: int = 0
     unsharded_grads: int = 0  # all of them: stage_params, and tensor_parallel.WHOLE_GRADIENTS whole (DTensor's)
     block_gathered: tuple[int, ...] = ()  # what FSDP2 gathers of each block of `parts` (block_params: the largest)
+    # Vectors tp leaves whole (norm weights, a row-parallel layer's bias): under sequence parallel each rank's gradient
+    # of one is a partial sum over its own tokens, all-reduced once a step (plan/communication.py)
+    whole_vectors: int = 0
 
 
 def chunk(size: int, parts: int, index: int = 0) -> int:
@@ -181,7 +184,9 @@ def stage_shares(model: nn.Module, split: StageSplit | None, dims: ParallelDims,
                             head_local=_head_grads(numel, split, first=0 in mine, last=n_stages - 1 in mine),
                             unsharded_grads=sum(numel.values()) + _whole_gradient_surplus(held, local),
                             block_gathered=tuple(_block_total(gathered, f"{block_prefix}{i}.") for part in parts
-                                                 for i in part) if block_prefix else ()))
+                                                 for i in part) if block_prefix else (),
+                            whole_vectors=sum(len(s) == 1 and local[n] == s and not is_expert(n)
+                                              for n, s in held.items()) if dims.tp > 1 else 0))
     return shares
 
 

@@ -174,7 +174,10 @@ def _fit(ranks: int, model: str, kinds: list[str], runs: dict, measured: dict, p
         if base:
             base_block, base_step = known.get(fixed_kind(base, dtype)) or _absolute(times[base])
             per_block, per_step = per_block - base_block, per_step - base_step
-        known[fixed_kind(kind, dtype)] = [per_block, per_step]
+        # no kind saves time: a negative cost is the model over-counting the tiny run (a collective priced at the
+        # bench's latency, which ranks waiting for each other at a tiny size do not always pay), or noise; carried
+        # over to a layout's own size it took more from it than it had (zero2 with dp 1 predicted at half its time)
+        known[fixed_kind(kind, dtype)] = [max(0.0, per_block), max(0.0, per_step)]
     profile.remember("plan_fixed", key(ranks, model), known)
 
 

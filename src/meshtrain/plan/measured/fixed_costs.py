@@ -10,7 +10,7 @@ from meshtrain import registry
 from meshtrain.machine import hardware, profile
 from meshtrain.runtime.device import pick_device, threads_per_rank
 
-MODEL_VERSION = 8  # what the fixed costs are measured beyond: a new cost model invalidates the cached ones
+MODEL_VERSION = 9  # what the fixed costs are measured beyond: a new cost model invalidates the cached ones
 # The slowdown of ranks sharing cores is the machine's, measured once on this workload (calibrate.COMPUTE).
 SLOWDOWN_REFERENCE = "gpt"
 

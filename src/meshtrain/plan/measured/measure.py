@@ -9,6 +9,9 @@ exactly as `train` does (the Trainer, in a scratch directory), steps it, and rec
                                hand (data loading is not part of what the planner predicts)
     a2a_bytes                  what expert parallelism's dispatch and combine passed to all_to_all in the measured
                                step, forward and backward (parallel/expert_parallel.sent_bytes; 0 without ep)
+    calls                      the collective calls of that step by op, as the backend ran them (the profiler's
+                               "gloo:all_reduce", "nccl:all_gather", ... events; gloo runs a reduce-scatter as an
+                               all-reduce)
 
     python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measured.measure gpt preset=cpu train.backend=fsdp
 
@@ -27,6 +30,7 @@ import statistics
 import tempfile
 import time
 import weakref
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -170,7 +174,10 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
         else:
             torch.cuda.reset_peak_memory_stats(device)
         sent_bytes(trainer.model, reset=True)
-        trainer.step(warmup)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+            trainer.step(warmup)
+    calls = Counter(event.name.split(":", 1)[1] for event in profiled.events()
+                    if event.name.startswith(("gloo:", "nccl:")))
     peak = tracker.peak() if tracker else torch.cuda.max_memory_allocated(device)
     exchanged = sent_bytes(trainer.model, reset=True)
     held = {}
@@ -195,7 +202,7 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
     trainer.batches.next_batch = next_batch
     trainer.batches.close()
     trainer.sinks.close()
-    return {**held, "peak": peak, "step_s": statistics.median(times), "a2a_bytes": exchanged}
+    return {**held, "peak": peak, "step_s": statistics.median(times), "a2a_bytes": exchanged, "calls": dict(calls)}
 
 if __name__ == "__main__":
     main()
