@@ -109,17 +109,17 @@ def _tensor_parallel_calls(facts: ModelFacts, cfg: RunConfig, dims: ParallelDims
     input's token shards and reduce-scatters its output, and backward does the reverse; without it, each sublayer's
     output is all-reduced forward and each column-parallel input's gradient backward (q, k and v each their own).
     The ends: the embedding's output and the head's input cross the same way once each (and a learned position
-    table's gradient is gathered); loss parallel sums three
-    per-token figures over the vocabulary's shards (its max, its sum of exponentials, the target's logit), while
-    without it the head's logits are gathered whole. Per step, under sequence parallel, the gradients of the
-    parameters tp leaves whole (the norms), partial sums over tp, are all-reduced once each."""
+    table's gradient is gathered); loss parallel sums three per-token figures over the vocabulary's shards (its max,
+    its sum of exponentials, the target's logit), while without it the head's logits are gathered whole. Per step,
+    under sequence parallel, the gradients of the parameters tp leaves whole (the norms), partial sums over tp, are
+    all-reduced once each."""
     p = cfg.parallel
     sequence, loss_parallel = (p.sequence_parallel, p.loss_parallel) if dims.pp == 1 else (False, False)
     ends = share.first + share.last
     per_micro = micro.count
     if sequence:
         # a learned position table's output is cut to this rank's positions: its gradient is gathered back
-        positions = share.first and "wpe" in getattr(facts.model, "transformer", {})
+        positions = share.first and hasattr(getattr(facts.model, "transformer", None), "wpe")
         calls = [("all_gather", stream, (4 * share.blocks + ends) * per_micro),
                  ("all_gather", facts.tokens * facts.shape.width * FP32, positions * per_micro),
                  ("reduce_scatter", stream, (4 * share.blocks + ends) * per_micro),
@@ -137,6 +137,8 @@ def _colwise_inputs(facts: ModelFacts, share: Share) -> int:
     """The inputs of this stage's blocks whose gradients tp sums apart in backward, without sequence parallel: each
     column-parallel linear's (q, k and v, an MLP's up and gate projections), but one for a mixture of experts'
     feed-forward, which takes its whole input once (tensor_parallel.PartialSum)."""
+    if facts.split is None:  # no named blocks to read: one input a sublayer
+        return 2 * share.blocks
     moe = set(experts.moe_layers_of(facts, share.parts)) if facts.shape.moe is not None else set()
     total = 0
     for block in (i for part in share.parts for i in part):
