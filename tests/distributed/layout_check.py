@@ -274,10 +274,11 @@ def run_case(case: str, info) -> tuple:
         layout.finish_backward()
         # DeepSpeed keeps its gradients in partitions of its own and steps inside the last micro-step: its
         # gradients are seen through the norm and the parameters only.
+        # the norm before clipping; then the clipped gradients must match too (read after the step: clipping sums a
+        # partial gradient into a new one, parallel/clipping.sum_partial_gradients)
+        norm = layout.optimizer_step(optimizer, scaler, 1.0)
         grads = {n: p.grad for n, p in layout.model.named_parameters() if p.grad is not None}
         ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
-        # the norm before clipping; then the clipped gradients must match too
-        norm = layout.optimizer_step(optimizer, scaler, 1.0)
         dist.all_reduce(loss)
         diffs["loss"] = max(diffs["loss"], abs(loss.item() / layout.loss_ranks - ref_loss.item()))
         diffs["norm"] = max(diffs["norm"], abs(full(norm).item() - ref_norm.item()) / ref_norm.item())
