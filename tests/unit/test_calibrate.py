@@ -28,19 +28,30 @@ def fake_runs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate, "_step_times", step_times)
     monkeypatch.setattr(calibrate, "_modelled_s", lambda ranks, model, overrides: 0.0)
-    monkeypatch.setattr(calibrate, "_record_collectives", lambda ranks, progress: runs.append(("collectives", ranks)))
-    monkeypatch.setattr(calibrate, "recorded_collectives", lambda hw, device: {("all_reduce", 4): [(8.0, 1e-4)]})
+    recorded = {4}  # the worlds whose collectives the profile holds
+
+    def record(ranks, progress):
+        runs.append(("collectives", ranks))
+        recorded.add(ranks)
+
+    monkeypatch.setattr(calibrate, "_record_collectives", record)
+    monkeypatch.setattr(calibrate, "recorded_collectives",
+                        lambda hw, device: {("all_reduce", world): [(8.0, 1e-4)] for world in recorded})
     yield runs
     profile.clear()
 
 
-def test_collectives_are_recorded_first_where_the_profile_has_none_for_these_ranks(fake_runs, monkeypatch):
+def test_collectives_are_recorded_first_for_each_group_size_the_profile_lacks(fake_runs, monkeypatch):
+    """A layout's groups are as large as any divisor of its ranks (tp 2 of 4), and a smaller group's call costs
+    less: each size is benched once, before any other run."""
     calibrate.calibrate(4, [], "gpt", progress=lambda _: None)
-    assert fake_runs == [], "4 ranks are recorded: nothing to do"
-    calibrate.calibrate(2, [], "gpt", progress=lambda _: None)
-    assert fake_runs == [("collectives", 2)], "none for 2 ranks: the bench runs once, before any other"
+    assert fake_runs == [("collectives", 2)], "4 ranks are recorded; groups of 2 are not"
+    calibrate.calibrate(4, [], "gpt", progress=lambda _: None)
+    assert fake_runs == [("collectives", 2)], "both recorded: nothing to do"
+    calibrate.calibrate(8, [], "gpt", progress=lambda _: None)
+    assert fake_runs == [("collectives", 2), ("collectives", 8)], "2 and 4 are recorded, 8 is not"
     calibrate.calibrate(1, [], "gpt", progress=lambda _: None)
-    assert fake_runs == [("collectives", 2)], "one rank has no collective to time"
+    assert len(fake_runs) == 2, "one rank has no collective to time"
 
 
 def test_a_failed_calibration_run_names_the_ranks_error_and_the_run(monkeypatch):

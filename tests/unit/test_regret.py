@@ -84,3 +84,37 @@ def test_on_a_cpu_a_repeats_layouts_share_one_job_and_a_failed_job_is_run_again_
                     ["train.backend=b"], ["train.backend=c"], ["train.backend=a", "train.backend=b"]]
     assert a.step_times == (0.1, 0.3) and b.step_times == (0.2, 0.4)
     assert c.measured is None and "c does not fit" in c.error
+
+
+def test_on_a_cpu_each_repeat_runs_the_speed_reference_first_and_the_errors_are_also_given_at_that_speed(
+        monkeypatch):
+    """A VM's speed moves between the calibration and the measurements: each repeat's job runs the slowdown's own
+    reference first, and its step against its calibrated one (here 0.12 and 0.15 s against 0.10: 1.35× slower on
+    average) scales every prediction for the step MdAPE at the measured speed, beside the plain one."""
+    from meshtrain.runtime.results import Job
+
+    candidates = [SimpleNamespace(label=label, overrides=[label], dims=SimpleNamespace(coords=lambda rank: {}),
+                                  throughput=1.0, cost=SimpleNamespace(memory_stage=0, samples_per_iteration=1, comm_bytes={},
+                                                                       step_s=0.2, memory=dict.fromkeys(
+                                                                           ("params", "grads", "optimizer", "peak"), 1)))
+                  for label in ("a", "b")]
+    speeds, jobs = iter([0.12, 0.15]), []
+
+    def run_ranks(script, ranks, model, *args, timeout):
+        cases = json.loads(args[args.index("--cases") + 1])
+        jobs.append(list(cases))
+        rows = {case: {"rank": 0, "params": 1, "grads": 1, "optimizer": 1, "peak": 1, "step_s": 0.27}
+                for case in cases}
+        rows["speed"]["step_s"] = next(speeds)
+        return Job(0, "", {0: rows})
+
+    monkeypatch.setattr(validate, "one_job_per_repeat", lambda: True)
+    monkeypatch.setattr(validate, "run_ranks", run_ranks)
+    checks = validate.run("gpt", [], candidates, 1, repeats=2, progress=lambda check: None,
+                          speed=("gpt", ["model.n_embd=192"], 0.10))
+    assert jobs == [["speed", "0", "1"]] * 2
+    assert [c.drift for c in checks] == [pytest.approx(1.35)] * 2
+    summary = validate.summary(checks)
+    assert summary["step_mdape"] == pytest.approx(1 - 0.2 / 0.27)  # 25.9% under
+    assert summary["machine_drift"] == pytest.approx(0.35)
+    assert summary["step_mdape_at_measured_speed"] == pytest.approx(0.2 * 1.35 / 0.27 - 1, abs=1e-12)  # 0

@@ -271,6 +271,10 @@ def _validate(args, cfg: RunConfig, ranked: list[Candidate], ranks: int, facts: 
     print_rich(validation_table(checks))
     summary = validate.summary(checks, auto)
     log.info("summary: %s", summary)
+    if summary.get("machine_drift"):
+        log.info("the machine ran its speed reference %+.1f%% against its calibration: step MdAPE %.1f%%, at the "
+                 "measured speed %.1f%% (the model's own error)", 100 * summary["machine_drift"],
+                 100 * summary["step_mdape"], 100 * summary["step_mdape_at_measured_speed"])
     log.info("parallel.plan=auto here trains %s: %s", auto.candidate.label,
              f"{summary['auto_regret']:.1%} slower than the fastest measured" if auto.measured else "it failed to run")
     return 0

@@ -96,10 +96,11 @@ def calibrate(ranks: int, kinds: list[str], model: str, data_root: str | None = 
     model is calibrated on the shipped corpus; any other reads `data_root` (e.g. the ViT's prepared ERA5). A model
     whose spec gives no tiny configuration is not calibrated (empty)."""
     # first the collectives: the fixed costs are what is left beyond them (one rank has no collective to time: the
-    # cost model prices none)
-    if ranks > 1 and not any(world == ranks for _, world in recorded_collectives(describe(pick_device(0)),
-                                                                               pick_device(0))):
-        _record_collectives(ranks, progress)
+    # cost model prices none). A layout's groups are as large as any divisor of the ranks, and a call of a smaller
+    # group costs less (here 2 ranks of 4 sharing 2 cores: 1.9-2.5 ms; all 4: 5.7 ms; 2 ranks alone: 2.2 ms)
+    recorded = {world for _, world in recorded_collectives(describe(pick_device(0)), pick_device(0))}
+    for group in (size for size in range(2, ranks + 1) if ranks % size == 0 and size not in recorded):
+        _record_collectives(group, progress)
     missing = {}  # model -> the kinds to measure
     if calibrated(model):
         wanted = dict.fromkeys(k for kind in kinds for k in (runs_of(kind, model)[1], kind) if k)
@@ -215,6 +216,23 @@ def _fit_slowdown(ranks: int, step_s: list[float], runs: dict, progress, dtype: 
              f"{reference} of {facts.num_params / 1e6:.1f}M parameters under ddp: {measured * 1e3:.1f} ms a step)")
     profile.remember("plan_slowdown", slowdown_key(ranks, dtype), slowdown)
     return slowdown
+
+
+def speed_reference(ranks: int, dtype: str, root: str) -> tuple[str, list[str], float] | None:
+    """(model, overrides, predicted step seconds) of the run the slowdown of ranks sharing cores was fitted on
+    (COMPUTE, on the corpus prepared now in `root`), as this machine was calibrated; None where it was not. Run again
+    beside the layouts `plan --validate` measures, its step against this prediction is how much slower the machine
+    is now than when it was calibrated."""
+    ddp_kind = fixed_kind("backend:ddp", dtype)
+    fixed = cached(ranks, SLOWDOWN_REFERENCE).get(ddp_kind)
+    if fixed is None or cached_slowdown(ranks, dtype) is None:
+        return None
+    prepare("shakespeare_char", Path(root))  # the shipped corpus, which needs no network
+    overrides = [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]
+    cfg = config_mod.load_config(overrides, SLOWDOWN_REFERENCE)
+    machine = replace(this_machine(ranks), fixed={ddp_kind: fixed})
+    predicted = predict(ModelFacts.of(cfg), cfg, ParallelDims.from_config(cfg, ranks), machine).step_s
+    return SLOWDOWN_REFERENCE, overrides, predicted
 
 
 def _absolute(times: list[float]) -> list[float]:

@@ -12,6 +12,11 @@ plan/cost.py predicted for it, with the errors `plan --validate` reports:
                                (A B C, then A B C again), so that a drift of the machine's speed falls on all of them;
                                the measured step time is the mean, and the spread ((max - min) / mean) says how much
                                of an error the machine itself makes: an error inside it is not the model's
+    drift                      on a CPU, where ranks share cores and a VM's speed moves by a fifth between hours,
+                               each repeat's job first runs the slowdown's own reference (calibrate.speed_reference)
+                               again: its step against what it took when calibrated says how much slower the machine
+                               is now, and the step MdAPE at that speed (each prediction times it) tells the model's
+                               error from the machine's
     regret                     how much slower, in measured samples/s, the layout the planner ranks first ran
                                than the fastest of those measured (target: 0, at most 5%); the same for
                                parallel.plan=auto's choice, the planner's first of all layouts, always measured
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,6 +60,7 @@ class Check:
     # step_s over the ranks (the mean step_s of the repeats); None if it failed
     error: str = ""
     step_times: tuple[float, ...] = ()  # each repeat's measured step_s, in the order they ran
+    drift: float = 1.0  # how much slower than calibrated the machine ran while this was measured (speed reference)
 
     @property
     def spread(self) -> float:
@@ -77,22 +84,32 @@ class Check:
         return self.predicted[key] / self.measured[key] - 1
 
     @property
+    def step_error_at_measured_speed(self) -> float:
+        """The step time's error with the prediction scaled by the machine's drift: the model's own error."""
+        return self.predicted["step_s"] * self.drift / self.measured["step_s"] - 1
+
+    @property
     def states_exact(self) -> bool:
         return all(round(self.predicted[k]) == self.measured[k] for k in STATES)
 
 
 def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: int, *, steps: int = 5,
-        repeats: int = 2, timeout: float = 600, progress=print) -> list[Check]:
+        repeats: int = 2, timeout: float = 600, progress=print,
+        speed: tuple[str, list[str], float] | None = None) -> list[Check]:
     """Measure each candidate (the run config `overrides` give, with its layout) on `ranks` ranks of this machine,
     `repeats` times, the candidates interleaved; a candidate that fails once is not run again. On a CPU a repeat's
-    layouts run in one job (one_job_per_repeat); on a GPU each has a job of its own."""
+    layouts run in one job (one_job_per_repeat), first the `speed` reference (model, overrides, its calibrated step
+    seconds) where given, whose drift every Check then carries; on a GPU each has a job of its own."""
     found: list[list[dict] | str] = [[] for _ in candidates]
+    speeds = []
     for repeat in range(repeats):
         live = [i for i, measured in enumerate(found) if not isinstance(measured, str)]
         which = f"measurement {repeat + 1} of {repeats}"
         together = _in_one_job(model, overrides, [candidates[i] for i in live], ranks, steps, timeout,
-                               f"{len(live)} layouts in one job ({which})") \
+                               f"{len(live)} layouts in one job ({which})", speed) \
             if one_job_per_repeat() and len(live) > 1 else None
+        if speed and isinstance(together, list):
+            speeds.append(max(row["step_s"] for row in together.pop(0)) / speed[2])
         for n, i in enumerate(live):
             # no shared job, or it failed: a job of the layout's own, which names a layout that fails
             rows = together[n] if isinstance(together, list) else _in_its_own_job(
@@ -103,7 +120,9 @@ def run(model: str, overrides: list[str], candidates: list[Candidate], ranks: in
                 found[i].append(measured_of(candidates[i], rows))
             if repeat == repeats - 1 or isinstance(found[i], str):
                 progress(_check(candidates[i], found[i]))
-    return [_check(candidate, measured) for candidate, measured in zip(candidates, found, strict=True)]
+    drift = statistics.fmean(speeds) if speeds else 1.0
+    return [replace(_check(candidate, measured), drift=drift) for candidate, measured in zip(candidates, found,
+                                                                                             strict=True)]
 
 
 def one_job_per_repeat() -> bool:
@@ -121,11 +140,12 @@ def _in_its_own_job(model: str, overrides: list[str], candidate: Candidate, rank
 
 
 def _in_one_job(model: str, overrides: list[str], candidates: list[Candidate], ranks: int, steps: int,
-                timeout: float, what: str) -> list[list[dict]] | str:
-    """Each candidate's rows (a row a rank) from one job of `measure --cases` that runs them in turn, or the job's
-    error."""
+                timeout: float, what: str, speed: tuple[str, list[str], float] | None = None) -> list[list[dict]] | str:
+    """Each candidate's rows (a row a rank) from one job of `measure --cases` that runs them in turn, after the
+    `speed` reference's (its rows first) where given; or the job's error."""
     heartbeat.note(phase=f"measuring {what} on {ranks} ranks")
-    cases = {str(n): list(candidate.overrides) for n, candidate in enumerate(candidates)}
+    cases = {"speed": {"model": speed[0], "overrides": speed[1]}} if speed else {}
+    cases |= {str(n): list(candidate.overrides) for n, candidate in enumerate(candidates)}
     job = run_ranks(Path(measure.__file__), ranks, model, *overrides, "--steps", str(steps), "--cases",
                     json.dumps(cases), timeout=timeout * len(candidates))
     rows = [[result[case] for result in job.results.values() if case in result] for case in cases]
@@ -209,8 +229,13 @@ def validate_plan(model: str, overrides: list[str], cfg: RunConfig, ranked: list
     chosen = [replace(c, cost=predict(facts, c.cfg, c.dims, calibrated)) for c in chosen]
     if auto.label not in {c.label for c in chosen}:
         chosen.append(auto)
-    checks = run(model, overrides, chosen, nodes * per_node, steps=steps, repeats=repeats,
-                 progress=lambda c: progress(f"measured {c.candidate.label}{': failed, ' + c.error if c.error else ''}"))
+    with tempfile.TemporaryDirectory(prefix="meshtrain-speed-") as root:
+        # ranks sharing cores: the reference of their slowdown, run again
+        speed = calibrate.speed_reference(nodes * per_node, cfg.train.dtype, root) \
+            if one_job_per_repeat() and nodes * per_node > 1 else None
+        checks = run(model, overrides, chosen, nodes * per_node, steps=steps, repeats=repeats, speed=speed,
+                     progress=lambda c: progress(f"measured {c.candidate.label}"
+                                                 f"{': failed, ' + c.error if c.error else ''}"))
     return checks, next(c for c in checks if c.candidate.label == auto.label)
 
 
@@ -262,6 +287,8 @@ def summary(checks: list[Check], auto: Check | None = None) -> dict:
            "peak_within_10": sum(abs(c.relative("peak")) <= 0.10 for c in done),
            "step_mdape": statistics.median(time_errors), "step_max_error": max(time_errors),
            "step_spread_median": statistics.median(c.spread for c in done),
+           "machine_drift": statistics.fmean(c.drift for c in done) - 1,
+           "step_mdape_at_measured_speed": statistics.median(abs(c.step_error_at_measured_speed) for c in done),
            "spearman": spearman([c.predicted["step_s"] for c in done], [c.measured["step_s"] for c in done]),
            "regret": regret(done)}
     if auto is not None and auto.measured:
