@@ -282,3 +282,13 @@ def test_validation_calibrates_the_kinds_auto_may_pick_with_the_spreads_in_one_g
     wanted = {k for c in [*validate.spread(ranked, 1), *ranked[:validate.AUTO_CANDIDATES]] for k in kinds_of(c.cfg, c.dims)}
     assert set(calls[0]) == wanted and len(wanted) > len(kinds_of(ranked[0].cfg, ranked[0].dims))
     assert auto.candidate.label == ranked[0].label
+
+
+def test_explain_names_the_slowdown_a_bf16_plan_is_priced_with(fake_runs):
+    """`--explain`'s source of the slowdown of ranks sharing cores: fp32's, and the one under autocast where it was
+    calibrated, which a bf16 plan's compute is priced with (it said only fp32's 2.00× beside a calibrated 2.5×)."""
+    from meshtrain.plan.measured.this_machine import this_machine
+
+    profile.remember("plan_slowdown", fixed_costs.slowdown_key(4, "bf16"), 2.5)
+    said = this_machine(4, device="cpu").sources["slowdown"]
+    assert said.endswith("; under autocast 2.50×, calibrated"), said

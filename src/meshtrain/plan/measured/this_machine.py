@@ -63,10 +63,17 @@ def this_machine(ranks_per_node: int, device: str | None = None, model: str | No
                             "memory": "measured here: copy bandwidth (machine profile)",
                             "collectives": "recorded by `meshtrain machine --ranks N`" if collectives else
                             "none recorded: `meshtrain machine --ranks N` measures them (assumed 1 GB/s, 50 µs)",
-                            "slowdown": f"{ranks_per_node} rank(s) × {threads} thread(s) on {cores} core(s): "
-                                        f"{slowdown:.2f}× a rank alone, " + ("calibrated (plan/measured/calibrate.py)"
-                                                                            if calibrated else "ranks × threads / cores"),
+                            "slowdown": _slowdown_source(ranks_per_node, threads, cores, slowdown, calibrated),
                             "fixed costs": _fixed_costs_source(ranks_per_node, model)})
+
+
+def _slowdown_source(ranks: int, threads: int, cores: int, slowdown: float, calibrated: float | None) -> str:
+    """What `--explain` says of the slowdown: fp32's, and under autocast its own where that was calibrated (a bf16
+    plan's compute is priced with it)."""
+    said = f"{ranks} rank(s) × {threads} thread(s) on {cores} core(s): {slowdown:.2f}× a rank alone, " + (
+        "calibrated (plan/measured/calibrate.py)" if calibrated else "ranks × threads / cores")
+    autocast = fixed_costs.cached_slowdown(ranks, "bf16") if cores else None
+    return said + (f"; under autocast {autocast:.2f}×, calibrated" if autocast else "")
 
 
 def _fixed_costs_source(ranks_per_node: int, model: str | None) -> str:
