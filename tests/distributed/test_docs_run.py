@@ -224,6 +224,13 @@ def launched_argv(part: str, env: dict[str, str], workspace: Path) -> list[str] 
     return forked_cmd(int(ranks), *([restarts.strip()] if restarts else []), *args.split())
 
 
+def crash(text: str) -> str:
+    """A crashed rank's own report, which the tail of a long output cuts (faulthandler prints the aborting thread's
+    stack first, then every other's and the extension modules)."""
+    start = text.find("Fatal Python error")
+    return f"{text[start:start + 3000]}\n[...]\n" if start >= 0 else ""
+
+
 @pytest.mark.parametrize("page,line", LINES, ids=[f"{page}: {line[:60]}" for page, line in LINES])
 def test_the_documented_command_runs_as_written(page, line, workspace):
     reason = next((why for start, why in NOT_RUN.items() if line.startswith(start)), None)
@@ -237,7 +244,7 @@ def test_the_documented_command_runs_as_written(page, line, workspace):
         done = run_as_the_shell_would(command, workspace)
         text = output(done)
         exit_code = 1 if FINDS_AN_ERROR_HERE.search(command) else 0
-        assert done.returncode == exit_code, f"{page}: `{command}` exited {done.returncode}:\n{text[-4000:]}"
+        assert done.returncode == exit_code, f"{page}: `{command}` exited {done.returncode}:\n{crash(text)}{text[-4000:]}"
         assert re.search(expected, text, re.MULTILINE), f"{page}: `{command}` did not say /{expected}/:\n{text[-3000:]}"
         # output that goes to a file carries no colour codes, under mpirun too (whose ranks get pseudo-terminals)
         assert "\x1b[" not in text, f"{page}: `{command}` wrote terminal escape codes to a file:\n{text[-2000:]}"
