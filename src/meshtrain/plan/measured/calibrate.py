@@ -125,7 +125,7 @@ def _measure(ranks: int, missing: dict[str, list[str]], slowdown: bool, data_roo
         if slowdown or any(registry.get(name).text for name in missing):
             prepare("shakespeare_char", Path(root))  # the shipped corpus, which needs no network
         # a step of ranks sharing cores moves by a quarter between runs here: the median of three, first in the job
-        runs = {(SLOWDOWN_REFERENCE, "slowdown", i): [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]
+        runs = {(SLOWDOWN_REFERENCE, "slowdown", i): _reference_overrides(root, dtype)
                 for i in range(3 if slowdown else 0)}
         runs.update({(name, kind, depth): overrides for name, missing_kinds in missing.items()
                      for (kind, depth), overrides in _tiny_runs(name, missing_kinds, root, data_root, dtype).items()})
@@ -218,6 +218,12 @@ def _fit_slowdown(ranks: int, step_s: list[float], runs: dict, progress, dtype: 
     return slowdown
 
 
+def _reference_overrides(root: str, dtype: str) -> list[str]:
+    """The slowdown's reference run (COMPUTE) in `dtype`, on the shipped corpus prepared in `root`: what calibration
+    fits the slowdown on, and what `plan --validate` runs again to see how the machine's speed moved since."""
+    return [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]
+
+
 def speed_reference(ranks: int, dtype: str, root: str) -> tuple[str, list[str], float] | None:
     """(model, overrides, predicted step seconds) of the run the slowdown of ranks sharing cores was fitted on
     (COMPUTE, on the corpus prepared now in `root`), as this machine was calibrated; None where it was not. Run again
@@ -228,7 +234,7 @@ def speed_reference(ranks: int, dtype: str, root: str) -> tuple[str, list[str], 
     if fixed is None or cached_slowdown(ranks, dtype) is None:
         return None
     prepare("shakespeare_char", Path(root))  # the shipped corpus, which needs no network
-    overrides = [*COMPUTE, f"data.root={root}", f"train.dtype={dtype}"]
+    overrides = _reference_overrides(root, dtype)
     cfg = config_mod.load_config(overrides, SLOWDOWN_REFERENCE)
     machine = replace(this_machine(ranks), fixed={ddp_kind: fixed})
     predicted = predict(ModelFacts.of(cfg), cfg, ParallelDims.from_config(cfg, ranks), machine).step_s
