@@ -226,9 +226,10 @@ def launched_argv(part: str, env: dict[str, str], workspace: Path) -> list[str] 
 
 def crash(text: str) -> str:
     """A crashed rank's own report, which the tail of a long output cuts (faulthandler prints the aborting thread's
-    stack first, then every other's and the extension modules)."""
+    stack first, then every other's and the extension modules), with the lines before it: where a C++ thread threw
+    (gloo's transport, say), what it threw is printed there ("terminate called after throwing ... what(): ...")."""
     start = text.find("Fatal Python error")
-    return f"{text[start:start + 3000]}\n[...]\n" if start >= 0 else ""
+    return f"{text[max(0, start - 1500):start + 3000]}\n[...]\n" if start >= 0 else ""
 
 
 @pytest.mark.parametrize("page,line", LINES, ids=[f"{page}: {line[:60]}" for page, line in LINES])

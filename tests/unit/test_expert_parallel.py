@@ -229,3 +229,39 @@ def test_dispatch_and_combine_count_the_bytes_they_pass_to_all_to_all():
         assert rows.grad[:8].eq(2).all() and rows.grad[8:].eq(0).all()
     finally:
         dist.destroy_process_group()
+
+
+def test_shape_inference_keeps_the_rows_on_their_rank(monkeypatch):
+    """Under torch's fake process group, rank 0 of ep 2: while keep_to_this_rank is on (a pipeline's shape inference),
+    the experts' forward dispatches nothing and gives what this rank's first expert makes of every row, with the
+    dispatched forward's shape, dtype and gradients; switched off, it dispatches again."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtrain.models.moe.experts import GroupedExperts
+    from meshtrain.parallel import expert_parallel
+    from meshtrain.parallel.mesh import expert_mesh
+
+    dims = ParallelDims(world_size=2, ep=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        experts = GroupedExperts(4, dim=8, hidden=16, matmul="loop")
+        expert_parallel.apply_expert_parallel(experts, expert_mesh(dims.build_mesh("cpu")))
+
+        def refused(*_args, **_kwargs):
+            raise AssertionError("dispatched")
+
+        monkeypatch.setattr(expert_parallel, "dispatch", refused)
+        rows, counts = torch.randn(6, 8, requires_grad=True), torch.tensor([1, 2, 0, 3])
+        expert_parallel.keep_to_this_rank([experts], True)
+        out = experts(rows, counts)
+        local = [p.to_local() for p in experts.parameters()]
+        assert local[0].shape[0] == 2  # this rank's half of the experts
+        torch.testing.assert_close(out, experts.compute(rows, torch.tensor([6, 0]), *local), rtol=0, atol=0)
+        out.sum().backward()
+        assert rows.grad.shape == rows.shape and all(p.grad is not None for p in experts.parameters())
+        assert expert_parallel.sent_bytes(experts) == 0
+        expert_parallel.keep_to_this_rank([experts], False)
+        with pytest.raises(AssertionError, match="dispatched"):
+            experts(rows, counts)
+    finally:
+        dist.destroy_process_group()

@@ -49,6 +49,7 @@ from torch import nn
 
 EXPERT_PARALLEL = "_expert_parallel"  # the attribute that marks a module whose experts are sharded over ep
 SENT = "_all_to_all_sent"  # the attribute holding that module's Sent tally
+UNSENT = "_all_to_all_unsent"  # the attribute that, while True, keeps that module's forward from communicating
 
 
 class Sent:
@@ -148,6 +149,18 @@ def _distribute(experts: nn.Module, mesh, hidden_dims: dict[str, int]) -> None:
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
+def keep_to_this_rank(modules: list[nn.Module], on: bool) -> None:
+    """While `on`, each expert-parallel module of `modules` runs every row through its first local expert and sends
+    nothing: for torch's pipeline shape inference (pipeline.shape_inference_hooks), which runs a stage's forward and
+    backward on uninitialised tensors and reads only the shapes, dtypes and requires_grad of what comes out. Those
+    are the dispatched forward's (the same compute on the same local weights), and the garbage never reaches the ep
+    peers: a count exchange and two all-to-alls fewer per layer, forward and backward (a rank aborted inside gloo's
+    variable-split all-to-all there, in the backward of a CI run's shape inference)."""
+    for module in modules:
+        if hasattr(module, EXPERT_PARALLEL):
+            setattr(module, UNSENT, on)
+
+
 def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
     """The modules of `model` whose experts apply_expert_parallel sharded."""
     return [m for m in model.modules() if hasattr(m, EXPERT_PARALLEL)]
@@ -182,6 +195,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """forward(rows, counts) over the ep group: each row computed on the rank holding its expert."""
     weights = [scale_grad(_local(p), 1.0 / ep) for p in experts.parameters(recurse=False)]
+    if getattr(experts, UNSENT, False):  # keep_to_this_rank: the shapes and dtypes of the forward below, unsent
+        first_only = counts.new_zeros(weights[0].shape[0])
+        first_only[0] = rows.shape[0]
+        return experts.compute(rows, first_only, *weights)
     local_rows, local_counts, route = dispatch(rows, counts, group, ep, getattr(experts, SENT))
     out = experts.compute(local_rows, local_counts, *weights)
     if local_rows.shape[0] == 0:

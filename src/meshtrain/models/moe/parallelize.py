@@ -18,7 +18,8 @@ parallelism, and expert parallelism (parallel.ep) composed with any of them. Wha
     cp   each cp rank routes its own positions; the balance loss sums its statistics over the cp ranks (with a
          gradient), so it is the whole sequence's, as one process computes it
     pp   each stage's MoE layers are its own, sharded over the ep ranks of that stage; torch's shape inference is
-         kept out of the routers' tallies (its forward routes garbage)
+         kept out of the routers' tallies (its forward routes garbage) and off the ep ranks' all-to-alls (its rows
+         stay on their rank: expert_parallel.keep_to_this_rank)
 
 Under pp (no decoder forward runs whole in a stage) and tp (whose loss-parallel loss is a DTensor, which a plain
 balance loss added to it cannot take a gradient from), each MoE layer's balance loss reaches the gradient through the
@@ -44,6 +45,7 @@ from meshtrain.parallel.expert_parallel import (
     EXPERT_PARALLEL,
     apply_expert_parallel,
     apply_expert_tensor_parallel,
+    keep_to_this_rank,
     scale_grad,
 )
 from meshtrain.parallel.lm_layout import build_language_model_layout
@@ -113,7 +115,9 @@ def build_moe_layout(model, cfg, dims, mesh, device, rank):
                                          tensor_parallel=apply_tensor_parallel)
     holder.layout = layout
     if layout.pipeline is not None:
-        layout.pipeline.shape_inference_hooks.append(_TalliesAside(_moe_layers(layout.model)))
+        layers = _moe_layers(layout.model)
+        layout.pipeline.shape_inference_hooks += [_TalliesAside(layers),
+                                                  partial(keep_to_this_rank, [moe.experts for moe in layers])]
     return layout
 
 
