@@ -67,10 +67,10 @@ def test_the_native_profile_is_cached_and_agrees_with_the_cpu_flags(native_cache
     again = profile_json(native_cache)
     assert again["matmul"] == first["matmul"] or any(m["measured"].get("busy") for m in first["matmul"].values())
     hw = first["hardware"]
-    assert first["auto_dtype"]["dtype"] == ("bf16" if hw["bf16"] else "fp32")
-    if hw["bf16"]:  # a box with bf16 units: bf16 must not be the 45× slower emulated path
-        fp32, bf16 = (first["matmul"][label]["measured"]["flops"] for label in ("fp32", "bf16"))
-        assert bf16 > 0.5 * fp32
+    fp32, bf16 = (first["matmul"][label]["measured"]["flops"] for label in ("fp32", "bf16"))
+    assert first["auto_dtype"]["dtype"] == ("bf16" if hw["bf16"] and bf16 >= fp32 else "fp32")
+    if hw["bf16"]:  # a box with bf16 units: bf16 must not be the 45-100× slower emulated path (a 2-core Intel Xeon's
+        assert bf16 > 0.1 * fp32  # avx512_bf16 without AMX measured 0.46-0.56× fp32: real units, slower ones)
 
 
 def test_machine_ranks_records_collective_bandwidth(native_cache):

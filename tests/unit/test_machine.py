@@ -111,13 +111,27 @@ def _cpu_hw(bf16: bool, why: str) -> Hardware:
                     why_bf16=why, cores=2, host_memory_bytes=1 << 34, device_memory_bytes=None)
 
 
-def test_auto_dtype_on_cpus():
+def test_auto_dtype_on_cpus(monkeypatch):
+    calls = fake_measure(monkeypatch, flops=lambda label, n: {"bf16": 90e9, "fp32": 60e9}[label])
     native = precision.choose("auto", "cpu", _cpu_hw(True, "avx512_bf16 + amx_bf16"))
     assert native == precision.Precision("bf16", "auto: Some CPU computes bf16 natively (avx512_bf16 + amx_bf16)")
+    assert sorted(calls) == ["bf16", "fp32"]  # measured once each, then read from the profile
     emulated = precision.choose("auto", "cpu", _cpu_hw(False, "AVX2 without avx512_bf16 or AMX"))
     assert emulated.dtype == "fp32" and emulated.warning is None
     assert emulated.reason == ("auto: Some CPU has no native bf16 (AVX2 without avx512_bf16 or AMX: torch would "
                                "emulate it through fp32), so fp32")
+    assert sorted(calls) == ["bf16", "fp32"]  # no bf16 units: nothing to measure
+
+
+def test_auto_dtype_on_a_cpu_whose_bf16_units_are_slower_than_fp32_is_fp32(monkeypatch):
+    """bf16 units that run matmuls at half fp32's rate (as on a 2-core Intel Xeon with avx512_bf16 and no AMX)."""
+    fake_measure(monkeypatch, flops=lambda label, n: {"bf16": 141e9, "fp32": 303.8e9}[label])
+    chosen = precision.choose("auto", "cpu", _cpu_hw(True, "avx512_bf16"))
+    assert chosen == precision.Precision(
+        "fp32", "auto: Some CPU has bf16 units (avx512_bf16), but its bf16 matmuls run at 141 GFLOP/s against "
+                "303.8 GFLOP/s in fp32 (measured: 0.46×), so fp32")
+    explicit = precision.choose("bf16", "cpu", _cpu_hw(True, "avx512_bf16"))
+    assert explicit.dtype == "bf16" and explicit.warning is None  # asked for: kept, the units are real
 
 
 def test_explicit_bf16_on_an_emulating_cpu_runs_with_a_warning_quoting_the_measured_ratio(monkeypatch):
@@ -377,7 +391,7 @@ def test_the_command_prints_and_dumps_the_profile(monkeypatch, capsys):
     dumped = json.loads(capsys.readouterr().out)
     assert dumped["matmul"]["fp32"]["measured"]["flops"] == 40e9 and dumped["matmul"]["fp32"]["datasheet"] is None
     assert set(dumped["matmul"]) == {"fp32", "bf16", "fp16"} and dumped["memory"]["gbs"] == 18.5
-    assert dumped["auto_dtype"]["dtype"] == ("bf16" if hardware.describe("cpu").bf16 else "fp32")
+    assert dumped["auto_dtype"]["dtype"] == "fp32"  # bf16 emulated, or its units slower than fp32 (1 against 40)
     assert list(dumped["collectives"]) == [key]
     assert machine_command.run(SimpleNamespace(**{**vars(args), "json": False})) == 0
     text = capsys.readouterr().out

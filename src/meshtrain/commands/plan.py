@@ -120,11 +120,10 @@ def run(args) -> int:
 
 
 def _auto_dtype() -> str:
-    from meshtrain.machine.hardware import describe
-    from meshtrain.machine.precision import auto_dtype
+    from meshtrain.machine.precision import choose
     from meshtrain.runtime.device import pick_device
 
-    return auto_dtype(describe(pick_device(0))).dtype
+    return choose("auto", pick_device(0)).dtype
 
 
 def pick(ranked: list[Candidate], which: str, option: str = "--explain") -> Candidate:

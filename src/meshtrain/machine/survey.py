@@ -28,7 +28,7 @@ def collect(device: torch.device, refresh: bool = False) -> dict:
         peak = profile.datasheet_peak(device, label)
         matmul[label] = {"measured": profile.measured(device, label, refresh=refresh),
                          "datasheet": peak.flops if peak else None}
-    auto = auto_dtype(hw)
+    auto = auto_dtype(hw, lambda label: matmul[label]["measured"]["flops"])
     data = profile.read_cache()
     collectives = {key: value for key, value in data.get("collectives", {}).items()
                    if key.split("|")[1:3] == [hw.kind, hw.name]}
