@@ -6,12 +6,12 @@ regret <= 5%) in one table per model and dtype, and a summary line each.
     python benchmarks/plan_validation.py --dtypes bf16 --gpt 6 --vit 0
     python benchmarks/plan_validation.py --ranks 8 --gpt 6 --vit 0
 
-`auto` is what train.dtype=auto picks on this machine (bf16 where the CPU computes it, else fp32), as a user's run
-would. Each layout runs under torchrun (plan/measured/measure.py: the Trainer's own step; CPU peaks counted from
-the tensors' own storages): on a CPU the layouts of each repeat in one job, on a GPU a job each. The machine's fixed
-costs are calibrated first (plan/measured/calibrate.py, cached); nothing is fitted to the runs scored here. The
-layout parallel.plan=auto would train is always among those run, so its regret is measured too. The ViT needs
-`meshtrain prepare era5-synthetic`, the GPT `meshtrain prepare shakespeare_char`.
+`auto` is what train.dtype=auto picks on this machine (bf16 where the CPU computes it at least as fast as fp32, else
+fp32), as a user's run would. Each layout runs under torchrun (plan/measured/measure.py: the Trainer's own step; CPU
+peaks counted from the tensors' own storages): on a CPU the layouts of each repeat in one job, on a GPU a job each.
+The machine's fixed costs are calibrated first (plan/measured/calibrate.py, cached); nothing is fitted to the runs
+scored here. The layout parallel.plan=auto would train is always among those run, so its regret is measured too. The
+ViT needs `meshtrain prepare era5-synthetic`, the GPT `meshtrain prepare shakespeare_char`.
 """
 
 from __future__ import annotations
