@@ -115,7 +115,7 @@ def test_auto_dtype_on_cpus(monkeypatch):
     calls = fake_measure(monkeypatch, flops=lambda label, n: {"bf16": 90e9, "fp32": 60e9}[label])
     native = precision.choose("auto", "cpu", _cpu_hw(True, "avx512_bf16 + amx_bf16"))
     assert native == precision.Precision("bf16", "auto: Some CPU computes bf16 natively (avx512_bf16 + amx_bf16)")
-    assert sorted(calls) == ["bf16", "fp32"]  # measured once each, then read from the profile
+    assert sorted(calls) == ["bf16", "fp32"]  # each measured once for the choice
     emulated = precision.choose("auto", "cpu", _cpu_hw(False, "AVX2 without avx512_bf16 or AMX"))
     assert emulated.dtype == "fp32" and emulated.warning is None
     assert emulated.reason == ("auto: Some CPU has no native bf16 (AVX2 without avx512_bf16 or AMX: torch would "
