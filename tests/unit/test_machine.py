@@ -398,3 +398,15 @@ def test_the_command_prints_and_dumps_the_profile(monkeypatch, capsys):
     for expected in ("machine profile:", "train.dtype=auto", "40 GFLOP/s", "0.025", "18.5 GB/s", "all_reduce",
                      "40.0"):  # 40 us latency
         assert expected in text, expected
+
+
+def test_the_auto_choice_reads_a_busy_figure_without_measuring_it_again(monkeypatch):
+    """A peak measured while the cores were busy is measured again by the next run that reads it (MFU's peak), but
+    not for the dtype choice: on a loaded box every run would pay a measurement for a ratio the load lowers alike."""
+    calls = fake_measure(monkeypatch, flops=lambda label, n: {"bf16": 40e9, "fp32": 80e9}[label], load=99.0)
+    hw = _cpu_hw(True, "avx512_bf16")
+    assert precision.choose("auto", "cpu", hw).dtype == "fp32" and sorted(calls) == ["bf16", "fp32"]
+    profile.clear()  # the next run: a new process
+    assert precision.choose("auto", "cpu", hw).dtype == "fp32" and sorted(calls) == ["bf16", "fp32"]
+    profile.measured("cpu", "fp32")
+    assert sorted(calls) == ["bf16", "fp32", "fp32"]  # the busy fp32 figure, measured again for MFU

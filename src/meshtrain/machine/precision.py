@@ -52,10 +52,12 @@ def auto_dtype(hw: Hardware, rate: Callable[[str], float] | None = None) -> Prec
 
 
 def measured_rate(device: torch.device | str) -> Callable[[str], float] | None:
-    """A CPU's measured matmul FLOP/s by dtype label, from the machine profile (measured there once, when missing),
-    for auto_dtype; None elsewhere (an accelerator's bf16 units are its fastest)."""
+    """A CPU's measured matmul FLOP/s by dtype label, from the machine profile (measured there once, when missing,
+    and kept even if the cores were busy then: the choice compares two figures the load lowers alike, and must not
+    cost every run a measurement on a loaded box), for auto_dtype; None elsewhere (an accelerator's bf16 units are
+    its fastest)."""
     device = torch.device(device)
-    return (lambda label: profile.measured(device, label)["flops"]) if device.type == "cpu" else None
+    return (lambda label: profile.measured(device, label, busy_ok=True)["flops"]) if device.type == "cpu" else None
 
 
 def bf16_cost(device: torch.device) -> str:

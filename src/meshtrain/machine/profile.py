@@ -161,10 +161,12 @@ def _keep(old: dict | None, new: dict, replace: bool) -> dict:
     return kept
 
 
-def measured(device: torch.device | str, figure: str, *, refresh: bool = False, again: bool = False) -> dict:
+def measured(device: torch.device | str, figure: str, *, refresh: bool = False, again: bool = False,
+             busy_ok: bool = False) -> dict:
     """This device's measured `figure` ('fp32', 'tf32', 'bf16', 'fp16' matmul peaks, or 'memory' bandwidth),
     from this process's memory, else the cache, else measured now. `again` measures once more and keeps the
-    better figure (a suspect peak); `refresh` measures and keeps the new one."""
+    better figure (a suspect peak); `refresh` measures and keeps the new one; a figure measured while the cores were
+    busy is measured again, unless `busy_ok` (a comparison of two dtypes, which the load lowers alike)."""
     device = torch.device(device)
     hw = describe(device)
     key = profile_key(hw, threads_of(device))
@@ -175,8 +177,9 @@ def measured(device: torch.device | str, figure: str, *, refresh: bool = False, 
         entry = data.setdefault("devices", {}).setdefault(key, {})
         figures = entry if figure == "memory" else entry.setdefault("matmul", {})  # where the figure lives
         old = figures.get(figure)
-        if old is not None and not (refresh or again or old.get("busy")):
-            _MEMO[key, figure] = old
+        if old is not None and not (refresh or again) and (busy_ok or not old.get("busy")):
+            if not old.get("busy"):  # a busy one is still measured again by the next caller that is not busy_ok
+                _MEMO[key, figure] = old
             return old
         new = measure.memory_bandwidth(device) if figure == "memory" else measure.matmul_peak(device, figure)
         new["busy"] = _busy(new, hw)
