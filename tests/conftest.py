@@ -39,35 +39,14 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def suite_machine_profile(tmp_path_factory) -> Path:
-    """The suite's own machine profile (MESHTRAIN_CACHE_DIR), shared by both workers and holding only the matmul
-    peaks pytest_sessionstart measured: what the suite's processes measure under its load never lands in the
-    runner's ~/.cache/meshtrain (where a plan would later read it as this machine's figures), and no test passes or
-    fails by what that profile holds."""
-    folder = _suite_profile(tmp_path_factory.getbasetemp())
+    """The suite's own machine profile (MESHTRAIN_CACHE_DIR), empty when it starts and shared by both workers: what
+    the suite's processes measure under its load never lands in the runner's ~/.cache/meshtrain (where a plan would
+    later read it as this machine's figures), and no test passes or fails by what that profile holds."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "machine-profile"
     folder.mkdir(exist_ok=True)
     os.environ["MESHTRAIN_CACHE_DIR"] = str(folder)
     return folder
-
-
-def _suite_profile(base: Path) -> Path:
-    """The suite's profile folder, the same for xdist's controller and its workers (whose base is the controller's
-    basetemp/popen-gwN)."""
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "machine-profile"
-
-
-def pytest_sessionstart(session) -> None:
-    """Before any worker starts (in xdist's controller, or the only process): the CPU's fp32 and bf16 matmul peaks at
-    the suite's one thread a process (clean_env) measured into its profile while the box is quiet. A figure measured
-    under the suite's own load is marked busy and measured again by every later run that reads it: each training
-    run's rank 0 (its MFU peak) paid that, 1.2 s for fp32 on an idle 2-core Intel Xeon and more under the load."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    folder = _suite_profile(session.config._tmp_path_factory.getbasetemp())
-    folder.mkdir(exist_ok=True)
-    code = ("import torch\nfrom meshtrain.machine import profile\ntorch.set_num_threads(1)\n"
-            "for label in ('fp32', 'bf16'):\n    profile.measured('cpu', label)\n")
-    subprocess.run([sys.executable, "-c", code], env=clean_env(MESHTRAIN_CACHE_DIR=str(folder)), cwd=REPO,
-                   timeout=120, check=False, capture_output=True)
 
 
 def prepare_data(root: Path, name: str = "shakespeare_char", env: dict[str, str] | None = None) -> Path:
