@@ -28,7 +28,7 @@ from meshtrain.plan import machines, systems
 from meshtrain.plan.cost import predict_peak
 from meshtrain.plan.measured import measure
 from meshtrain.plan.workload import ModelFacts
-from meshtrain.runtime import distributed
+from meshtrain.runtime.setup import distributed
 
 ORDER = ("none", "selective", "full", "op")
 assert set(ORDER) == set(MODES)

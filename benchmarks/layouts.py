@@ -41,9 +41,9 @@ from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.models.gpt.parallelize import build_gpt_layout
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.mesh import MeshError, ParallelDims
-from meshtrain.runtime import distributed
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.results import record, run_ranks
+from meshtrain.runtime.setup import distributed
 from meshtrain.train import metrics
 from meshtrain.train.optim import build_optimizer
 

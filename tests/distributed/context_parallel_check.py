@@ -37,8 +37,8 @@ from meshtrain.parallel.context_parallel import (
     ulysses_attention,
 )
 from meshtrain.parallel.mesh import ParallelDims, submesh
-from meshtrain.runtime import distributed
 from meshtrain.runtime.results import record
+from meshtrain.runtime.setup import distributed
 
 TOL, STEPS, LOCAL_BATCH = 1e-5, 3, 2
 KERNELS = {"ulysses": ulysses_attention, "ring": ring_attention}

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.data_parallel import apply_data_parallel, bytes_held, gradient_sync
-from meshtrain.runtime import distributed
 from meshtrain.runtime.results import full, record
+from meshtrain.runtime.setup import distributed
 from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, TOL = 2, 3, 3, 1e-5

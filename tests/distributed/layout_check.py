@@ -51,8 +51,8 @@ from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.state_dict import (
     full_model_state,
 )
-from meshtrain.runtime import distributed
 from meshtrain.runtime.results import full, record
+from meshtrain.runtime.setup import distributed
 from meshtrain.train import checkpoint
 from meshtrain.train.metrics import StepTimer
 from meshtrain.train.optim import build_optimizer

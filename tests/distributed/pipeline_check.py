@@ -26,8 +26,8 @@ from meshtrain.models.gpt.model import GPT, GPTConfig
 from meshtrain.models.gpt.parallelize import SPLIT
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.pipeline import SINGLE_STAGE, PipelineError, build_pipeline
-from meshtrain.runtime import distributed
 from meshtrain.runtime.results import full, record
+from meshtrain.runtime.setup import distributed
 
 ACCUM, ROWS, MICROBATCHES, STEPS, MAX_NORM, TOL = 2, 8, 4, 2, 0.3, 1e-5
 CONFIG = GPTConfig(block_size=16, vocab_size=65, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=True)

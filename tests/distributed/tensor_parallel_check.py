@@ -31,8 +31,8 @@ from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 from meshtrain.parallel.data_parallel import apply_data_parallel, gradient_sync
 from meshtrain.parallel.mesh import ParallelDims, submesh
 from meshtrain.parallel.tensor_parallel import loss_parallel_context
-from meshtrain.runtime import distributed
 from meshtrain.runtime.results import full, record
+from meshtrain.runtime.setup import distributed
 from meshtrain.train.optim import build_optimizer
 
 ACCUM, MICRO, STEPS, VOCAB = 2, 2, 3, 65

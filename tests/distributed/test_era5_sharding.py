@@ -22,8 +22,8 @@ RANKS, TP, BATCH, LIMIT = 4, 2, 2, 11
 def drive(root: Path) -> None:
     from meshtrain.data.era5 import ERA5Dataset
     from meshtrain.data.era5_batches import ERA5Batches
-    from meshtrain.runtime import distributed
     from meshtrain.runtime.results import record
+    from meshtrain.runtime.setup import distributed
 
     with distributed() as info:
         dp_rank, dp_size = info.rank // TP, info.world_size // TP

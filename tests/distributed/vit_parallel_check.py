@@ -45,8 +45,8 @@ from meshtrain.parallel.context_parallel import (
 )
 from meshtrain.parallel.data_parallel import apply_data_parallel
 from meshtrain.parallel.mesh import ParallelDims, submesh
-from meshtrain.runtime import distributed
 from meshtrain.runtime.results import full, record
+from meshtrain.runtime.setup import distributed
 
 TOL, STEPS, LOCAL_BATCH = 1e-5, 3, 2
 CONFIG = ViTConfig(img_size=(16, 32), patch_size=4, in_channels=3, out_channels=3, embed_dim=32, depth=2,

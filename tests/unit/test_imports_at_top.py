@@ -44,3 +44,35 @@ def test_the_check_finds_a_late_import(tmp_path):
     assert late_imports(module, tmp_path) == ["m.py:f: meshtrain.parallel"]
     module.write_text("import json\n\n\ndef f():\n    from meshtrain.parallel import mesh\n    return mesh\n")
     assert late_imports(module, tmp_path) == [], "a module without torch at its top may stay light"
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running `code`."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport json, sys; print(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def test_what_reads_only_the_config_or_the_launch_environment_starts_without_torch():
+    """meshtrain.config and `meshtrain launch` never import torch (2 s of CPU here before any launcher starts): the
+    runtime package imports none of its modules itself, and the train command joins the process group in its run."""
+    loaded = _modules_after("import meshtrain.config, meshtrain.commands.launch\n"
+                            "from meshtrain.commands import build_parser; build_parser()")
+    assert "torch" not in loaded
+
+
+def test_a_model_built_on_meta_imports_no_compiler_and_keeps_its_shapes():
+    """on_meta leaves normal_ undone on meta tensors (torch would import torch._dynamo for it, a second of CPU in a
+    process that compiles nothing); the same initialiser on a real tensor still draws."""
+    loaded = _modules_after("import torch\nfrom meshtrain.nn.meta import on_meta\n"
+                            "from meshtrain.models.gpt.model import GPT, GPTConfig\n"
+                            "with on_meta():\n    m = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=2, n_head=2, n_embd=8))\n"
+                            "assert m.transformer.wte.weight.is_meta and m.transformer.wte.weight.shape == (11, 8)\n"
+                            "with on_meta():\n    t = torch.nn.init.normal_(torch.zeros(3, 4, device='cpu'))\n"
+                            "assert t.std() > 0")
+    assert "torch._dynamo" not in loaded

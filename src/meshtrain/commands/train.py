@@ -10,7 +10,6 @@ from meshtrain import registry
 from meshtrain.config import ALIASES, load_config
 from meshtrain.runtime.log import get_logger
 from meshtrain.runtime.rundir import PREEMPTED
-from meshtrain.runtime.setup import distributed
 
 log = get_logger("train")
 
@@ -28,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from meshtrain.plan.measured import auto, preflight
     from meshtrain.runtime.progress import said_while_quiet
+    from meshtrain.runtime.setup import (
+        distributed,  # torch: not for the parser (`meshtrain launch` builds it)
+    )
     from meshtrain.train.trainer import train
 
     cfg = load_config(args.overrides, args.workload)  # before joining: a bad key fails on every rank alike, at once

@@ -125,14 +125,14 @@ def apply_expert_parallel(experts: nn.Module, mesh, hidden_dims: dict[str, int] 
     _distribute(experts, mesh, hidden_dims or {})
     setattr(experts, EXPERT_PARALLEL, ep_mesh)
     setattr(experts, SENT, Sent())
-    experts.forward = partial(_dispatched_forward, experts, ep_mesh.get_group(), ep)
+    experts.forward = eager(partial(_dispatched_forward, experts, ep_mesh.get_group(), ep))
 
 
 def apply_expert_tensor_parallel(experts: nn.Module, tp_mesh, hidden_dims: dict[str, int]) -> None:
     """Cut every expert of `experts` over the 1-D `tp_mesh` (without ep): each parameter Shard(hidden_dims[name]),
     the forward run on this rank's slices, each row's output a partial sum over tp (module docstring)."""
     _distribute(experts, tp_mesh, hidden_dims)
-    experts.forward = partial(_local_forward, experts)
+    experts.forward = eager(partial(_local_forward, experts))
 
 
 def _distribute(experts: nn.Module, mesh, hidden_dims: dict[str, int]) -> None:
@@ -187,11 +187,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-# Left out of torch.compile (train.compile=blocks|model): the dispatch reads its split sizes on the host and the
-# all-to-all's shapes follow them, and torch 2.13's dynamo cannot trace the local views of the sharded weights (it
-# sees them as replicated DTensors: "aten.mm.default got mixed torch.Tensor and DTensor"). The rest of the block
-# (attention, router, norms) is still compiled; this runs eager between its graphs.
-@torch.compiler.disable
+def eager(forward):
+    """`forward`, left out of torch.compile's graphs: it runs eager between them. Applied where a layout binds a
+    forward, not as a decorator: torch.compiler.disable imports torch._dynamo, a second of CPU in every process
+    that imports this module (every rank of every layout), compiled or not."""
+    return torch.compiler.disable(forward)
+
+
+# Left out of torch.compile (train.compile=blocks|model; `eager` where the layout binds it): the dispatch reads its
+# split sizes on the host and the all-to-all's shapes follow them, and torch 2.13's dynamo cannot trace the local
+# views of the sharded weights (it sees them as replicated DTensors: "aten.mm.default got mixed torch.Tensor and
+# DTensor"). The rest of the block (attention, router, norms) is still compiled; this runs eager between its graphs.
 def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """forward(rows, counts) over the ep group: each row computed on the rank holding its expert."""
     weights = [scale_grad(_local(p), 1.0 / ep) for p in experts.parameters(recurse=False)]
@@ -209,7 +215,7 @@ def _dispatched_forward(experts: nn.Module, group, ep: int, rows: torch.Tensor, 
     return combine(out, route, rows.shape[0])
 
 
-@torch.compiler.disable  # as _dispatched_forward: dynamo cannot trace the sharded weights' local views
+# eager, as _dispatched_forward: dynamo cannot trace the sharded weights' local views
 def _local_forward(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """forward(rows, counts) on this rank's tp slice of every expert: partial sums of the outputs."""
     return experts.compute(rows, counts, *[_local(p) for p in experts.parameters(recurse=False)])

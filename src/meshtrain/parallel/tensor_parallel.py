@@ -64,7 +64,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshtrain.parallel.expert_parallel import expert_parameters
+from meshtrain.parallel.expert_parallel import eager, expert_parameters
 from meshtrain.parallel.mesh import MeshError
 
 BLOCKS = "transformer.h.*"  # a decoder's blocks; parallelize_module matches each path token with fnmatch
@@ -204,10 +204,10 @@ def local_linear(linear: nn.Linear, mesh: DeviceMesh, dim: int) -> None:
         raise MeshError(f"local_linear: {linear} has a bias; only bias-free linears are cut this way")
     weight = distribute_tensor(linear.weight.detach(), mesh, [Shard(dim)], src_data_rank=None)
     linear.register_parameter("weight", nn.Parameter(weight, requires_grad=linear.weight.requires_grad))
-    linear.forward = partial(_local_linear, linear)
+    linear.forward = eager(partial(_local_linear, linear))
 
 
-@torch.compiler.disable  # dynamo cannot trace a sharded weight's local view (parallel/expert_parallel.py)
+# eager: dynamo cannot trace a sharded weight's local view (parallel/expert_parallel.py)
 def _local_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, linear.weight.to_local())
 

@@ -20,6 +20,7 @@ reports one row per pipeline stage, for the ranks at coordinate 0 of every other
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ def chunk(size: int, parts: int, index: int = 0) -> int:
     return max(0, min(step, size - index * step))
 
 
+@functools.cache  # a plan asks it of every parameter for each of hundreds of layouts
 def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     """The shape of parameter `name` on tp rank 0 (SHARDED_DIMS names its module, or itself: stacked experts)."""
     module, _, kind = name.rpartition(".")

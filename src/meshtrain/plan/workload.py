@@ -8,10 +8,10 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from meshtrain import registry
+from meshtrain.nn.meta import on_meta
 from meshtrain.parallel.pipeline_schedules import StageSplit, split_layers, stage_ids
 from meshtrain.plan.systems import PlanError
 
@@ -51,7 +51,7 @@ class ModelFacts:
         if spec.build_model is None or spec.data_facts is None:
             raise registry.RegistryError(f"model {spec.name!r} gives no build_model or data_facts in its ModelSpec: "
                                          "the planner builds the model from them (see docs/models.md)")
-        with torch.device("meta"):
+        with on_meta():
             model = spec.build_model(cfg, data_facts or spec.data_facts(cfg))
         config = getattr(model, "config", None)
         tokens = shape.tokens or getattr(config, "num_patches", None) or config.block_size

@@ -1,10 +1,6 @@
-"""The distributed runtime: who am I, which device, the process group, launching, collectives."""
+"""The distributed runtime: who am I, which device, the process group, launching, collectives.
 
-from meshtrain.runtime.env import LaunchEnv, LaunchEnvError, detect, expand_nodelist, read_hostfile
-from meshtrain.runtime.log import configure_logging, get_logger
-from meshtrain.runtime.setup import CollectiveError, DistInfo, cleanup, collective, distributed, setup
-
-__all__ = [
-    "CollectiveError", "DistInfo", "LaunchEnv", "LaunchEnvError", "cleanup", "collective", "configure_logging",
-    "detect", "distributed", "expand_nodelist", "get_logger", "read_hostfile", "setup",
-]
+Its modules are imported by name (meshtrain.runtime.setup, .env, ...), none of them here: setup imports torch, and
+what only reads the launch environment or the config (`meshtrain launch`, `submit`, `doctor`, meshtrain.config)
+starts without it, a second and more of CPU sooner on every job.
+"""

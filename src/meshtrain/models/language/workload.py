@@ -18,6 +18,7 @@ from meshtrain.config import ConfigError
 from meshtrain.data.streams import dataset_meta, token_batches
 from meshtrain.data.tokenizers import tokenizer_from_meta
 from meshtrain.models.language import with_loss_chunks
+from meshtrain.nn.meta import on_meta
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.runtime.progress import track
 from meshtrain.runtime.setup import DistInfo, broadcast_object, collective, reduce_scalar
@@ -121,7 +122,7 @@ class LanguageModelWorkload:
             # A whole copy of the model for this sample only: kept, it would sit on rank 0's device beside every later
             # step (GPT-2 124M: 0.46 GiB; a 7B model: 28 GB on one rank of an FSDP job that shards the rest). Built
             # on the meta device: a real init would draw from the dropout RNG.
-            with torch.device("meta"):
+            with on_meta():
                 sampler = self.sampler_factory().eval()
             sampler.to_empty(device=self.device)
             sampler.load_state_dict(weights)

@@ -15,7 +15,9 @@ exactly as `train` does (the Trainer, in a scratch directory), steps it, and rec
 
     python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measured.measure gpt preset=cpu train.backend=fsdp
 
-`--cases` runs several in one job, sparing a start-up of the ranks each: the calibration's tiny runs, and on a CPU
+`--time-only` records step_s alone, without the counting (calibration's tiny runs read only their step times): the
+build and the warm-up then run without every op passing through Python. `--cases` runs several in one job, sparing a
+start-up of the ranks each: the calibration's tiny runs, and on a CPU
 the layouts `plan --validate` measures (each case's storages are counted from its own start). On a GPU a layout's
 peak is measured in a job of its own (the CUDA allocator's cache starts empty).
 """
@@ -42,9 +44,9 @@ from meshtrain import config as config_mod
 from meshtrain import registry
 from meshtrain.parallel.data_parallel import bytes_held
 from meshtrain.parallel.expert_parallel import sent_bytes
-from meshtrain.runtime import distributed
 from meshtrain.runtime.device import synchronize
 from meshtrain.runtime.results import record
+from meshtrain.runtime.setup import distributed
 from meshtrain.train.trainer import Trainer
 
 if TYPE_CHECKING:  # for annotations only
@@ -117,7 +119,13 @@ class TensorBytes(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor turn it into ops on local tensors, which come back through here
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._count, out)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, or a tuple of them, without pytree's walk
+            self._count(out)
+        elif isinstance(out, tuple | list) and all(isinstance(t, torch.Tensor) for t in out):
+            for tensor in out:
+                self._count(tensor)
+        else:
+            tree_map_only(torch.Tensor, self._count, out)
         return out
 
 
@@ -132,13 +140,15 @@ def main(argv: list[str] | None = None) -> None:
                              '{"model": NAME, "overrides": [...]} runs another model, without the overrides above')
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--time-only", action="store_true",
+                        help="record the step time alone (step_s): no peak, state bytes or collective calls counted")
     args = parser.parse_args(argv)
     cases = args.cases or {args.case: []}
     with tempfile.TemporaryDirectory(prefix="meshtrain-measure-") as scratch, distributed() as info:
         for i, (case, own) in enumerate(cases.items()):
             model, overrides = case_run(args.model, args.overrides, own)
             cfg = run_config(model, overrides, f"{scratch}/{i}")  # run dirs are named by the second
-            record(case, **measure(cfg, info, args.warmup, args.steps), rank=info.rank)
+            record(case, **measure(cfg, info, args.warmup, args.steps, counted=not args.time_only), rank=info.rank)
             gc.collect()  # the last case's Trainer, now garbage: not collected in the middle of the next one's steps
 
 
@@ -161,8 +171,15 @@ def run_config(model: str, overrides: list[str], scratch: str) -> RunConfig:
     return config_mod.load_config([*overrides, f"train.out_dir={scratch}", *STEPS_ONLY], registry.get(model).name)
 
 
-def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
-    """Build the run as `train` would, step it `warmup` times, then measure one step's peak and `steps` steps' time."""
+def measure(cfg: RunConfig, info, warmup: int, steps: int, counted: bool = True) -> dict:
+    """Build the run as `train` would, step it `warmup` times, then measure one step's peak and `steps` steps' time.
+    With `counted` false, the step time alone (calibration's tiny runs): no storage or collective is counted, which
+    spares the build and the warm-up the dispatch of every op through Python (TensorBytes) and the profiler."""
+    if not counted:
+        trainer = Trainer(cfg, info)
+        for it in range(warmup + 1):
+            trainer.step(it)
+        return {"step_s": _timed_steps(trainer, cfg, range(warmup + 1, warmup + 1 + steps))}
     device = info.torch_device
     tracker = TensorBytes() if device.type == "cpu" else None
     with tracker or contextlib.nullcontext():
@@ -176,8 +193,9 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
         sent_bytes(trainer.model, reset=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
             trainer.step(warmup)
-    calls = Counter(event.name.split(":", 1)[1] for event in profiled.events()
-                    if event.name.startswith(("gloo:", "nccl:")))
+    # the raw events: the profiler's own events() builds a FunctionEvent tree of every op of the step first
+    calls = Counter(name.split(":", 1)[1] for event in profiled.profiler.kineto_results.events()
+                    if (name := event.name()).startswith(("gloo:", "nccl:")))
     peak = tracker.peak() if tracker else torch.cuda.max_memory_allocated(device)
     exchanged = sent_bytes(trainer.model, reset=True)
     held = {}
@@ -187,10 +205,21 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
         held.update(bytes_held(trainer.model, trainer.optimizer))
         zero_grad(*args, **kwargs)
 
-    times, next_batch = [], trainer.batches.next_batch
-    for it in range(warmup + 1, warmup + 1 + steps):
-        trainer.optimizer.zero_grad = count_then_zero if it == warmup + steps else zero_grad
-        # the step from batches in hand: the planner does not model data loading (a loader's workers overlap it)
+    last = warmup + steps
+
+    def count_on_the_last(it: int) -> None:
+        trainer.optimizer.zero_grad = count_then_zero if it == last else zero_grad
+
+    step_s = _timed_steps(trainer, cfg, range(warmup + 1, last + 1), count_on_the_last)
+    return {**held, "peak": peak, "step_s": step_s, "a2a_bytes": exchanged, "calls": dict(calls)}
+
+
+def _timed_steps(trainer: Trainer, cfg: RunConfig, iterations: range, before=lambda it: None) -> float:
+    """The median wall time of `trainer`'s steps `iterations`, each from its batches in hand (the planner does not
+    model data loading: a loader's workers overlap it); `before(it)` runs ahead of each, untimed. Closes the run."""
+    device, times, next_batch = trainer.device, [], trainer.batches.next_batch
+    for it in iterations:
+        before(it)
         ready = [next_batch() for _ in range(cfg.train.grad_accum)]
         trainer.batches.next_batch = ready.pop
         ready.reverse()
@@ -202,7 +231,7 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
     trainer.batches.next_batch = next_batch
     trainer.batches.close()
     trainer.sinks.close()
-    return {**held, "peak": peak, "step_s": statistics.median(times), "a2a_bytes": exchanged, "calls": dict(calls)}
+    return statistics.median(times)
 
 if __name__ == "__main__":
     main()
