@@ -58,9 +58,9 @@ def _modules_after(code: str) -> set[str]:
     return set(json.loads(out.stdout.splitlines()[-1]))
 
 
-def test_what_reads_only_the_config_or_the_launch_environment_starts_without_torch():
-    """meshtrain.config and `meshtrain launch` never import torch (2 s of CPU here before any launcher starts): the
-    runtime package imports none of its modules itself, and the train command joins the process group in its run."""
+def test_the_config_module_and_the_command_line_import_without_torch():
+    """meshtrain.config, `meshtrain launch` and the CLI's parser import no torch (2 s of CPU here): the runtime
+    package imports none of its modules itself, and the train command joins the process group in its run."""
     loaded = _modules_after("import meshtrain.config, meshtrain.commands.launch\n"
                             "from meshtrain.commands import build_parser; build_parser()")
     assert "torch" not in loaded
