@@ -25,11 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top, which the parser imports (`meshtrain launch` builds it): these import torch
     from meshtrain.plan.measured import auto, preflight
     from meshtrain.runtime.progress import said_while_quiet
-    from meshtrain.runtime.setup import (
-        distributed,  # torch: not for the parser (`meshtrain launch` builds it)
-    )
+    from meshtrain.runtime.setup import distributed
     from meshtrain.train.trainer import train
 
     cfg = load_config(args.overrides, args.workload)  # before joining: a bad key fails on every rank alike, at once

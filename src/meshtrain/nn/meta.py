@@ -1,8 +1,9 @@
 """Building a module on the meta device (shapes, no storage) without drawing its initial values.
 
 A meta tensor holds no values, so its initialisers have nothing to do; but torch runs a meta tensor's normal_
-through its Python references, whose first call imports torch._dynamo: a second of CPU in every process that plans
-or trains (the trainer's memory check and the planner build the model on meta), compiled or not.
+through its Python references, whose first call imports torch._dynamo: a second of CPU in a process that plans
+and compiles nothing (the planner builds the model on meta; a training rank imports it anyway, for DDP and
+torch.optim).
 """
 
 from __future__ import annotations

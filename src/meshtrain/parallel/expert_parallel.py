@@ -190,7 +190,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def eager(forward):
     """`forward`, left out of torch.compile's graphs: it runs eager between them. Applied where a layout binds a
     forward, not as a decorator: torch.compiler.disable imports torch._dynamo, a second of CPU in every process
-    that imports this module (every rank of every layout), compiled or not."""
+    that imports this module, the planner's among them, compiled or not."""
     return torch.compiler.disable(forward)
 
 
