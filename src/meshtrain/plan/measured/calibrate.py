@@ -259,7 +259,7 @@ def _step_times(ranks: int, runs: list[tuple[str, list[str]]]) -> list[float]:
     ranks: the slowest rank's median of 8 steps after 3 of warm-up."""
     cases = {f"run {i}": {"model": model, "overrides": overrides} for i, (model, overrides) in enumerate(runs)}
     job = run_ranks(Path(measure.__file__), ranks, runs[0][0], "--cases", json.dumps(cases), "--steps", "8",
-                    "--warmup", "3", "--time-only", timeout=120 + 60 * len(runs))
+                    "--warmup", "3", timeout=120 + 60 * len(runs))
     times = [[fields["step_s"] for result in job.results.values() if (fields := result.get(case))] for case in cases]
     incomplete = [i for i, t in enumerate(times) if len(t) < ranks]  # the runs go in order: the first failed
     if job.returncode or incomplete:

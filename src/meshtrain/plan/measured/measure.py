@@ -15,9 +15,7 @@ exactly as `train` does (the Trainer, in a scratch directory), steps it, and rec
 
     python -m torch.distributed.run --nproc-per-node 4 -m meshtrain.plan.measured.measure gpt preset=cpu train.backend=fsdp
 
-`--time-only` records step_s alone, without the counting (calibration's tiny runs read only their step times): the
-build and the warm-up then run without every op passing through Python. `--cases` runs several in one job, sparing a
-start-up of the ranks each: the calibration's tiny runs, and on a CPU
+`--cases` runs several in one job, sparing a start-up of the ranks each: the calibration's tiny runs, and on a CPU
 the layouts `plan --validate` measures (each case's storages are counted from its own start). On a GPU a layout's
 peak is measured in a job of its own (the CUDA allocator's cache starts empty).
 """
@@ -140,15 +138,13 @@ def main(argv: list[str] | None = None) -> None:
                              '{"model": NAME, "overrides": [...]} runs another model, without the overrides above')
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--time-only", action="store_true",
-                        help="record the step time alone (step_s): no peak, state bytes or collective calls counted")
     args = parser.parse_args(argv)
     cases = args.cases or {args.case: []}
     with tempfile.TemporaryDirectory(prefix="meshtrain-measure-") as scratch, distributed() as info:
         for i, (case, own) in enumerate(cases.items()):
             model, overrides = case_run(args.model, args.overrides, own)
             cfg = run_config(model, overrides, f"{scratch}/{i}")  # run dirs are named by the second
-            record(case, **measure(cfg, info, args.warmup, args.steps, counted=not args.time_only), rank=info.rank)
+            record(case, **measure(cfg, info, args.warmup, args.steps), rank=info.rank)
             gc.collect()  # the last case's Trainer, now garbage: not collected in the middle of the next one's steps
 
 
@@ -171,15 +167,8 @@ def run_config(model: str, overrides: list[str], scratch: str) -> RunConfig:
     return config_mod.load_config([*overrides, f"train.out_dir={scratch}", *STEPS_ONLY], registry.get(model).name)
 
 
-def measure(cfg: RunConfig, info, warmup: int, steps: int, counted: bool = True) -> dict:
-    """Build the run as `train` would, step it `warmup` times, then measure one step's peak and `steps` steps' time.
-    With `counted` false, the step time alone (calibration's tiny runs): no storage or collective is counted, which
-    spares the build and the warm-up the dispatch of every op through Python (TensorBytes) and the profiler."""
-    if not counted:
-        trainer = Trainer(cfg, info)
-        for it in range(warmup + 1):
-            trainer.step(it)
-        return {"step_s": _timed_steps(trainer, cfg, range(warmup + 1, warmup + 1 + steps))}
+def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
+    """Build the run as `train` would, step it `warmup` times, then measure one step's peak and `steps` steps' time."""
     device = info.torch_device
     tracker = TensorBytes() if device.type == "cpu" else None
     with tracker or contextlib.nullcontext():
@@ -205,21 +194,10 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int, counted: bool = True)
         held.update(bytes_held(trainer.model, trainer.optimizer))
         zero_grad(*args, **kwargs)
 
-    last = warmup + steps
-
-    def count_on_the_last(it: int) -> None:
-        trainer.optimizer.zero_grad = count_then_zero if it == last else zero_grad
-
-    step_s = _timed_steps(trainer, cfg, range(warmup + 1, last + 1), count_on_the_last)
-    return {**held, "peak": peak, "step_s": step_s, "a2a_bytes": exchanged, "calls": dict(calls)}
-
-
-def _timed_steps(trainer: Trainer, cfg: RunConfig, iterations: range, before=lambda it: None) -> float:
-    """The median wall time of `trainer`'s steps `iterations`, each from its batches in hand (the planner does not
-    model data loading: a loader's workers overlap it); `before(it)` runs ahead of each, untimed. Closes the run."""
-    device, times, next_batch = trainer.device, [], trainer.batches.next_batch
-    for it in iterations:
-        before(it)
+    times, next_batch = [], trainer.batches.next_batch
+    for it in range(warmup + 1, warmup + 1 + steps):
+        trainer.optimizer.zero_grad = count_then_zero if it == warmup + steps else zero_grad
+        # the step from batches in hand: the planner does not model data loading (a loader's workers overlap it)
         ready = [next_batch() for _ in range(cfg.train.grad_accum)]
         trainer.batches.next_batch = ready.pop
         ready.reverse()
@@ -231,7 +209,7 @@ def _timed_steps(trainer: Trainer, cfg: RunConfig, iterations: range, before=lam
     trainer.batches.next_batch = next_batch
     trainer.batches.close()
     trainer.sinks.close()
-    return statistics.median(times)
+    return {**held, "peak": peak, "step_s": statistics.median(times), "a2a_bytes": exchanged, "calls": dict(calls)}
 
 if __name__ == "__main__":
     main()
