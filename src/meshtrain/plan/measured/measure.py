@@ -2,9 +2,9 @@
 exactly as `train` does (the Trainer, in a scratch directory), steps it, and records per rank:
 
     params, grads, optimizer   bytes held after a step (parallel.data_parallel.bytes_held)
-    peak                       the most bytes of tensors alive at once during the measured step: CUDA's
-                               max_memory_allocated on a GPU; on a CPU, the storages every op made, counted from
-                               the process's start until each dies (TensorBytes)
+    peak                       the most bytes of tensors alive at once during a measured step (the least of
+                               PEAK_STEPS steps'): CUDA's max_memory_allocated on a GPU; on a CPU, the storages
+                               every op made, counted from the process's start until each dies (TensorBytes)
     step_s                     the median wall time of a step, timed without the counting, from its batches in
                                hand (data loading is not part of what the planner predicts)
     a2a_bytes                  what expert parallelism's dispatch and combine passed to all_to_all in the measured
@@ -167,26 +167,41 @@ def run_config(model: str, overrides: list[str], scratch: str) -> RunConfig:
     return config_mod.load_config([*overrides, f"train.out_dir={scratch}", *STEPS_ONLY], registry.get(model).name)
 
 
+# A step's peak is the least of this many steps' (each counted from its own start). gloo frees a collective's input
+# in its own thread once the collective completes, which under load (ranks sharing cores, a slow peer) can come after
+# this thread has gone on to allocate more: a late free raises a step's peak, never lowers it. It happened in CI:
+# one rank of the ViT's fsdp × tp 2 held its 128 KiB field a moment too long, 5.9% over its usual peak.
+PEAK_STEPS = 2
+
+
 def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
-    """Build the run as `train` would, step it `warmup` times, then measure one step's peak and `steps` steps' time."""
+    """Build the run as `train` would, step it `warmup` times, then measure the peak of the next PEAK_STEPS steps
+    (the least of theirs; the first's collective calls) and `steps` steps' time."""
     device = info.torch_device
     tracker = TensorBytes() if device.type == "cpu" else None
+    peaks = []
     with tracker or contextlib.nullcontext():
         trainer = Trainer(cfg, info)
         for it in range(warmup):
             trainer.step(it)
-        if tracker:
-            tracker.mark()
-        else:
-            torch.cuda.reset_peak_memory_stats(device)
         sent_bytes(trainer.model, reset=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
-            trainer.step(warmup)
+        for it in range(warmup, warmup + PEAK_STEPS):
+            if tracker:
+                tracker.mark()
+            else:
+                torch.cuda.reset_peak_memory_stats(device)
+            if it > warmup:
+                trainer.step(it)
+            else:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+                    trainer.step(it)
+                exchanged = sent_bytes(trainer.model, reset=True)
+            synchronize(device)
+            peaks.append(tracker.peak() if tracker else torch.cuda.max_memory_allocated(device))
     # the raw events: the profiler's own events() builds a FunctionEvent tree of every op of the step first
     calls = Counter(name.split(":", 1)[1] for event in profiled.profiler.kineto_results.events()
                     if (name := event.name()).startswith(("gloo:", "nccl:")))
-    peak = tracker.peak() if tracker else torch.cuda.max_memory_allocated(device)
-    exchanged = sent_bytes(trainer.model, reset=True)
+    peak = min(peaks)
     held = {}
     zero_grad = trainer.optimizer.zero_grad
 
@@ -194,9 +209,9 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
         held.update(bytes_held(trainer.model, trainer.optimizer))
         zero_grad(*args, **kwargs)
 
-    times, next_batch = [], trainer.batches.next_batch
-    for it in range(warmup + 1, warmup + 1 + steps):
-        trainer.optimizer.zero_grad = count_then_zero if it == warmup + steps else zero_grad
+    times, next_batch, first = [], trainer.batches.next_batch, warmup + PEAK_STEPS
+    for it in range(first, first + steps):
+        trainer.optimizer.zero_grad = count_then_zero if it == first + steps - 1 else zero_grad
         # the step from batches in hand: the planner does not model data loading (a loader's workers overlap it)
         ready = [next_batch() for _ in range(cfg.train.grad_accum)]
         trainer.batches.next_batch = ready.pop
