@@ -34,7 +34,7 @@ from meshtrain.errors import MeshtrainError
 
 if TYPE_CHECKING:  # for annotations only
     from meshtrain.config import RunConfig
-    from meshtrain.nn.transformer import AutocastActivations
+    from meshtrain.nn.activation_counts import AutocastActivations
 
 ENTRY_POINTS = "meshtrain.models"
 BUILT_IN = {"gpt": "meshtrain.models.gpt:SPEC", "vit": "meshtrain.models.vit:SPEC", "llama": "meshtrain.models.llama:SPEC",

@@ -17,7 +17,6 @@ from tests.conftest import (
     RESUMABLE_GPT,
     assert_follows_the_uninterrupted_run,
     lines_until_iteration,
-    prepare_data,
 )
 from tests.netns import Cluster
 from tests.slurm import CRED_EXPIRE_S, Slurm, why_not
@@ -38,39 +37,25 @@ def salloc(slurm: Slurm, cwd, *argv: str, options: tuple[str, ...] = ()):
                                slurm.env(MESHTRAIN_TIMEOUT="60"), cwd)
 
 
-def test_a_job_written_by_submit_runs_under_sbatch_on_the_nodes_slurm_gives_it(slurm, tmp_path):
+def test_a_job_written_by_submit_runs_under_sbatch_and_requeues_itself_when_preempted(slurm, uninterrupted_gpt,
+                                                                                        tmp_path):
     """`meshtrain submit --scheduler slurm --nodes 2 --ranks-per-node 2` from node 0, as from a login node: it checks
-    the train command, writes the script and queues it with the real sbatch, printing the job id and its log. In the
-    job, `meshtrain launch` writes srun's command from SLURM's variables, and the 4 ranks train a short GPT on both
-    nodes: the world, the hosts and the job id the ranks find are those SLURM reports for the job."""
-    data_root = prepare_data(tmp_path / "data")
+    the train command (RESUMABLE_GPT), writes the script and queues it with the real sbatch, printing the job id and
+    its log. In the job, `meshtrain launch` writes srun's command from SLURM's variables, and the 4 ranks train on
+    both nodes: the world, the hosts and the job id the ranks find are those SLURM reports for the job.
+
+    At iteration 12, two past its first checkpoint, the job gets SLURM's warning signal: `scancel --signal=USR1
+    JOBID` sends it as `#SBATCH --signal=USR1@120` does, to the job's steps (srun's ranks), not to the batch shell.
+    The ranks stop after the same iteration with a checkpoint and exit 75, srun and launch pass that on, and the
+    script runs `scontrol requeue`. SLURM puts the job back in the queue with a begin time (cred_expire + 1 s:
+    Reason=BeginTime; tests/slurm.py's CRED_EXPIRE_S), then runs the script again under the same job id, its log
+    opened again in append mode. The requeued run resumes at its checkpoint and ends as the uninterrupted run did,
+    each iteration logged once. (One job for both: a second 4-rank job that only trained cost the suite 38 s.)"""
+    data_root, uninterrupted = uninterrupted_gpt
     job_id, log, script = submitted(slurm, tmp_path, "python", "-m", "meshtrain", *RESUMABLE_GPT,
-                                    f"data.root={data_root}", f"train.out_dir={tmp_path}", "train.max_iters=10")
+                                    f"data.root={data_root}", f"train.out_dir={tmp_path}")
     assert log == tmp_path / f"meshtrain-gpt-{job_id}.out"
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in script.read_text()
-    state = wait_for_job(slurm, job_id, tmp_path, timeout=400)
-    text = ANSI.sub("", log.read_text()) if log.exists() else "(no log)"
-    assert state["JobState"] == "COMPLETED", f"{state}\n{text[-4000:]}{slurm.logs()}"
-    assert (state["NumNodes"], state["NumTasks"], state["NodeList"]) == ("2", "4", "node[0-1]"), state
-    assert re.search(r"^srun --nodes=2 --ntasks=4 --ntasks-per-node=2 ", text, re.MULTILINE), text[:2000]
-    for key, value in (("world_size", "4"), ("num_nodes", "2"), ("hosts", "node0, node1"), ("job_id", job_id),
-                       ("scheduler", "slurm"), ("launcher", "srun")):
-        assert re.search(rf"│ {key}\s+│ {re.escape(value)}\s+│", text), (key, text[:3000])
-    assert re.search(r"\] step=10 ", text) and "done: 10 iterations" in text, text[-3000:]
-
-
-def test_a_submitted_job_preempted_by_slurm_requeues_itself_and_resumes_where_it_stopped(slurm, uninterrupted_gpt,
-                                                                                         tmp_path):
-    """The job of `meshtrain submit` (2 nodes × 2 ranks, RESUMABLE_GPT) gets SLURM's warning signal at iteration 12,
-    two past its first checkpoint: `scancel --signal=USR1 JOBID` sends it as `#SBATCH --signal=USR1@120` does, to
-    the job's steps (srun's ranks), not to the batch shell. The ranks stop after the same iteration with a
-    checkpoint and exit 75, srun and launch pass that on, and the script runs `scontrol requeue`. SLURM puts the job
-    back in the queue with a begin time (cred_expire + 1 s: Reason=BeginTime; tests/slurm.py's CRED_EXPIRE_S), then
-    runs the script again under the same job id, its log opened again in append mode. The requeued run resumes at
-    its checkpoint and ends as the uninterrupted run did, each iteration logged once."""
-    data_root, uninterrupted = uninterrupted_gpt
-    job_id, log, _ = submitted(slurm, tmp_path, "python", "-m", "meshtrain", *RESUMABLE_GPT,
-                               f"data.root={data_root}", f"train.out_dir={tmp_path}")
     wait_for_text(log, "] step=12 ", timeout=300)
     assert command(slurm, tmp_path, "scancel", "--signal=USR1", job_id) == ""
     requeued = wait_for_requeue(slurm, job_id, log, timeout=120)
@@ -81,12 +66,19 @@ def test_a_submitted_job_preempted_by_slurm_requeues_itself_and_resumes_where_it
     text = ANSI.sub("", log.read_text())
     assert (state["JobState"], state["Restarts"], state["ExitCode"]) == ("COMPLETED", "1", "0:0"), \
         f"{state}\n{text[-4000:]}{slurm.logs()}"
+    assert (state["NumNodes"], state["NumTasks"], state["NodeList"]) == ("2", "4", "node[0-1]"), state
+    # each run of the script (the first, the requeued one): srun's command, and the job as the ranks found it
+    assert len(re.findall(r"^srun --nodes=2 --ntasks=4 --ntasks-per-node=2 ", text, re.MULTILINE)) == 2, text[:2000]
+    for key, value in (("world_size", "4"), ("num_nodes", "2"), ("hosts", "node0, node1"), ("job_id", job_id),
+                       ("scheduler", "slurm"), ("launcher", "srun")):
+        assert len(re.findall(rf"│ {key}\s+│ {re.escape(value)}\s+│", text)) == 2, (key, text[:3000])
     stopped = re.search(r"stopped by a signal \(SIGUSR1 on this rank\) after iteration (\d+), with a checkpoint: "
                         r"exiting with 75", text)
     assert stopped and int(stopped[1]) >= 12, text[-6000:]
     assert f"resuming at iteration {stopped[1]}" in text, text[-4000:]
     steps = [int(step) for step in re.findall(r"\] step=(\d+) loss=", text)]
     assert steps == list(range(1, 31)), steps  # one log, appended: each iteration done once
+    assert "done: 30 iterations" in text, text[-3000:]
     assert_follows_the_uninterrupted_run(tmp_path, uninterrupted)
 
 

@@ -66,6 +66,17 @@ def test_the_config_module_and_the_command_line_import_without_torch():
     assert "torch" not in loaded
 
 
+def test_a_train_commands_config_and_its_models_shape_import_without_torch():
+    """Each built-in model's spec, a train command's config and the shape it gives (what launch and submit check
+    before any rank starts) read without torch: launch refuses a bad key in a fraction of a second."""
+    loaded = _modules_after("from meshtrain import config, registry\n"
+                            "for name in ('gpt', 'llama', 'moe', 'vit'):\n"
+                            "    spec = registry.get(name)\n"
+                            "    shape = spec.shape(config.load_config(['parallel.pp=2'], name))\n"
+                            "    assert shape.activations_per_token > 0, name")
+    assert "torch" not in loaded
+
+
 def test_a_model_built_on_meta_imports_no_compiler_and_keeps_its_shapes():
     """on_meta leaves normal_ undone on meta tensors (torch would import torch._dynamo for it, a second of CPU in a
     process that compiles nothing); the same initialiser on a real tensor still draws."""

@@ -1,14 +1,13 @@
 """Pipeline layout arithmetic, no processes: which blocks form each stage, which stages each pp rank
 holds under each of torch's schedules, and whether a schedule can run a layout (torch's own rules,
-stated with our names). parallel/pipeline.py builds and runs the pipeline from these answers.
+stated with our names). parallel/pipeline.py builds and runs the pipeline from these answers. Plain arithmetic: torch is
+imported only to find its schedule classes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
 
 from meshtrain.errors import MeshtrainError
 
@@ -118,6 +117,7 @@ def check_schedule(schedule: str, pp_size: int, virtual_stages: int, microbatche
 def schedule_class(schedule: str) -> type:
     """torch's class for one of our schedule names, or a clear error if this torch lacks it."""
     _check_name(schedule)
+    import torch  # here, not at the top: a model's spec imports this module, and `launch` reads specs without torch
     from torch.distributed.pipelining import schedules
 
     try:

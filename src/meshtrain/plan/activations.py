@@ -6,7 +6,7 @@ the MoE layer's experts itself).
 Under tp, everything a block's plan shards divides by tp; what stays whole on every tp rank is the stream the
 column-parallel linears read: with sequence parallel their two gathered inputs (attention's and the MLP's, 2 × width a
 token), without it the norms' inputs and outputs (4 × width). Under autocast the same by the dtype each is kept in
-(nn.transformer.AutocastActivations): the column-parallel linears' 16-bit inputs whole, the rest of the 16-bit part
+(nn.activation_counts.AutocastActivations): the column-parallel linears' 16-bit inputs whole, the rest of the 16-bit part
 and attention's tensors divided by tp, the fp32 part (norms, statistics) divided only by sequence parallel.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from meshtrain.nn.transformer import AutocastActivations
+from meshtrain.nn.activation_counts import AutocastActivations
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan.machines import Machine

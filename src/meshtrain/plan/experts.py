@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from meshtrain.nn.transformer import AutocastActivations
+from meshtrain.nn.activation_counts import AutocastActivations
 from meshtrain.parallel import backends
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.plan import activations

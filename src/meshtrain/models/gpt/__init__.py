@@ -16,7 +16,7 @@ from meshtrain.config import ConfigError
 from meshtrain.models import model_spec
 from meshtrain.models.gpt.config import GPTRunConfig, validate
 from meshtrain.models.language import resolve_loss_chunks
-from meshtrain.nn.transformer import block_activations, block_autocast_activations
+from meshtrain.nn.activation_counts import block_activations, block_autocast_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
 

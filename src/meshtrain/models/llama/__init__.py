@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from meshtrain.models import model_spec
 from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.models.llama.config import LlamaRunConfig, ffn_hidden, validate
-from meshtrain.nn.transformer import AutocastActivations
+from meshtrain.nn.activation_counts import AutocastActivations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
 
@@ -35,7 +35,7 @@ _KEYS = MappingProxyType({"layers": "model.n_layer", "heads": "model.n_head", "k
 # Elements a block saves for its backward per token (fp32, no dropout), as autograd's saved-tensor hooks count them
 # (tests/unit/test_registry.py): 11 × width for the norms, projections, rotations and attention, 4 × ffn_hidden for
 # the SwiGLU's gate, up, silu and product, a log-sum-exp per head, half a head of rotary table, two rstds.
-# Under autocast (nn.transformer.AutocastActivations): the two RMSNorms keep their input and output in fp32
+# Under autocast (nn.activation_counts.AutocastActivations): the two RMSNorms keep their input and output in fp32
 # (4 × width) with the log-sum-exp and rstds (the rotary table is per position, not per token: left out); the
 # SwiGLU's four hidden tensors are 16-bit, and so are the linears' inputs: six casts (q, k, v, o, gate, up) with
 # fp32 weights, three shared inputs with 16-bit ones; attention keeps q, k, v (k and v repeated to every head) and

@@ -21,7 +21,7 @@ from meshtrain.models.language import resolve_loss_chunks
 from meshtrain.models.llama import SPLIT, block_activations
 from meshtrain.models.llama.config import ffn_hidden
 from meshtrain.models.moe.config import MoERunConfig, expert_hidden, moe_layers, validate
-from meshtrain.nn.transformer import AutocastActivations
+from meshtrain.nn.activation_counts import AutocastActivations
 from meshtrain.registry import ExpertShape, ModelShape
 
 if TYPE_CHECKING:  # for annotations only

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from meshtrain.models import model_spec
 from meshtrain.models.vit.config import ViTRunConfig, validate
-from meshtrain.nn.transformer import block_activations, block_autocast_activations
+from meshtrain.nn.activation_counts import block_activations, block_autocast_activations
 from meshtrain.parallel.pipeline_schedules import StageSplit
 from meshtrain.registry import ModelShape
 
