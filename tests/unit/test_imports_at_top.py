@@ -58,21 +58,16 @@ def _modules_after(code: str) -> set[str]:
     return set(json.loads(out.stdout.splitlines()[-1]))
 
 
-def test_the_config_module_and_the_command_line_import_without_torch():
+def test_the_command_line_and_what_launch_checks_import_without_torch():
     """meshtrain.config, `meshtrain launch` and the CLI's parser import no torch (2 s of CPU here): the runtime
-    package imports none of its modules itself, and the train command joins the process group in its run."""
+    package imports none of its modules itself, and the train command joins the process group in its run. Nor do
+    each built-in model's spec, a train command's config and the shape it gives (what launch and submit check before
+    any rank starts): launch refuses a bad key in a fraction of a second."""
     loaded = _modules_after("import meshtrain.config, meshtrain.commands.launch\n"
-                            "from meshtrain.commands import build_parser; build_parser()")
-    assert "torch" not in loaded
-
-
-def test_a_train_commands_config_and_its_models_shape_import_without_torch():
-    """Each built-in model's spec, a train command's config and the shape it gives (what launch and submit check
-    before any rank starts) read without torch: launch refuses a bad key in a fraction of a second."""
-    loaded = _modules_after("from meshtrain import config, registry\n"
+                            "from meshtrain.commands import build_parser; build_parser()\n"
+                            "from meshtrain import config, registry\n"
                             "for name in ('gpt', 'llama', 'moe', 'vit'):\n"
-                            "    spec = registry.get(name)\n"
-                            "    shape = spec.shape(config.load_config(['parallel.pp=2'], name))\n"
+                            "    shape = registry.get(name).shape(config.load_config(['parallel.pp=2'], name))\n"
                             "    assert shape.activations_per_token > 0, name")
     assert "torch" not in loaded
 

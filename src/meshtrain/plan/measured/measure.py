@@ -179,25 +179,15 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
     (the least of theirs; the first's collective calls) and `steps` steps' time."""
     device = info.torch_device
     tracker = TensorBytes() if device.type == "cpu" else None
-    peaks = []
     with tracker or contextlib.nullcontext():
         trainer = Trainer(cfg, info)
         for it in range(warmup):
             trainer.step(it)
         sent_bytes(trainer.model, reset=True)
-        for it in range(warmup, warmup + PEAK_STEPS):
-            if tracker:
-                tracker.mark()
-            else:
-                torch.cuda.reset_peak_memory_stats(device)
-            if it > warmup:
-                trainer.step(it)
-            else:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
-                    trainer.step(it)
-                exchanged = sent_bytes(trainer.model, reset=True)
-            synchronize(device)
-            peaks.append(tracker.peak() if tracker else torch.cuda.max_memory_allocated(device))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+            peaks = [_step_peak(trainer, warmup, tracker)]
+        exchanged = sent_bytes(trainer.model, reset=True)
+        peaks += [_step_peak(trainer, it, tracker) for it in range(warmup + 1, warmup + PEAK_STEPS)]
     # the raw events: the profiler's own events() builds a FunctionEvent tree of every op of the step first
     calls = Counter(name.split(":", 1)[1] for event in profiled.profiler.kineto_results.events()
                     if (name := event.name()).startswith(("gloo:", "nccl:")))
@@ -225,6 +215,17 @@ def measure(cfg: RunConfig, info, warmup: int, steps: int) -> dict:
     trainer.batches.close()
     trainer.sinks.close()
     return {**held, "peak": peak, "step_s": statistics.median(times), "a2a_bytes": exchanged, "calls": dict(calls)}
+
+
+def _step_peak(trainer: Trainer, it: int, tracker: TensorBytes | None) -> int:
+    """The most bytes alive during step `it`, counted from its start: the tracker's on a CPU, CUDA's on a GPU."""
+    if tracker:
+        tracker.mark()
+    else:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+    trainer.step(it)
+    return tracker.peak() if tracker else torch.cuda.max_memory_allocated(trainer.device)
+
 
 if __name__ == "__main__":
     main()
