@@ -43,7 +43,8 @@ def cpu_seconds(folder: Path) -> float:
 
 
 def pytest_configure(config):
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    # xdist's own word for a worker (a pytest started by a test inherits PYTEST_XDIST_WORKER, but is none)
+    worker = config.workerinput["workerid"] if hasattr(config, "workerinput") else "main"
     if worker == "main" and config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
         return  # the controller runs no test: its workers count
     folder = cgroup_for(f"meshtrain-tests-{worker}")  # the next run's worker of that name reuses it
