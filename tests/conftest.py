@@ -170,14 +170,26 @@ def run_driver(script: str | Path, ranks: int, *args: str, timeout: float = 180)
     __tracebackhide__ = True
     job = forked_job(script, ranks, *args, timeout=timeout)
     if job.returncode is None:
-        pytest.fail(f"{Path(script).name} {' '.join(args)} ran past {timeout} s:\n{job.output[-4000:]}")
+        pytest.fail(f"{Path(script).name} {' '.join(args)} ran past {timeout} s:\n{job_end(job.output)}")
     if job.returncode != 0:
         unequal = [f"  {case} on rank {rank}: worst={fields.get('worst')}"
                    for rank, cases in sorted(job.results.items()) for case, fields in cases.items()
                    if fields.get("equal") is False]
         pytest.fail(f"{Path(script).name} {' '.join(args)} exited {job.returncode}\n"
-                    + "".join(f"{line}\n" for line in ["not equal:", *unequal] if unequal) + job.output[-4000:])
+                    + "".join(f"{line}\n" for line in ["not equal:", *unequal] if unequal) + job_end(job.output))
     return job.results
+
+
+CRASH = re.compile(r"^.*(Fatal Python error|terminate called|double free|corrupted|free\(\)|malloc\(\)).*$", re.M)
+
+
+def job_end(text: str, tail: int = 4000) -> str:
+    """The end of a job's output, after the first crash's own report where there was one: a rank killed by a signal
+    prints what killed it and its innermost frames first, and the launcher's words after them fill the end."""
+    crash = CRASH.search(text)
+    if crash is None or crash.start() >= len(text) - tail:
+        return text[-tail:]
+    return f"{text[crash.start():crash.start() + 3000]}\n[...]\n{text[-tail:]}"
 
 
 def forked_job(script: str | Path, ranks: int, *args: str, timeout: float) -> Job:

@@ -41,3 +41,17 @@ def test_a_tests_row_holds_the_cpu_of_the_processes_it_starts(tmp_path):
     rows = {nodeid: cpu for nodeid, cpu, _ in json.loads((tmp_path / "outputs/suite-cpu/main.json").read_text())}
     assert rows["test_burning.py::test_a_child_burns"] >= 0.5, rows  # the child's half second, and its start-up
     assert rows["test_burning.py::test_idle"] < 0.1, rows
+
+
+def test_a_crash_report_early_in_a_jobs_output_is_kept_beside_its_end():
+    """A rank killed by a signal reports the fault and its innermost frames first; the launcher's words after them
+    fill the last 4,000 characters, which alone named no cause (a SIGABRT in test_layouts' 4-rank launch)."""
+    from tests.conftest import job_end
+
+    crash = 'Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):\n  File "step.py", line 5 in inner\n'
+    noise = "torch.multiprocessing.spawn.ProcessExitedException: SIGABRT\n" * 100
+    text = "rank 1 starting\n" + crash + noise
+    end = job_end(text)
+    assert end.startswith(crash) and end.endswith(text[-4000:])
+    assert job_end(noise) == noise[-4000:]  # no crash report in it: the end alone
+    assert job_end(text[:3000]) == text[:3000]  # a short output whole, its crash report once
