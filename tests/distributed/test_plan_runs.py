@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
-from tests.conftest import fork_ranks, forked_job, output, prepare_data
+from tests.conftest import fork_ranks, forked_job, job_end, output, prepare_data
 
 from meshtrain import config as config_mod
 from meshtrain.parallel.mesh import ParallelDims
@@ -84,7 +84,7 @@ def checks(data_root, era5_root) -> dict[tuple[str, str], validate.Check]:
         job = forked_job(measure.__file__, ranks, "gpt", "--cases", json.dumps(
             {case: {"model": model, "overrides": overrides} for case, (model, overrides) in mine.items()}),
             "--steps", "1", timeout=300)
-        assert job.returncode == 0, job.output[-3000:]
+        assert job.returncode == 0, job_end(job.output)
         for case, (model, overrides) in mine.items():
             cfg = config_mod.load_config(overrides, model)
             dims = ParallelDims.from_config(cfg, ranks, ranks)
@@ -195,7 +195,7 @@ def test_a_chunked_loss_holds_one_chunk_of_the_logits_as_predicted(tmp_path):
     # one warm-up step: the head's matmuls over 50,304 words are most of this test's time (bf16 on an AVX2 CPU)
     job = forked_job(measure.__file__, 2, "gpt", *base, "--cases", json.dumps(cases), "--steps", "1", "--warmup", "1",
                      timeout=300)
-    assert job.returncode == 0, job.output[-3000:]
+    assert job.returncode == 0, job_end(job.output)
     machine = replace(machines.from_system(systems.get("polaris")), cpu=True)  # the ranks: CPUs
     peaks = {}
     for case, overrides in cases.items():
@@ -227,7 +227,7 @@ def test_a_mixture_of_experts_holds_and_sends_what_the_planner_counts(data_root)
              "fsdp cp2": ["train.backend=fsdp", "parallel.cp=2"]}
     job = forked_job(measure.__file__, 2, "moe", *base, "--cases", json.dumps(cases), "--steps", "1", "--warmup", "1",
                      timeout=300)
-    assert job.returncode == 0, job.output[-3000:]
+    assert job.returncode == 0, job_end(job.output)
     machine = replace(machines.from_system(systems.get("polaris")), cpu=True)  # the ranks: CPUs
     for case, overrides in cases.items():
         cfg = config_mod.load_config([*base, *overrides], "moe")

@@ -1,5 +1,5 @@
 """tests/suite_cpu.py: the table of the files and tests that cost the most CPU, and the plugin counting, in a test's
-row, the CPU of a process the test starts."""
+row, the CPU of a process the test starts; and what a failed job's message shows of its output (conftest.job_end)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.conftest import REPO, clean_env
+from tests.conftest import REPO, clean_env, job_end
 from tests.suite_cpu import cgroup_for, summary
 
 # One test whose child process spins for half a CPU second, one that does nothing.
@@ -46,8 +46,6 @@ def test_a_tests_row_holds_the_cpu_of_the_processes_it_starts(tmp_path):
 def test_a_crash_report_early_in_a_jobs_output_is_kept_beside_its_end():
     """A rank killed by a signal reports the fault and its innermost frames first; the launcher's words after them
     fill the last 4,000 characters, which alone named no cause (a SIGABRT in test_layouts' 4-rank launch)."""
-    from tests.conftest import job_end
-
     crash = 'Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):\n  File "step.py", line 5 in inner\n'
     noise = "torch.multiprocessing.spawn.ProcessExitedException: SIGABRT\n" * 100
     text = "rank 1 starting\n" + crash + noise
