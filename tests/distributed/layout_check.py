@@ -9,11 +9,11 @@ torchao's float8 linears in the layout's blocks and in the reference's, computed
 `fsdp:tp=2`, `ddp:pp=2,pp_schedule=gpipe`, `fsdp:tp=2,pp=2,ac=full`. Each case goes through what the loop uses —
 build_gpt_layout, build_optimizer (of SGD on local shards: ShardwiseSGD) and the layout's micro-step, tied-embedding,
 clipping and eval methods — for STEPS steps of ACCUM micro-steps on the same global batches as a single-process
-reference (torch.optim.SGD), and compares loss, every gradient (gathered) and every parameter after each step (within TOL; a compiled case within COMPILED_TOL: inductor's
-kernels sum in another order), then the eval loss (the MoE: also its routers' biases after each step's bias update,
-made as its workload makes it, and the evaluation's routing figures, balance loss and expert shares, as its workload
-reports them); each rank records per case its verdict, the worst differences and the seconds the case took
-(meshtrain.runtime.results.record).
+reference (torch.optim.SGD), and compares loss, every gradient (gathered) and every parameter after each step
+(within TOL; a compiled case within COMPILED_TOL: inductor's kernels sum in another order), then the eval loss (the
+MoE: also its routers' biases after each step's bias update, made as its workload makes it, and the evaluation's
+routing figures, balance loss and expert shares, as its workload reports them); each rank records per case its
+verdict, the worst differences and the seconds the case took (meshtrain.runtime.results.record).
 
 --save DIR: after the last case, write a distributed checkpoint of it to DIR (parallel.state_dict +
 train.checkpoint.Checkpointer). --load DIR: for each case, load DIR into the fresh layout and write the
